@@ -1,0 +1,621 @@
+"""What a checkpoint costs the training: GoCkpt against Lightning, PyTorch DCP and Accelerate.
+
+One command (``python examples/benchmark.py``, under 10 minutes on 2 cores) trains the example
+Llama on the ``pydoc_data`` text with ``torch.set_num_threads(1)``, so that the second core plays
+the part of a GPU's copy engine and host CPU, and checkpoints every ``--interval`` steps with each
+scheme in turn, each scheme in a fresh process (this file run with ``--child``). The schemes are
+driven from the same plain PyTorch loop: a save is requested right after ``optimizer.step()``.
+
+Measured per scheme (definitions are also printed and written next to the table):
+
+- stall per checkpoint: ``(sum of measured step times - N * median step time) / checkpoints``,
+  the wall time the run spent beyond its own median step, spread over its checkpoints. It holds
+  the save call and any slowdown of the following steps (a writer thread holding the GIL or
+  memory bandwidth). The same number for ``none`` is the noise floor.
+- throughput: measured steps per second relative to ``none``.
+- time to durable: from the save request until the scheme reports the checkpoint complete
+  (after fsync where the scheme fsyncs; otherwise when its writes returned: marked ``no``).
+- persist bandwidth relative to this machine's raw write+fsync bandwidth of the same number of
+  bytes, measured in the same run. GoCkpt reports its persist phase; for the others the save
+  call (or its future) is the only observable, so serialization counts as persist time.
+- restore time relative to reading the same files raw, both from a cold page cache: every file is
+  fsynced and dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` before each timing.
+- peak host memory: ``ru_maxrss`` of the scheme process after training, before the restore.
+
+``--host-link-gbps`` throttles GoCkpt's copy worker by sleeping (``host_link_bytes_per_s``), so a
+full snapshot spans several steps as on a real device-to-host link; by default the rate is chosen
+so that a full copy takes 4 measured steps. Those rows are labelled "emulated" everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STALL_DEFINITION = (
+    "stall/ckpt = (sum of measured step times - N x median step time) / number of checkpoints: "
+    "the run's wall time beyond its own median step, including slowdown of the steps after each "
+    "save; the 'none' row is the noise floor"
+)
+SCHEMES = (
+    "none", "lightning-torch", "lightning-async", "dcp-async", "accelerate",
+    "gockpt-sync", "gockpt-async", "gockpt-lazy", "gockpt-gockpt", "gockpt-gockpt_o", "gockpt-auto",
+)
+EMULATED_SCHEMES = ("gockpt-async", "gockpt-lazy", "gockpt-gockpt", "gockpt-gockpt_o", "gockpt-auto")
+LABELS = {
+    "none": "no checkpoint",
+    "lightning-torch": "Lightning TorchCheckpointIO",
+    "lightning-async": "Lightning AsyncCheckpointIO",
+    "dcp-async": "DCP async_save",
+    "accelerate": "Accelerate save_state",
+}
+FSYNCS = {"lightning-torch": False, "lightning-async": False, "dcp-async": True, "accelerate": False}
+CHUNK_BYTES = 64 << 20
+
+
+# ---------------------------------------------------------------- raw I/O of this machine
+def _files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
+
+
+def drop_page_cache(files: list[str]) -> None:
+    """Makes the next read of ``files`` cold: fsync (dirty pages cannot be dropped), then
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file."""
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_raw(files: list[str]) -> tuple[int, float]:
+    """Reads every file once into one reused buffer; returns (bytes, seconds)."""
+    view, total = memoryview(bytearray(CHUNK_BYTES)), 0
+    start = time.perf_counter()
+    for name in files:
+        with open(name, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total, time.perf_counter() - start
+
+
+def measure_raw(directory: str, num_bytes: int, repeats: int = 3) -> dict[str, float]:
+    """Median memcpy, write+fsync and cold-read bandwidths (GB/s) of ``num_bytes`` bytes."""
+    src = bytearray(os.urandom(1 << 20)) * max(1, num_bytes >> 20)
+    dst = bytearray(len(src))
+    path = os.path.join(directory, "raw.bin")
+    memcpy, write, read = [], [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        memoryview(dst)[:] = src
+        memcpy.append(len(src) / (time.perf_counter() - start))
+        start = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for i in range(0, len(src), CHUNK_BYTES):
+                f.write(memoryview(src)[i : i + CHUNK_BYTES])
+            os.fsync(f.fileno())
+        write.append(len(src) / (time.perf_counter() - start))
+        drop_page_cache([path])
+        n, seconds = read_raw([path])
+        read.append(n / seconds)
+        os.remove(path)
+    return {
+        "bytes": len(src),
+        "memcpy_gbps": statistics.median(memcpy) / 1e9,
+        "write_fsync_gbps": statistics.median(write) / 1e9,
+        "cold_read_gbps": statistics.median(read) / 1e9,
+    }
+
+
+# ---------------------------------------------------------------- schemes (child process)
+class Scheme:
+    """One way to checkpoint, driven from the training loop.
+
+    Call sequence (training thread): ``save(path, step)`` right after ``optimizer.step()``;
+    ``finish()`` once after the loop; then ``restore(path)``. ``durable_s`` holds, per save,
+    the seconds from the request until the checkpoint was complete.
+    """
+
+    fsync: bool | None = None
+
+    def __init__(self, model, optimizer, args) -> None:
+        self.model, self.optimizer, self.args = model, optimizer, args
+        self.durable_s: list[float] = []
+        self.persist_gbps: list[float] = []
+        self.engine_metrics: list[dict] = []
+
+    def save(self, path: str, step: int) -> None:
+        start = time.perf_counter()
+        self._save(path, step)
+        self.durable_s.append(time.perf_counter() - start)
+
+    def _save(self, path: str, step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+    def restore(self, path: str) -> None:
+        raise NotImplementedError
+
+
+class LightningTorch(Scheme):
+    """Lightning's default ``TorchCheckpointIO`` given the dict a Trainer would build."""
+
+    def __init__(self, model, optimizer, args) -> None:
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        super().__init__(model, optimizer, args)
+        self.io = TorchCheckpointIO()
+
+    def _checkpoint(self, step: int) -> dict:
+        import lightning
+
+        return {
+            "epoch": 0, "global_step": step, "pytorch-lightning_version": lightning.__version__,
+            "state_dict": self.model.state_dict(), "loops": {}, "callbacks": {},
+            "optimizer_states": [self.optimizer.state_dict()], "lr_schedulers": [],
+        }
+
+    def _save(self, path: str, step: int) -> None:
+        self.io.save_checkpoint(self._checkpoint(step), path)
+
+    def restore(self, path: str) -> None:
+        checkpoint = self.io.load_checkpoint(path)
+        self.model.load_state_dict(checkpoint["state_dict"])
+        self.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+
+
+class LightningAsync(LightningTorch):
+    """Lightning's ``AsyncCheckpointIO`` (clones on the training thread, saves in a thread)."""
+
+    def __init__(self, model, optimizer, args) -> None:
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        super().__init__(model, optimizer, args)
+        durable_s, requested = self.durable_s, {}
+        self.requested = requested
+
+        class _Timed(TorchCheckpointIO):
+            def save_checkpoint(self, checkpoint, path, storage_options=None):
+                super().save_checkpoint(checkpoint, path, storage_options)
+                durable_s.append(time.perf_counter() - requested[str(path)])
+
+        self.io = AsyncCheckpointIO(_Timed())
+
+    def save(self, path: str, step: int) -> None:
+        self.requested[path] = time.perf_counter()
+        self.io.save_checkpoint(self._checkpoint(step), path)
+
+    def finish(self) -> None:
+        self.io.teardown()
+
+
+class DcpAsync(Scheme):
+    """``torch.distributed.checkpoint.async_save`` in one process (``no_dist=True``); a new save
+    first waits for the previous one, as training loops using it do."""
+
+    def __init__(self, model, optimizer, args) -> None:
+        super().__init__(model, optimizer, args)
+        self.future = None
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, path: str, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.finish()
+        start = time.perf_counter()
+        self.future = dcp.async_save(self._state(), checkpoint_id=path, no_dist=True)
+        self.future.add_done_callback(lambda _: self.durable_s.append(time.perf_counter() - start))
+
+    def finish(self) -> None:
+        if self.future is not None:
+            self.future.result()
+
+    def restore(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        set_state_dict(
+            self.model, self.optimizer,
+            model_state_dict=state["model"], optim_state_dict=state["optim"],
+        )
+
+
+class AccelerateSaveState(Scheme):
+    """Accelerate's ``save_state`` / ``load_state`` (model in safetensors, optimizer pickled)."""
+
+    def __init__(self, model, optimizer, args) -> None:
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=True)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        super().__init__(model, optimizer, args)
+
+    def _save(self, path: str, step: int) -> None:
+        self.accelerator.save_state(path)
+
+    def restore(self, path: str) -> None:
+        self.accelerator.load_state(path)
+
+
+class GoCkptScheme(Scheme):
+    """The GoCkpt engine driven directly: ``engine.save(path)`` right after ``optimizer.step()``."""
+
+    fsync = True
+
+    def __init__(self, model, optimizer, args) -> None:
+        from gockpt import Engine, GoCkptConfig
+
+        super().__init__(model, optimizer, args)
+        mode = args.scheme.removeprefix("gockpt-")
+        config = GoCkptConfig(mode=mode, host_link_bytes_per_s=args.host_link_bytes_per_s)
+        self.engine = Engine(model, optimizer, config)
+        self.handles: list = []
+
+    def save(self, path: str, step: int) -> None:
+        self.handles.append(self.engine.save(path, state_fn=lambda: {"step": step}))
+
+    def finish(self) -> None:
+        self.engine.wait()
+        for handle in self.handles:
+            metrics = handle.result()
+            self.durable_s.append(metrics.time_to_durable_s)
+            self.persist_gbps.append(metrics.persist_gbps)
+            self.engine_metrics.append(metrics.as_dict())
+        self.handles.clear()
+
+    def restore(self, path: str) -> None:
+        self.engine.restore(path)
+
+
+def _scheme_class(name: str) -> type[Scheme]:
+    if name.startswith("gockpt-"):
+        return GoCkptScheme
+    return {
+        "lightning-torch": LightningTorch, "lightning-async": LightningAsync,
+        "dcp-async": DcpAsync, "accelerate": AccelerateSaveState,
+    }[name]
+
+
+def run_child(args: argparse.Namespace) -> dict:
+    """Trains with one scheme (this process only) and returns its measurements."""
+    import resource
+
+    import torch
+    from common import PRESETS, build_model, make_dataloader, make_optimizer, text_datasets
+
+    torch.set_num_threads(1)
+    preset = PRESETS[args.preset]
+    model, loss_fn = build_model(args.preset, seed=0)
+    optimizer = make_optimizer(model)
+    train, _ = text_datasets(args.data, seq_len=preset.seq_len)
+    scheme = _scheme_class(args.scheme)(model, optimizer, args) if args.scheme != "none" else None
+    if scheme is not None:
+        model, optimizer = scheme.model, scheme.optimizer
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    loader = make_dataloader(train, args.batch_size or preset.batch_size, seed=0)
+
+    def batches():
+        while True:
+            yield from loader
+
+    data = batches()
+
+    def step(save_path: str | None, index: int) -> float:
+        start = time.perf_counter()
+        loss_fn(model, next(data)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if save_path is not None and scheme is not None:
+            scheme.save(save_path, index)
+        return time.perf_counter() - start
+
+    ckpt_root = os.path.join(args.ckpt_dir, args.scheme)
+    first_save_at = args.warmup // 2
+    warmup_times = [
+        step(os.path.join(ckpt_root, "warmup") if i == first_save_at else None, i)
+        for i in range(args.warmup)
+    ]
+    if scheme is not None:
+        scheme.finish()
+        scheme.durable_s.clear(), scheme.persist_gbps.clear(), scheme.engine_metrics.clear()
+    times, ckpt_steps, last_path = [], [], None
+    run_start = time.perf_counter()
+    for i in range(args.steps):
+        path = None
+        if i % args.interval == 0:
+            path = last_path = os.path.join(ckpt_root, f"step-{i:05d}")
+            ckpt_steps.append(i)
+        times.append(step(path, args.warmup + i))
+    loop_s = time.perf_counter() - run_start
+    finish_start = time.perf_counter()
+    if scheme is not None:
+        scheme.finish()
+    finish_s = time.perf_counter() - finish_start
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    state_bytes += sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state_dict()["state"].values() for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+    median = statistics.median(times)
+    windows = [sum(t - median for t in times[c : c + args.interval]) for c in ckpt_steps]
+    result = {
+        "scheme": args.scheme,
+        "emulated": args.host_link_bytes_per_s is not None,
+        "host_link_bytes_per_s": args.host_link_bytes_per_s,
+        "state_bytes": state_bytes,
+        "step_times_s": times,
+        "ckpt_steps": ckpt_steps,
+        "median_step_s": median,
+        "mean_step_s": loop_s / len(times),
+        "stall_per_ckpt_s": (sum(times) - len(times) * median) / len(ckpt_steps),
+        "stall_windows_s": windows,
+        "first_save_extra_s": warmup_times[first_save_at] - median if scheme else 0.0,
+        "finish_s": finish_s,
+        "peak_rss_mb": peak_rss_mb,
+        "loadavg": os.getloadavg(),
+    }
+    if scheme is not None:
+        files = _files_under(last_path)
+        bytes_on_disk = sum(os.path.getsize(f) for f in files)
+        drop_page_cache(files)
+        _, raw_read_s = read_raw(files)
+        drop_page_cache(files)
+        start = time.perf_counter()
+        scheme.restore(last_path)
+        restore_s = time.perf_counter() - start
+        persist = scheme.persist_gbps or [bytes_on_disk / s / 1e9 for s in scheme.durable_s]
+        result.update(
+            fsync=scheme.fsync if scheme.fsync is not None else FSYNCS[args.scheme],
+            durable_s=scheme.durable_s,
+            persist_gbps=persist,
+            bytes_on_disk=bytes_on_disk,
+            raw_read_s=raw_read_s,
+            restore_s=restore_s,
+            engine_metrics=scheme.engine_metrics,
+        )
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    return result
+
+
+# ---------------------------------------------------------------- report (parent process)
+def label(r: dict) -> str:
+    name = r["scheme"]
+    text = LABELS.get(name) or f"GoCkpt {name.removeprefix('gockpt-')}"
+    if r["emulated"]:
+        text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2f} GB/s]"
+    return text
+
+
+def summarize(results: list[dict], raw: dict) -> list[dict]:
+    """Adds the ratios against ``none`` and against the raw bandwidths to every row."""
+    none = next(r for r in results if r["scheme"] == "none")
+    for r in results:
+        r["label"] = label(r)
+        r["throughput_vs_none"] = none["mean_step_s"] / r["mean_step_s"]
+        if "durable_s" in r:
+            r["durable_median_s"] = statistics.median(r["durable_s"])
+            r["persist_vs_raw"] = statistics.median(r["persist_gbps"]) / raw["write_fsync_gbps"]
+            r["restore_vs_raw"] = r["restore_s"] / r["raw_read_s"]
+    return results
+
+
+def targets(results: list[dict]) -> list[str]:
+    """The issue's targets next to the measured ratios (reported, not asserted)."""
+    by = {(r["scheme"], r["emulated"]): r for r in results}
+    lines = []
+    reference = by.get(("lightning-async", False))
+    for name in ("gockpt-gockpt", "gockpt-gockpt_o", "gockpt-auto"):
+        r = by.get((name, False))
+        if r is None:
+            continue
+        if reference:
+            ratio = r["stall_per_ckpt_s"] / reference["stall_per_ckpt_s"]
+            lines.append(f"{r['label']}: stall {ratio:.3f} x AsyncCheckpointIO's (target <= 0.05)")
+        lines.append(f"{r['label']}: throughput {r['throughput_vs_none']:.3f} x none (target >= 0.99)")
+        lines.append(f"{r['label']}: persist {r['persist_vs_raw']:.2f} x raw write+fsync (target >= 0.8)")
+        lines.append(f"{r['label']}: restore {r['restore_vs_raw']:.2f} x raw read (target <= 1.5)")
+    lazy, overlap = by.get(("gockpt-lazy", True)), by.get(("gockpt-gockpt_o", True))
+    if lazy and overlap:
+        ratio = overlap["stall_per_ckpt_s"] / lazy["stall_per_ckpt_s"]
+        lines.append(f"emulated link: gockpt_o stall {ratio:.3f} x lazy's (target <= 0.5)")
+    return lines
+
+
+def markdown(results: list[dict], raw: dict, meta: dict) -> str:
+    def cell(r: dict, key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "-"
+
+    lines = [
+        "| scheme | median step (s) | stall / ckpt (s) | throughput vs none | time to durable (s) "
+        "| fsync | persist vs raw write+fsync | restore vs raw read | peak RSS (MB) |",
+        "|---|---:|---:|---:|---:|:---:|---:|---:|---:|",
+    ]
+    for r in results:
+        fsync = {True: "yes", False: "no"}.get(r.get("fsync"), "-")
+        lines.append(
+            f"| {r['label']} | {r['median_step_s']:.3f} | {r['stall_per_ckpt_s']:.3f} "
+            f"| {r['throughput_vs_none']:.3f} | {cell(r, 'durable_median_s', '.2f')} | {fsync} "
+            f"| {cell(r, 'persist_vs_raw', '.2f')} | {cell(r, 'restore_vs_raw', '.2f')} "
+            f"| {r['peak_rss_mb']:.0f} |"
+        )
+    return "\n".join([
+        "# Checkpoint cost benchmark",
+        "",
+        f"`python examples/benchmark.py {meta['argv']}` on {meta['machine']}: preset "
+        f"`{meta['preset']}` ({meta['state_bytes'] / 1e6:.0f} MB of state), "
+        f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, a checkpoint every "
+        f"{meta['interval']} steps, one training thread; total {meta['total_s']:.0f} s.",
+        "",
+        *lines,
+        "",
+        f"Raw bandwidth of this machine in the same run ({raw['bytes'] / 1e6:.0f} MB): memcpy "
+        f"{raw['memcpy_gbps']:.2f} GB/s, write+fsync {raw['write_fsync_gbps']:.2f} GB/s, cold read "
+        f"{raw['cold_read_gbps']:.2f} GB/s.",
+        "",
+        f"- {STALL_DEFINITION}.",
+        "- Throughput: measured steps per second relative to `none` (separate processes).",
+        "- Time to durable: median over checkpoints, request to complete; after fsync only where "
+        "fsync is `yes`.",
+        "- Persist: GoCkpt's persist phase; for the others the whole save (serialization included).",
+        "- Restore: load into the live model and optimizer, against a raw read of the same files; "
+        "page cache dropped before both (fsync + `posix_fadvise(DONTNEED)`).",
+        "- Rows marked *emulated link* throttle GoCkpt's copy worker by sleeping, so that a full "
+        "copy spans several steps as over a real device-to-host link; they are not measurements of "
+        "a device.",
+        "",
+        "Targets (reported, not asserted):",
+        "",
+        *[f"- {t}" for t in targets(results)],
+        "",
+        "![stall and throughput per scheme](benchmark.png)",
+        "",
+    ])
+
+
+def chart(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results[::-1]
+    names = [r["label"] for r in rows]
+    colors = ["#bbbbbb" if r["scheme"] == "none" else "#d62728" if r["scheme"].startswith("gockpt")
+              else "#1f77b4" for r in rows]
+    hatches = ["//" if r["emulated"] else "" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.42 * len(rows) + 1.6), sharey=True)
+    stalls = [max(r["stall_per_ckpt_s"], 1e-3) for r in rows]
+    for ax, values in ((left, stalls), (right, [r["throughput_vs_none"] for r in rows])):
+        for y, (v, c, h) in enumerate(zip(values, colors, hatches, strict=True)):
+            ax.barh(y, v, color=c, hatch=h, edgecolor="black", linewidth=0.4)
+    left.set_xscale("log")
+    left.set_xlabel("stall per checkpoint (s, log; floored at 1 ms)")
+    right.set_xlabel("throughput relative to no checkpoint")
+    right.set_xlim(min(0.5, min(r["throughput_vs_none"] for r in rows) - 0.02), 1.05)
+    right.axvline(0.99, color="black", linestyle=":", linewidth=1)
+    left.set_yticks(range(len(rows)), names)
+    fig.suptitle("Checkpoint cost per scheme (hatched: emulated slow host link)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench_out", help="output folder (JSON, table, chart)")
+    parser.add_argument("--data", default=None, help="text file or folder (default: pydoc_data)")
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=60, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--interval", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--host-link-gbps", default="auto",
+                        help="emulated host link for GoCkpt (GB/s), 'auto' (a full copy spans "
+                             "--copy-steps steps) or 0 (no emulated rows)")
+    parser.add_argument("--copy-steps", type=float, default=4.0)
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="copy the table and chart to docs/benchmark.md and docs/benchmark.png")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scheme", help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--host-link-bytes-per-s", type=float, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.preset, args.steps, args.warmup, args.interval = "tiny", 20, 4, 5
+    if args.child:
+        Path(args.result).write_text(json.dumps(run_child(args)))
+        return
+
+    started = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    ckpt_dir = tempfile.mkdtemp(prefix="ckpt-", dir=args.out)
+    common = [
+        "--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--interval", str(args.interval), "--ckpt-dir", ckpt_dir,
+        *(["--data", args.data] if args.data else []),
+        *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+    ]
+
+    def run(scheme: str, link: float | None = None) -> dict:
+        result = os.path.join(ckpt_dir, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--scheme", scheme,
+               "--result", result, *common]
+        if link is not None:
+            cmd += ["--host-link-bytes-per-s", str(link)]
+        subprocess.run(cmd, check=True)
+        os.sync()  # keep one scheme's write-back out of the next scheme's steps
+        r = json.loads(Path(result).read_text())
+        tag = " [emulated]" if link else ""
+        print(f"{scheme}{tag}: median step {r['median_step_s']:.3f} s, "
+              f"stall/ckpt {r['stall_per_ckpt_s']:.3f} s", flush=True)
+        return r
+
+    schemes = [s for s in args.schemes.split(",") if s]
+    unknown = set(schemes) - set(SCHEMES)
+    if unknown:
+        parser.error(f"unknown schemes {sorted(unknown)}; choose from {SCHEMES}")
+    try:
+        results = [run("none")]
+        raw = measure_raw(ckpt_dir, results[0]["state_bytes"])
+        print(f"raw: {json.dumps(raw)}", flush=True)
+        results += [run(s) for s in schemes if s != "none"]
+        if args.host_link_gbps == "auto":
+            link = results[0]["state_bytes"] / (args.copy_steps * results[0]["median_step_s"])
+        else:
+            link = float(args.host_link_gbps) * 1e9 or None
+        if link:
+            results += [run(s, link) for s in EMULATED_SCHEMES if s in schemes]
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    summarize(results, raw)
+    meta = {
+        "argv": " ".join(sys.argv[1:]), "machine": f"{os.cpu_count()} CPU cores",
+        "preset": args.preset, "state_bytes": results[0]["state_bytes"], "steps": args.steps,
+        "warmup": args.warmup, "interval": args.interval,
+        "total_s": time.perf_counter() - started, "stall_definition": STALL_DEFINITION,
+    }
+    table = markdown(results, raw, meta)
+    out = Path(args.out)
+    (out / "benchmark.json").write_text(
+        json.dumps({"meta": meta, "raw": raw, "results": results, "targets": targets(results)},
+                   indent=1)
+    )
+    (out / "benchmark.md").write_text(table)
+    chart(results, str(out / "benchmark.png"))
+    print(table)
+    if args.update_docs:
+        docs = Path(__file__).resolve().parents[1] / "docs"
+        docs.mkdir(exist_ok=True)
+        shutil.copyfile(out / "benchmark.md", docs / "benchmark.md")
+        shutil.copyfile(out / "benchmark.png", docs / "benchmark.png")
+
+
+if __name__ == "__main__":
+    main()

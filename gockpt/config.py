@@ -1,0 +1,116 @@
+"""Engine configuration: one frozen, keyword-only dataclass."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("auto", "sync", "async", "lazy", "gockpt", "gockpt_o")
+"""Checkpoint modes.
+
+- ``sync``: blocking save (copy and persist on the training thread): the reference.
+- ``async``: snapshot everything at the request, persist in the background (GoCkpt §2, "Async").
+- ``lazy``: copy during the next forward/backward, wait only before the next update
+  (DataStates-LLM §V-A2); the same as ``gockpt`` with K = 1.
+- ``gockpt``: copy one block per step over K steps, copy the gradients of the blocks already
+  copied while the training thread waits at the optimizer step, replay them on the CPU
+  (GoCkpt §4.2, §4.3).
+- ``gockpt_o``: as ``gockpt``, but the gradient copy overlaps the next forward (GoCkpt §4.2.4).
+- ``auto``: the mode with the least predicted stall from measured costs (GoCkpt §4.2.3).
+"""
+
+WHEN_FULL = ("wait", "skip")
+REPLAY_BACKENDS = ("auto", "torch", "native")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoCkptConfig:
+    """Options of :class:`gockpt.Engine`.
+
+    Raises:
+        ValueError: from ``__post_init__``, naming the field and its allowed range.
+    """
+
+    mode: str = "auto"
+    """One of :data:`MODES`."""
+
+    max_overlap_steps: int = 7
+    """Upper bound on K, the number of training steps one checkpoint's copy may span
+    (GoCkpt §4.2.3 caps it near 7: more steps add gradient copies and replay work). >= 1."""
+
+    min_overlap_steps: int = 1
+    """Lower bound on K for the multi-step modes (1 <= min_overlap_steps <= max_overlap_steps);
+    raise it to force a copy across several steps."""
+
+    host_buffer_bytes: int | None = None
+    """Bytes of host memory (pinned on CUDA) for snapshot slots, allocated once and reused.
+    ``None``: room for ``max_inflight`` checkpoints. Must fit at least one checkpoint."""
+
+    max_inflight: int = 2
+    """Checkpoints that may be in flight (copying, replaying or persisting) at once
+    (PCcheck §3.1). >= 1."""
+
+    when_full: str = "wait"
+    """What a request does when no snapshot slot is free: ``"wait"`` (counted as stall)
+    or ``"skip"`` (the request is dropped and its handle says so)."""
+
+    num_io_threads: int = 4
+    """Threads writing shard files in parallel (GoCkpt §4.4.3). >= 1."""
+
+    max_shard_bytes: int = 1 << 30
+    """Upper bound on the tensor bytes of one shard file (a larger single tensor gets a
+    shard of its own). >= 1."""
+
+    chunk_bytes: int = 4 << 20
+    """Granularity of D2H copies and file writes in bytes (GoCkpt §4.4.2: 4 MB). >= 4096."""
+
+    replay_backend: str = "auto"
+    """CPU replay backend: ``"torch"`` (the optimizer's own torch implementation on CPU
+    tensors), ``"native"`` (the compiled kernel in ``csrc/``), or ``"auto"`` (the fastest
+    bit-exact one found by the start-up self-check)."""
+
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """Passed to ``fsspec.core.url_to_fs`` (credentials, endpoint of an S3 store, ...)."""
+
+    verify_on_load: bool = True
+    """Check sizes and checksums of every file when loading."""
+
+    update_latest: bool = True
+    """Atomically point ``latest`` in a checkpoint's parent directory at it once it is
+    complete (PCcheck §4.1)."""
+
+    host_link_bytes_per_s: float | None = None
+    """Emulated device-to-host bandwidth in bytes/s for benchmarks on machines without an
+    accelerator: the copy worker sleeps so that a copy takes at least ``bytes / rate``.
+    ``None``: no throttling."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.max_overlap_steps < 1:
+            raise ValueError(f"max_overlap_steps must be >= 1, got {self.max_overlap_steps}")
+        if not 1 <= self.min_overlap_steps <= self.max_overlap_steps:
+            raise ValueError(
+                f"min_overlap_steps must be in [1, max_overlap_steps={self.max_overlap_steps}], "
+                f"got {self.min_overlap_steps}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.when_full not in WHEN_FULL:
+            raise ValueError(f"when_full must be one of {WHEN_FULL}, got {self.when_full!r}")
+        if self.num_io_threads < 1:
+            raise ValueError(f"num_io_threads must be >= 1, got {self.num_io_threads}")
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+        if self.replay_backend not in REPLAY_BACKENDS:
+            raise ValueError(
+                f"replay_backend must be one of {REPLAY_BACKENDS}, got {self.replay_backend!r}"
+            )
+        if self.host_buffer_bytes is not None and self.host_buffer_bytes < 1:
+            raise ValueError(f"host_buffer_bytes must be >= 1 or None, got {self.host_buffer_bytes}")
+        if self.host_link_bytes_per_s is not None and self.host_link_bytes_per_s <= 0:
+            raise ValueError(
+                f"host_link_bytes_per_s must be > 0 or None, got {self.host_link_bytes_per_s}"
+            )

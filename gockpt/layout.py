@@ -1,0 +1,176 @@
+"""State layout: every tensor of a checkpoint, grouped into units (a parameter and its optimizer state).
+
+Keys in a checkpoint:
+
+- ``model.<state_dict key>`` for parameters and buffers (tied parameters are stored once; the
+  other names are aliases);
+- ``optim.<i>.<param index>.<state name>`` for per-parameter optimizer state of optimizer ``i``,
+  with the parameter index that ``optimizer.state_dict()`` uses.
+
+A *unit* is one optimizer parameter with all of its optimizer state (GoCkpt §4.2.2 keeps them in
+one block so a block can be replayed on its own). Buffers and parameters that no optimizer owns
+form the *static* part, taken at the captured step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .format import TensorSpec, dtype_code
+
+
+@dataclass
+class Entry:
+    """One stored tensor.
+
+    Attributes:
+        key: checkpoint key.
+        tensor: the live tensor (any device).
+        spec: its stored metadata.
+    """
+
+    key: str
+    tensor: torch.Tensor
+    spec: TensorSpec
+
+
+@dataclass
+class Unit:
+    """A parameter owned by an optimizer, with its optimizer state.
+
+    Attributes:
+        optimizer_index: which optimizer owns it.
+        group_index: its param group.
+        param_index: its index in ``optimizer.state_dict()["state"]``.
+        param: the live parameter.
+        param_entry: the stored parameter.
+        state_entries: state name -> stored optimizer state tensor.
+    """
+
+    optimizer_index: int
+    group_index: int
+    param_index: int
+    param: torch.Tensor
+    param_entry: Entry
+    state_entries: dict[str, Entry]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the parameter plus its optimizer state."""
+        return self.param_entry.spec.nbytes + sum(e.spec.nbytes for e in self.state_entries.values())
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the parameter's gradient (same dtype and shape as the parameter)."""
+        return self.param_entry.spec.nbytes
+
+
+@dataclass
+class StateLayout:
+    """All tensors of a checkpoint of one model and its optimizers.
+
+    Attributes:
+        units: optimizer-owned parameters with their state, in optimizer order.
+        static: buffers and parameters without an optimizer.
+        aliases: alias key -> canonical key (tied parameters).
+        model_keys: ``model.state_dict()`` keys in order (tensor keys only).
+        signature: (key, dtype, shape) of every stored tensor, to notice when the layout changes.
+    """
+
+    units: list[Unit]
+    static: list[Entry]
+    aliases: dict[str, str]
+    model_keys: list[str]
+    signature: tuple = field(default=())
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every stored tensor (units first, then static)."""
+        out = []
+        for u in self.units:
+            out.append(u.param_entry)
+            out.extend(u.state_entries.values())
+        out.extend(self.static)
+        return out
+
+
+def _entry(key: str, t: torch.Tensor) -> Entry:
+    if not t.is_contiguous():
+        raise ValueError(f"tensor {key!r} is not contiguous; GoCkpt copies contiguous tensors only")
+    spec = TensorSpec(key, t.dtype, tuple(t.shape))
+    dtype_code(t.dtype, key)  # raises TypeError for dtypes safetensors cannot store
+    return Entry(key, t, spec)
+
+
+def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
+    """Enumerate the tensors of a checkpoint of ``model`` and ``optimizers``.
+
+    Call after the optimizers' state exists (after the first step); state created later is
+    noticed through :attr:`StateLayout.signature`.
+
+    Raises:
+        ValueError: a non-contiguous tensor, or a parameter owned by two optimizers.
+        TypeError: a dtype safetensors cannot store.
+    """
+    sd = model.state_dict(keep_vars=True)
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    model_keys: list[str] = []
+    model_tensors: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        model_keys.append(k)
+        key = f"model.{k}"
+        if id(v) in canonical:
+            aliases[key] = canonical[id(v)]
+            continue
+        canonical[id(v)] = key
+        model_tensors[key] = v
+
+    units: list[Unit] = []
+    owned: dict[int, Unit] = {}
+    for oi, opt in enumerate(optimizers):
+        pidx = 0
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) in owned:
+                    raise ValueError("a parameter is owned by two optimizers")
+                key = canonical.get(id(p))
+                if key is None:
+                    # An optimizer parameter outside the model: stored under the optimizer.
+                    key = f"optim.{oi}.{pidx}.__param__"
+                pe = _entry(key, p.detach())
+                state = opt.state.get(p, {})
+                se = {
+                    name: _entry(f"optim.{oi}.{pidx}.{name}", t.detach())
+                    for name, t in state.items()
+                    if isinstance(t, torch.Tensor)
+                }
+                u = Unit(oi, gi, pidx, p, pe, se)
+                units.append(u)
+                owned[id(p)] = u
+                pidx += 1
+    static = [
+        _entry(key, t.detach()) for key, t in model_tensors.items() if id(t) not in owned
+    ]
+    layout = StateLayout(units, static, aliases, model_keys)
+    layout.signature = layout_signature(model, optimizers)
+    return layout
+
+
+def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
+    """A cheap fingerprint of what :func:`build_layout` would enumerate."""
+    sig: list = [len(model.state_dict(keep_vars=True))]
+    for opt in optimizers:
+        sig.append(sum(len(g["params"]) for g in opt.param_groups))
+        sig.append(tuple(
+            (id(p), tuple(sorted(k for k, v in opt.state.get(p, {}).items()
+                                 if isinstance(v, torch.Tensor))))
+            for g in opt.param_groups for p in g["params"]
+        ))
+    return tuple(sig)

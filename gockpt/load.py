@@ -1,0 +1,212 @@
+"""Read a checkpoint directory back: manifest, shards (checked against it), extra state.
+
+Every file is size-checked and, with ``verify``, checksummed in the same pass that brings it
+into memory. Local shards are memory-mapped copy-on-write, so tensors share pages with the page
+cache and writing to them never changes the file; remote shards are fetched whole and decoded
+by the official ``safetensors`` reader.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import safetensors.torch
+import torch
+import xxhash
+from fsspec import AbstractFileSystem
+
+from gockpt import storage
+from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, CheckpointCorruptError, decode_header
+from gockpt.manifest import validate_manifest
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`read_checkpoint` returns.
+
+    Attributes:
+        tensors: key -> CPU tensor; an alias key maps to the very tensor object of its target.
+        extra: the non-tensor state, as ``torch.load`` returns it.
+        manifest: the validated manifest (``manifest["meta"]`` holds the engine's metadata).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    extra: Any
+    manifest: dict
+
+
+def read_checkpoint(
+    path: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+    allow_pickle: bool = False,
+) -> LoadedCheckpoint:
+    """Load the checkpoint directory at ``path``.
+
+    Args:
+        path: local path or fsspec URL of the checkpoint directory.
+        storage_options: fsspec options.
+        verify: compare every file's xxh3-64 checksum with the manifest (sizes, headers and
+            the tensor index are checked regardless).
+        allow_pickle: load the extra state with full pickle instead of ``weights_only=True``;
+            only for checkpoints you trust.
+
+    Returns:
+        A :class:`LoadedCheckpoint` whose tensors are CPU tensors that stay valid after the
+        call (local ones backed by private memory maps of the shard files).
+
+    Raises:
+        FileNotFoundError: no ``manifest.json`` at ``path`` (missing or incomplete checkpoint).
+        CheckpointCorruptError: malformed manifest, wrong format or version, a file name
+            escaping the directory, a missing file, a size or checksum mismatch, a shard header
+            disagreeing with the manifest, an undecodable extra blob; the message names the
+            file and, where one is at fault, the tensor key.
+    """
+    fs, root = storage.url_to_fs(path, storage_options)
+    manifest_path = storage._join(root, storage.MANIFEST_NAME)
+    try:
+        raw = fs.cat_file(manifest_path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(
+            f"{path} is not a complete GoCkpt checkpoint (no manifest.json)"
+        ) from None
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorruptError(f"{manifest_path}: not valid JSON ({e})") from None
+    manifest = validate_manifest(obj, manifest_path)
+
+    by_file: dict[str, dict[str, dict]] = {}
+    for key, entry in manifest["tensors"].items():
+        by_file.setdefault(entry["file"], {})[key] = entry
+    local = storage.is_local(fs)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, file_entry in manifest["files"].items():
+        if name == manifest["extra_file"]:
+            continue
+        file_path = storage._join(root, name)
+        index = by_file.get(name, {})
+        if local:
+            tensors.update(_load_local_shard(file_path, file_entry, index, verify))
+        else:
+            tensors.update(_load_remote_shard(fs, file_path, file_entry, index, verify))
+    for alias, target in manifest["aliases"].items():
+        tensors[alias] = tensors[target]
+
+    extra_path = storage._join(root, manifest["extra_file"])
+    blob = _read_bytes(fs, extra_path, manifest["files"][manifest["extra_file"]], verify)
+    try:
+        extra = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=not allow_pickle)
+    except Exception as e:
+        hint = "" if allow_pickle else " (pass allow_pickle=True only if you trust this file)"
+        raise CheckpointCorruptError(
+            f"{extra_path}: cannot load the non-tensor state{hint}: {type(e).__name__}: {e}"
+        ) from e
+    return LoadedCheckpoint(tensors=tensors, extra=extra, manifest=manifest)
+
+
+def _missing(file_path: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{file_path}: file listed in the manifest is missing")
+
+
+def _check_size(file_path: str, size: int, entry: dict) -> None:
+    if size != entry["bytes"]:
+        raise CheckpointCorruptError(
+            f"{file_path}: {size} bytes but the manifest says {entry['bytes']} (truncated or overwritten)"
+        )
+
+
+def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
+    if verify:
+        digest = xxhash.xxh3_64_hexdigest(data)
+        if digest != entry["xxh3_64"]:
+            raise CheckpointCorruptError(
+                f"{file_path}: xxh3-64 checksum {digest} does not match the manifest ({entry['xxh3_64']})"
+            )
+
+
+def _read_bytes(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool) -> bytes:
+    try:
+        data = fs.cat_file(file_path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _missing(file_path) from None
+    _check_size(file_path, len(data), entry)
+    _check_digest(file_path, data, entry, verify)
+    return data
+
+
+def _decode(file_path: str, data: memoryview | bytes, index: dict[str, dict]) -> int:
+    """Decode the header and check it equals the manifest's index of this file.
+
+    Returns:
+        Offset of the data section in bytes.
+    """
+    prefix = bytes(data[:8])
+    if len(prefix) == 8:
+        length = int.from_bytes(prefix, "little")
+        prefix = bytes(data[: 8 + min(length, MAX_HEADER_BYTES)])
+    header, data_start = decode_header(prefix, len(data), file_path)
+    unknown = sorted(header.keys() - index.keys())
+    if unknown:
+        raise CheckpointCorruptError(
+            f"{file_path}: tensor {unknown[0]!r} is in the header, not in the manifest"
+        )
+    for key, want in index.items():
+        got = header.get(key)
+        if got is None:
+            raise CheckpointCorruptError(f"{file_path}: tensor {key!r} of the manifest is not in the header")
+        for field in ("dtype", "shape", "data_offsets"):
+            if got[field] != want[field]:
+                raise CheckpointCorruptError(
+                    f"{file_path}: tensor {key!r}: header {field} {got[field]!r} "
+                    f"disagrees with the manifest ({want[field]!r})"
+                )
+    return data_start
+
+
+def _load_local_shard(
+    file_path: str, entry: dict, index: dict[str, dict], verify: bool
+) -> dict[str, torch.Tensor]:
+    try:
+        size = os.stat(file_path).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        raise _missing(file_path) from None
+    _check_size(file_path, size, entry)
+    if size:
+        # shared=False maps the file privately (copy-on-write); torch owns the mapping, so
+        # the tensors below keep it alive.
+        mapped = torch.UntypedStorage.from_file(file_path, shared=False, nbytes=size)
+        buf = torch.empty(0, dtype=torch.uint8).set_(mapped)
+    else:
+        buf = torch.empty(0, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    _check_digest(file_path, view, entry, verify)
+    data_start = _decode(file_path, view, index)
+    out = {}
+    for key, want in index.items():
+        begin, end = want["data_offsets"]
+        raw = buf[data_start + begin : data_start + end]
+        dtype = CODE_TO_DTYPE[want["dtype"]]
+        try:
+            typed = raw.view(dtype)
+        except RuntimeError:  # not aligned to the element size: give it its own storage
+            typed = raw.clone().view(dtype)
+        out[key] = typed.reshape(want["shape"])
+    return out
+
+
+def _load_remote_shard(
+    fs: AbstractFileSystem, file_path: str, entry: dict, index: dict[str, dict], verify: bool
+) -> dict[str, torch.Tensor]:
+    data = _read_bytes(fs, file_path, entry, verify)
+    _decode(file_path, data, index)
+    try:
+        loaded = safetensors.torch.load(data)
+    except Exception as e:
+        raise CheckpointCorruptError(f"{file_path}: safetensors cannot decode it: {e}") from e
+    return {key: loaded[key] for key in index}

@@ -1,0 +1,175 @@
+"""The checkpoint manifest: build it at save time, validate it at load time. Pure, no I/O.
+
+``manifest.json`` is the last file a save writes, and its presence is what makes a checkpoint
+complete (GoCkpt §4.4.3: metadata written after the tensors). It lists every file with its size
+and xxh3-64 checksum, indexes every tensor (file, safetensors dtype code, shape, data offsets),
+maps alias keys of tied tensors to their stored key, and carries the engine's metadata::
+
+    {"format": "gockpt", "format_version": 1,
+     "files": {name: {"bytes": int, "xxh3_64": "16 hex digits"}},
+     "tensors": {key: {"file": name, "dtype": "F32", "shape": [..], "data_offsets": [b, e]}},
+     "aliases": {alias_key: stored_key},
+     "extra_file": name,
+     "meta": {...}}
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gockpt.format import (
+    CODE_TO_DTYPE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointCorruptError,
+    ShardLayout,
+    decode_header,
+)
+
+_HEX64_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def check_name(name: Any, path: str) -> str:
+    """Check that ``name`` is a plain file name that stays inside the checkpoint directory.
+
+    Args:
+        name: the candidate name.
+        path: the file that holds the name, for the error message.
+
+    Returns:
+        ``name``, unchanged.
+
+    Raises:
+        CheckpointCorruptError: not a string, empty, absolute, or containing ``/``, ``\\``,
+            ``..`` or NUL.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or name == "."
+        or ".." in name
+        or any(c in name for c in ("/", "\\", "\0"))
+    ):
+        raise CheckpointCorruptError(f"{path}: invalid file name {name!r} (must be a plain file name)")
+    return name
+
+
+def build_manifest(
+    shards: list[ShardLayout],
+    files: dict[str, dict],
+    aliases: dict[str, str],
+    extra_file: str,
+    meta: dict,
+) -> dict:
+    """Assemble the manifest of one checkpoint.
+
+    Args:
+        shards: the shard layouts written (from :func:`gockpt.format.plan_shards`).
+        files: every file written, shards and extra blob: name -> {"bytes", "xxh3_64"}.
+        aliases: alias key -> stored key (tied tensors).
+        extra_file: name of the file holding the non-tensor state.
+        meta: JSON-able engine metadata (requested_step, captured_step, mode, ...).
+
+    Returns:
+        The manifest dict, ready for ``json.dumps``.
+    """
+    tensors: dict[str, dict] = {}
+    for shard in shards:
+        entries, _ = decode_header(shard.header, shard.file_bytes, shard.file)
+        for key, entry in entries.items():
+            tensors[key] = {
+                "file": shard.file,
+                "dtype": entry["dtype"],
+                "shape": list(entry["shape"]),
+                "data_offsets": list(entry["data_offsets"]),
+            }
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "files": {name: {"bytes": f["bytes"], "xxh3_64": f["xxh3_64"]} for name, f in files.items()},
+        "tensors": tensors,
+        "aliases": dict(aliases),
+        "extra_file": extra_file,
+        "meta": meta,
+    }
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_manifest(obj: Any, path: str) -> dict:
+    """Check the structure of a decoded manifest.
+
+    Args:
+        obj: the result of ``json.loads`` on ``manifest.json``.
+        path: the manifest's path, for error messages.
+
+    Returns:
+        ``obj``, unchanged.
+
+    Raises:
+        CheckpointCorruptError: wrong format name or version, a missing or malformed field, a
+            file name escaping the directory, a tensor in an unlisted file, an alias to an
+            unknown key; the message names ``path`` and the offending key or file.
+    """
+
+    def bad(msg: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{path}: {msg}")
+
+    if not isinstance(obj, dict):
+        raise bad("manifest is not a JSON object")
+    if obj.get("format") != FORMAT_NAME:
+        raise bad(f"not a GoCkpt manifest (format {obj.get('format')!r})")
+    version = obj.get("format_version")
+    if version != FORMAT_VERSION or not _is_int(version):
+        raise bad(f"format version {version!r}; this reader reads version {FORMAT_VERSION}")
+    for field, kind in (("files", dict), ("tensors", dict), ("aliases", dict), ("meta", dict)):
+        if not isinstance(obj.get(field), kind):
+            raise bad(f"field {field!r} is missing or not an object")
+
+    files = obj["files"]
+    for name, entry in files.items():
+        check_name(name, path)
+        if not (
+            isinstance(entry, dict)
+            and _is_int(entry.get("bytes"))
+            and entry["bytes"] >= 0
+            and isinstance(entry.get("xxh3_64"), str)
+            and _HEX64_RE.match(entry["xxh3_64"])
+        ):
+            raise bad(f"file {name!r}: malformed entry {entry!r}")
+    extra_file = check_name(obj.get("extra_file"), path)
+    if extra_file not in files:
+        raise bad(f"extra file {extra_file!r} is not listed in 'files'")
+
+    for key, entry in obj["tensors"].items():
+        if not isinstance(key, str) or not key:
+            raise bad(f"tensor key {key!r} is not a non-empty string")
+        if not isinstance(entry, dict):
+            raise bad(f"tensor {key!r}: malformed entry")
+        file = check_name(entry.get("file"), path)
+        if file not in files or file == extra_file:
+            raise bad(f"tensor {key!r}: file {file!r} is not a listed shard")
+        if entry.get("dtype") not in CODE_TO_DTYPE:
+            raise bad(f"tensor {key!r} in {file!r}: unknown dtype {entry.get('dtype')!r}")
+        shape = entry.get("shape")
+        if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
+            raise bad(f"tensor {key!r} in {file!r}: malformed shape {shape!r}")
+        offsets = entry.get("data_offsets")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise bad(f"tensor {key!r} in {file!r}: malformed data_offsets {offsets!r}")
+
+    tensors = obj["tensors"]
+    for alias, target in obj["aliases"].items():
+        if not isinstance(target, str) or target not in tensors:
+            raise bad(f"alias {alias!r} points to unknown tensor {target!r}")
+        if alias in tensors:
+            raise bad(f"alias {alias!r} is also a stored tensor key")
+    return obj

@@ -1,0 +1,489 @@
+"""Persist one snapshot slot as a checkpoint directory: shards in parallel, manifest last.
+
+Call sequence of one save (the engine runs :func:`persist` on one of its worker threads):
+
+1. (persist thread) check the request, open a target: a staging directory next to the
+   checkpoint on a local filesystem, the checkpoint directory itself on an object store.
+2. (io threads, ``num_io_threads``) stream each shard as header bytes + ``chunk_bytes`` slices
+   of the slot (memoryviews: no serialization copy) and the extra blob, hashing the same chunks
+   with xxh3-64 (GoCkpt §4.4.1, §4.4.3: multi-threaded persistence).
+3. (persist thread) write ``manifest.json`` last; locally fsync files, manifest and staging dir.
+4. (persist thread, under ``publish_lock``) unless cancelled or superseded: publish. Locally an
+   atomic rename, or an atomic exchange with a previous checkpoint at the same path; on an
+   object store one put of the manifest (GoCkpt §4.4.3: the metadata marks completion). Then
+   ``on_published()``.
+5. (persist thread) delete what the new checkpoint replaced, move ``latest`` forward
+   (PCcheck §4.1).
+
+On cancel or error every file of this save is removed and the previously published checkpoint
+is left untouched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import functools
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+import xxhash
+from fsspec import AbstractFileSystem
+
+from gockpt import storage
+from gockpt.format import ShardLayout
+from gockpt.manifest import build_manifest, check_name
+
+
+class CheckpointCancelledError(RuntimeError):
+    """The save was cancelled (``PersistRequest.cancel`` was set) before it was published."""
+
+
+@dataclass
+class PersistRequest:
+    """One checkpoint to write.
+
+    Attributes:
+        path: checkpoint directory, a local path or fsspec URL (``memory://``, ``s3://``).
+        shards: layouts from :func:`gockpt.format.plan_shards` with a prefix unique to this save.
+        slot: ``(n,)`` uint8 CPU tensor (pinned on CUDA) holding the shards' data sections.
+        shard_bases: byte offset in ``slot`` where shard ``i``'s data section starts.
+        extra: ``torch.save`` bytes of the non-tensor state.
+        aliases: alias key -> stored key (tied weights).
+        meta: JSON-able engine metadata; ``meta["captured_step"]`` (int) is required when
+            ``update_latest``.
+        storage_options: fsspec options.
+        num_io_threads: threads writing files in parallel, >= 1.
+        chunk_bytes: write and checksum granularity in bytes, >= 1.
+        update_latest: move the ``latest`` pointer in the parent directory after publishing.
+        cancel: set => abort as soon as possible and raise :class:`CheckpointCancelledError`.
+        publish_lock: held around the publish step.
+        is_superseded: called under ``publish_lock`` right before publishing; True => discard
+            this save (``PersistResult.published`` is False), not an error.
+        on_published: called under ``publish_lock`` right after a successful publish.
+    """
+
+    path: str
+    shards: list[ShardLayout]
+    slot: torch.Tensor
+    shard_bases: list[int]
+    extra: bytes
+    aliases: dict[str, str]
+    meta: dict
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    num_io_threads: int = 4
+    chunk_bytes: int = 4 << 20
+    update_latest: bool = True
+    cancel: threading.Event = field(default_factory=threading.Event)
+    publish_lock: threading.Lock = field(default_factory=threading.Lock)
+    is_superseded: Callable[[], bool] = lambda: False
+    on_published: Callable[[], None] = lambda: None
+
+
+@dataclass
+class PersistResult:
+    """Outcome of :func:`persist`.
+
+    Attributes:
+        published: False when the save was superseded and discarded.
+        bytes_written: bytes of all files written, the manifest included once published.
+        seconds: wall time of :func:`persist`.
+        files: name -> {"bytes": int, "xxh3_64": 16 hex digits}, as in the manifest.
+    """
+
+    published: bool
+    bytes_written: int
+    seconds: float
+    files: dict[str, dict]
+
+
+class _Aborted(Exception):
+    """Another file of the same save failed; this one stops early."""
+
+
+def _open_local(path: str) -> BinaryIO:
+    """Open a new local file for writing (a seam for fault-injection tests)."""
+    return open(path, "wb")
+
+
+def persist(req: PersistRequest) -> PersistResult:
+    """Write ``req`` as a complete checkpoint at ``req.path`` (see the module doc for the steps).
+
+    Args:
+        req: the request; ``req.slot`` must stay unchanged until this returns.
+
+    Returns:
+        A :class:`PersistResult`.
+
+    Raises:
+        CheckpointCancelledError: ``req.cancel`` was set before publishing.
+        OSError: a write failed (e.g. ``ENOSPC``); the message names ``req.path``.
+        ValueError, TypeError: a malformed request (slot too small, bad names, meta not JSON).
+        Any error raised by the filesystem, ``is_superseded`` or ``on_published``. In every
+        error case the files of this save are removed and the previous checkpoint is intact.
+    """
+    start = time.perf_counter()
+    captured_step = _check_request(req)
+    fs, root = storage.url_to_fs(req.path, req.storage_options)
+    extra_name = f"state-{uuid.uuid4().hex[:12]}.pt"
+    target: _Target
+    try:
+        if storage.is_local(fs):
+            target = _LocalTarget(root)
+        else:
+            target = _ObjectTarget(fs, root, [s.file for s in req.shards] + [extra_name])
+    except OSError as e:
+        raise _with_path(e, req.path, root) from e
+    published = False
+    try:
+        files = _write_files(req, target, extra_name)
+        manifest = build_manifest(req.shards, files, req.aliases, extra_name, req.meta)
+        manifest_bytes = json.dumps(manifest, indent=1).encode()
+        _check_cancel(req)
+        _guard(req, target.manifest_path, target.prepare, manifest_bytes)
+        with req.publish_lock:
+            _check_cancel(req)
+            if not req.is_superseded():
+                _guard(req, target.manifest_path, target.publish, manifest_bytes)
+                published = True
+                req.on_published()
+    finally:
+        target.cleanup(published)
+    if published and req.update_latest:
+        assert captured_step is not None
+        storage.advance_latest(req.path, captured_step, req.storage_options)
+    written = sum(f["bytes"] for f in files.values())
+    return PersistResult(
+        published=published,
+        bytes_written=written + (len(manifest_bytes) if published else 0),
+        seconds=time.perf_counter() - start,
+        files=files,
+    )
+
+
+def _check_request(req: PersistRequest) -> int | None:
+    slot = req.slot
+    if not (
+        isinstance(slot, torch.Tensor)
+        and slot.dtype == torch.uint8
+        and slot.dim() == 1
+        and slot.device.type == "cpu"
+        and slot.is_contiguous()
+    ):
+        raise TypeError("slot must be a contiguous 1-D torch.uint8 CPU tensor")
+    if len(req.shards) != len(req.shard_bases):
+        raise ValueError(f"{len(req.shards)} shards but {len(req.shard_bases)} shard bases")
+    names = set()
+    for shard, base in zip(req.shards, req.shard_bases):
+        check_name(shard.file, req.path)
+        if shard.file in names or shard.file == storage.MANIFEST_NAME:
+            raise ValueError(f"{req.path}: shard file name {shard.file!r} is used twice or reserved")
+        names.add(shard.file)
+        if base < 0 or base + shard.data_bytes > slot.numel():
+            raise ValueError(
+                f"shard {shard.file!r}: bytes [{base}, {base + shard.data_bytes}) "
+                f"lie outside the slot ({slot.numel()} bytes)"
+            )
+    keys = {k for shard in req.shards for k in shard.offsets}
+    for alias, target in req.aliases.items():
+        if target not in keys or alias in keys:
+            raise ValueError(f"alias {alias!r} -> {target!r}: target must be stored, alias not")
+    if req.num_io_threads < 1 or req.chunk_bytes < 1:
+        raise ValueError("num_io_threads and chunk_bytes must be >= 1")
+    json.dumps(req.meta)  # fail before writing anything if meta is not JSON-able
+    if not req.update_latest:
+        return None
+    step = req.meta.get("captured_step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError("meta['captured_step'] must be an int when update_latest is set")
+    return step
+
+
+def _check_cancel(req: PersistRequest) -> None:
+    if req.cancel.is_set():
+        raise CheckpointCancelledError(f"save of {req.path} was cancelled")
+
+
+def _with_path(e: OSError, ckpt_path: str, file_path: str) -> OSError:
+    """The same error (same errno, hence same OSError subclass) naming the checkpoint."""
+    if e.errno is None:
+        return OSError(f"{e} (writing checkpoint {ckpt_path!r}, file {file_path!r})")
+    reason = e.strerror or os.strerror(e.errno)
+    return OSError(e.errno, f"{reason} (writing checkpoint {ckpt_path!r})", file_path)
+
+
+def _guard(req: PersistRequest, file_path: str, fn: Callable[[bytes], None], data: bytes) -> None:
+    try:
+        fn(data)
+    except OSError as e:
+        raise _with_path(e, req.path, file_path) from e
+
+
+def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterator[memoryview]:
+    for offset in range(begin, end, chunk_bytes):
+        yield data[offset : min(offset + chunk_bytes, end)]
+
+
+def _write_files(req: PersistRequest, target: _Target, extra_name: str) -> dict[str, dict]:
+    slot_view = memoryview(req.slot.numpy())
+    extra_view = memoryview(req.extra)
+    jobs: list[tuple[int, str, Callable[[], Iterator[memoryview | bytes]]]] = []
+    for shard, base in zip(req.shards, req.shard_bases):
+
+        def pieces(shard: ShardLayout = shard, base: int = base) -> Iterator[memoryview | bytes]:
+            yield shard.header
+            yield from _chunks(slot_view, base, base + shard.data_bytes, req.chunk_bytes)
+
+        jobs.append((shard.file_bytes, shard.file, pieces))
+    jobs.append(
+        (len(extra_view), extra_name, lambda: _chunks(extra_view, 0, len(extra_view), req.chunk_bytes))
+    )
+    jobs.sort(key=lambda job: -job[0])  # largest first balances the threads
+
+    abort = threading.Event()
+
+    def check() -> None:
+        _check_cancel(req)
+        if abort.is_set():
+            raise _Aborted
+
+    def run(name: str, pieces: Callable[[], Iterator[memoryview | bytes]]) -> tuple[int, str]:
+        try:
+            check()
+            try:
+                return target.write(name, pieces(), check)
+            except OSError as e:
+                raise _with_path(e, req.path, target.file_path(name)) from e
+        except BaseException:
+            abort.set()
+            raise
+
+    num_threads = min(req.num_io_threads, len(jobs))
+    with concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="gockpt-io") as pool:
+        futures = {name: pool.submit(run, name, pieces) for _, name, pieces in jobs}
+        concurrent.futures.wait(futures.values())
+    errors = [e for f in futures.values() if (e := f.exception()) is not None]
+    if errors:
+        if req.cancel.is_set():
+            raise CheckpointCancelledError(f"save of {req.path} was cancelled") from errors[0]
+        raise next((e for e in errors if not isinstance(e, _Aborted)), errors[0])
+    files = {}
+    for name, future in futures.items():
+        nbytes, digest = future.result()
+        files[name] = {"bytes": nbytes, "xxh3_64": digest}
+    return files
+
+
+class _Target:
+    """Where one save writes; ``cleanup(published)`` always runs last."""
+
+    manifest_path: str
+
+    def file_path(self, name: str) -> str:
+        raise NotImplementedError
+
+    def write(
+        self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
+    ) -> tuple[int, str]:
+        raise NotImplementedError
+
+    def prepare(self, manifest: bytes) -> None:
+        """Make the manifest ready to publish (outside the publish lock)."""
+
+    def publish(self, manifest: bytes) -> None:
+        raise NotImplementedError
+
+    def cleanup(self, published: bool) -> None:
+        raise NotImplementedError
+
+
+class _LocalTarget(_Target):
+    """A staging directory beside the checkpoint, renamed into place (PCcheck §4.1)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.parent, name = storage._split(root)
+        os.makedirs(self.parent, exist_ok=True)
+        tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+        self.staging = os.path.join(self.parent, f".{name}.gockpt-tmp-{tag}")
+        self.aside = os.path.join(self.parent, f".{name}.gockpt-old-{tag}")
+        os.mkdir(self.staging)
+        self.manifest_path = os.path.join(self.staging, storage.MANIFEST_NAME)
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.staging, name)
+
+    def write(
+        self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
+    ) -> tuple[int, str]:
+        digest = xxhash.xxh3_64()
+        nbytes = 0
+        with _open_local(self.file_path(name)) as f:
+            for piece in pieces:
+                check()
+                f.write(piece)
+                digest.update(piece)
+                nbytes += len(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes, digest.hexdigest()
+
+    def prepare(self, manifest: bytes) -> None:
+        with _open_local(self.manifest_path) as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        storage._fsync_dir(self.staging)
+
+    def publish(self, manifest: bytes) -> None:
+        if not os.path.lexists(self.root):
+            os.rename(self.staging, self.root)
+        elif not _exchange(self.staging, self.root):
+            # No atomic exchange here: move the old checkpoint aside, then rename; a crash in
+            # between leaves it at the aside name, which cleanup_staging renames back.
+            os.rename(self.root, self.aside)
+            try:
+                os.rename(self.staging, self.root)
+            except BaseException:
+                os.rename(self.aside, self.root)
+                raise
+        storage._fsync_dir(self.parent)
+
+    def cleanup(self, published: bool) -> None:
+        # After an exchange the staging name holds the previous checkpoint.
+        storage._remove_local(self.staging)
+        storage._remove_local(self.aside)
+
+
+class _ObjectTarget(_Target):
+    """Files written in place under names unique to this save; the manifest put publishes."""
+
+    def __init__(self, fs: AbstractFileSystem, root: str, names: list[str]) -> None:
+        self.fs = fs
+        self.root = root
+        self.manifest_path = storage._join(root, storage.MANIFEST_NAME)
+        self.started: list[str] = []
+        self.replaced: set[str] = set()
+        self.publish_attempted = False
+        clash = sorted(set(names) & (self._manifest_files() or set()))
+        if clash:
+            # Overwriting a file the published manifest names would corrupt it in place.
+            raise ValueError(
+                f"{root}: file {clash[0]!r} belongs to the published checkpoint; "
+                "shard prefixes must be unique per save"
+            )
+        fs.makedirs(root, exist_ok=True)
+
+    def file_path(self, name: str) -> str:
+        return storage._join(self.root, name)
+
+    def write(
+        self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
+    ) -> tuple[int, str]:
+        digest = xxhash.xxh3_64()
+        nbytes = 0
+        self.started.append(name)
+        f = self.fs.open(self.file_path(name), "wb")
+        try:
+            for piece in pieces:
+                check()
+                f.write(piece)
+                digest.update(piece)
+                nbytes += len(piece)
+            f.close()
+        except BaseException:
+            _abandon(f)
+            raise
+        return nbytes, digest.hexdigest()
+
+    def _manifest_files(self) -> set[str] | None:
+        try:
+            files = json.loads(self.fs.cat_file(self.manifest_path))["files"]
+            return {name for name in files if _plain(name)}
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def publish(self, manifest: bytes) -> None:
+        self.replaced = self._manifest_files() or set()
+        self.publish_attempted = True
+        self.fs.pipe_file(self.manifest_path, manifest)
+
+    def cleanup(self, published: bool) -> None:
+        ours = set(self.started)
+        if published:
+            doomed = self.replaced - ours
+        elif self.publish_attempted:
+            # The put raised, yet it may have landed: delete our files only if the manifest
+            # there provably does not name them.
+            current = self._manifest_files()
+            doomed = ours if current is not None and not (current & ours) else set()
+        else:
+            doomed = ours
+        for name in doomed:
+            storage._remove_file(self.fs, self.file_path(name))
+
+
+def _plain(name: object) -> bool:
+    try:
+        check_name(name, "")
+    except ValueError:
+        return False
+    return True
+
+
+def _abandon(f: Any) -> None:
+    """Drop a half-written remote file without committing it where the backend allows."""
+    try:
+        discard = getattr(f, "discard", None)
+        if discard is not None:
+            discard()
+            f.closed = True  # a discarded buffered file must not flush on garbage collection
+        else:
+            f.close()
+    except Exception:  # best effort: the caller removes the file and re-raises the real error
+        pass
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns:
+        False when the call or the flag is unsupported here (nothing changed).
+
+    Raises:
+        OSError: any other failure (nothing changed).
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)

@@ -1,0 +1,120 @@
+"""Turn a stored checkpoint back into ``model.state_dict()`` / ``optimizer.state_dict()`` form."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .format import CheckpointCorruptError
+from .load import read_checkpoint
+
+
+@dataclass
+class LoadedState:
+    """A checkpoint in the shapes PyTorch loads.
+
+    Attributes:
+        model_state_dict: key -> CPU tensor (or non-tensor extra state), the keys of
+            ``model.state_dict()``.
+        optimizer_state_dicts: one ``optimizer.state_dict()``-shaped dict per optimizer, with
+            CPU tensors.
+        extra: what ``state_fn`` returned at the captured step (None if none was given).
+        manifest: the checkpoint's manifest (``meta`` holds requested and captured steps).
+    """
+
+    model_state_dict: dict[str, Any]
+    optimizer_state_dicts: list[dict[str, Any]]
+    extra: Any
+    manifest: dict[str, Any]
+
+    @property
+    def captured_step(self) -> int:
+        """Optimizer updates applied to the stored state."""
+        return int(self.manifest["meta"]["captured_step"])
+
+
+def load_checkpoint(
+    path: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    verify: bool = True,
+    allow_pickle: bool = False,
+) -> LoadedState:
+    """Load a GoCkpt checkpoint directory.
+
+    Args:
+        path: checkpoint directory (local path or fsspec URL).
+        storage_options: passed to fsspec.
+        verify: check file sizes and checksums.
+        allow_pickle: unpickle arbitrary objects in the non-tensor state (trusted files only);
+            by default only tensors, containers and primitives load.
+
+    Returns:
+        A :class:`LoadedState` with CPU tensors.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint (no manifest) at ``path``.
+        CheckpointCorruptError: a corrupt or inconsistent file, naming the file and key.
+    """
+    ck = read_checkpoint(path, storage_options=storage_options, verify=verify, allow_pickle=allow_pickle)
+    meta = ck.manifest.get("meta", {})
+    blob = ck.extra if isinstance(ck.extra, dict) else {}
+    if "optimizers" not in blob or "model_extra" not in blob:
+        raise CheckpointCorruptError(f"{path}: non-tensor state lacks 'optimizers'/'model_extra'")
+    model_sd: dict[str, Any] = {}
+    for k in meta.get("model_keys", []):
+        key = f"model.{k}"
+        if key not in ck.tensors:
+            raise CheckpointCorruptError(f"{path}: tensor {key!r} listed in the manifest is missing")
+        model_sd[k] = ck.tensors[key]
+    model_sd.update(blob["model_extra"])
+    opt_sds: list[dict[str, Any]] = []
+    for i, stripped in enumerate(blob["optimizers"]):
+        state: dict[int, dict[str, Any]] = {int(idx): dict(st) for idx, st in stripped["state"].items()}
+        prefix = f"optim.{i}."
+        for key, t in ck.tensors.items():
+            if not key.startswith(prefix):
+                continue
+            idx_s, _, name = key[len(prefix):].partition(".")
+            if name == "__param__":
+                continue
+            try:
+                idx = int(idx_s)
+            except ValueError:
+                raise CheckpointCorruptError(f"{path}: malformed optimizer key {key!r}") from None
+            state.setdefault(idx, {})[name] = t
+        opt_sds.append({"state": dict(sorted(state.items())), "param_groups": stripped["param_groups"]})
+    return LoadedState(model_sd, opt_sds, blob.get("user"), ck.manifest)
+
+
+def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedState) -> None:
+    """Load ``state`` into a live model and its optimizers.
+
+    Raises:
+        ValueError: a tensor whose shape or dtype does not fit the model, a missing or unexpected
+            key, or a different number of optimizers (the message names the key).
+    """
+    live = model.state_dict()
+    for k, v in state.model_state_dict.items():
+        if k not in live:
+            raise ValueError(f"checkpoint tensor {k!r} is not in the model")
+        lv = live[k]
+        if isinstance(v, torch.Tensor) and isinstance(lv, torch.Tensor):
+            if v.shape != lv.shape or v.dtype != lv.dtype:
+                raise ValueError(
+                    f"checkpoint tensor {k!r} is {v.dtype}{list(v.shape)} but the model has "
+                    f"{lv.dtype}{list(lv.shape)}")
+    missing = [k for k in live if k not in state.model_state_dict]
+    if missing:
+        raise ValueError(f"checkpoint lacks model keys {missing[:5]}")
+    if len(optimizers) != len(state.optimizer_state_dicts):
+        raise ValueError(
+            f"checkpoint has {len(state.optimizer_state_dicts)} optimizers, the model {len(optimizers)}")
+    model.load_state_dict(state.model_state_dict)
+    for opt, sd in zip(optimizers, state.optimizer_state_dicts):
+        opt.load_state_dict(sd)

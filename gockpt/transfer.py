@@ -1,0 +1,270 @@
+"""Transfer: D2H copies into reusable host buffers, with gradients ahead of state.
+
+One interface, two paths:
+
+- CPU (every test runs it): a background thread copies in ``chunk_bytes`` pieces; ``Tensor.copy_``
+  releases the GIL, so the training thread keeps running (DataStates-LLM §V-A2).
+- CUDA: copies are issued on a dedicated stream with one event per job; the host waits on the
+  event only where the data must be complete (GoCkpt §4.4.1: pinned memory, a separate stream).
+
+Gradient jobs have priority over state jobs (GoCkpt §4.2.2): gradients live for one step, state
+for the whole window. Host buffers come from :class:`SlotPool`, allocated once and reused,
+bounded, with back-pressure when full (DataStates-LLM §V-A4, PCcheck §3.1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+PRIORITY_GRAD = 0
+PRIORITY_STATE = 1
+
+
+class CopyTicket:
+    """Completion of one copy job. ``wait()`` blocks until done and re-raises its error."""
+
+    def __init__(self, nbytes: int, event: object | None = None) -> None:
+        self.nbytes = nbytes
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._cuda_event = event
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether the copy finished (successfully or not)."""
+        if self._cuda_event is not None:
+            return bool(self._cuda_event.query())  # type: ignore[attr-defined]
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Block the calling thread until the host buffers hold the data.
+
+        Raises:
+            The copy's error, if it failed.
+        """
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()  # type: ignore[attr-defined]
+            return
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def fence_compute(self) -> None:
+        """Order the device's compute stream after this copy (CUDA), or wait (CPU).
+
+        Called at a window end: the next optimizer update must not overwrite what is still being
+        read. On CUDA this costs the host nothing.
+        """
+        if self._cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_event)  # type: ignore[arg-type]
+        else:
+            self.wait()
+
+
+class CpuCopier:
+    """Copies on a background thread, in chunks, gradient jobs first.
+
+    Args:
+        chunk_bytes: copy granularity in bytes.
+        bytes_per_s: emulated link bandwidth (sleeps, which releases the GIL and burns no CPU,
+            so that ``n`` bytes take at least ``n / bytes_per_s`` seconds); None for no limit.
+    """
+
+    def __init__(self, chunk_bytes: int, bytes_per_s: float | None = None) -> None:
+        self._chunk = chunk_bytes
+        self._rate = bytes_per_s
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="gockpt-copy", daemon=True)
+        self._thread.start()
+        self.bytes_copied = 0
+        self.busy_s = 0.0
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int) -> CopyTicket:
+        """Queue copies of ``src`` into ``dst`` (same dtype and number of elements) for each pair.
+
+        Args:
+            pairs: (src, dst); ``dst`` are contiguous host tensors.
+            priority: :data:`PRIORITY_GRAD` or :data:`PRIORITY_STATE`.
+
+        Returns:
+            A ticket that completes when every pair is copied.
+        """
+        nbytes = sum(d.numel() * d.element_size() for _, d in pairs)
+        ticket = CopyTicket(nbytes)
+        chunks = self._chunks(pairs)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("copier is closed")
+            heapq.heappush(self._heap, (priority, next(self._seq), chunks, ticket))
+            self._cv.notify()
+        return ticket
+
+    def _chunks(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        for src, dst in pairs:
+            s = src.detach().reshape(-1).view(torch.uint8)
+            d = dst.reshape(-1).view(torch.uint8)
+            n = d.numel()
+            for a in range(0, n, self._chunk):
+                b = min(n, a + self._chunk)
+                yield s[a:b], d[a:b]
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                job = self._heap[0]  # re-read per chunk: a gradient job may have arrived
+            _, _, chunks, ticket = job
+            try:
+                item = next(chunks, None)
+                if item is None:
+                    self._drop(job)
+                    ticket._finish()
+                    continue
+                t0 = time.perf_counter()
+                item[1].copy_(item[0])
+                n = item[1].numel()
+                if self._rate is not None:
+                    rest = n / self._rate - (time.perf_counter() - t0)
+                    if rest > 0:
+                        time.sleep(rest)
+                self.bytes_copied += n
+                self.busy_s += time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                self._drop(job)
+                ticket._finish(e)
+
+    def _drop(self, job: tuple) -> None:
+        with self._cv:
+            self._heap.remove(job)
+            heapq.heapify(self._heap)
+
+    def close(self) -> None:
+        """Finish queued jobs and stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+
+class CudaCopier:
+    """Copies on a dedicated CUDA stream into pinned host buffers; one event per job.
+
+    The source tensors are recorded on the copy stream so the caching allocator does not reuse
+    their memory before the copy ends (gradients freed by ``zero_grad(set_to_none=True)``).
+    Priority: gradient jobs go on a high-priority stream.
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int, bytes_per_s: float | None = None) -> None:
+        self._device = device
+        self._state_stream = torch.cuda.Stream(device=device)
+        self._grad_stream = torch.cuda.Stream(device=device, priority=-1)
+        self.bytes_copied = 0
+        self.busy_s = 0.0
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int) -> CopyTicket:
+        stream = self._grad_stream if priority == PRIORITY_GRAD else self._state_stream
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        nbytes = 0
+        with torch.cuda.stream(stream):
+            for src, dst in pairs:
+                dst.copy_(src.detach(), non_blocking=True)
+                src.record_stream(stream)
+                nbytes += dst.numel() * dst.element_size()
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.bytes_copied += nbytes
+        return CopyTicket(nbytes, event)
+
+    def close(self) -> None:
+        self._state_stream.synchronize()
+        self._grad_stream.synchronize()
+
+
+def make_copier(device: torch.device, chunk_bytes: int, bytes_per_s: float | None):
+    """The copier for tensors on ``device``: CUDA stream copies, or a CPU worker thread."""
+    if device.type == "cuda":
+        return CudaCopier(device, chunk_bytes, bytes_per_s)
+    return CpuCopier(chunk_bytes, bytes_per_s)
+
+
+class Slot:
+    """Host buffers of one in-flight checkpoint: the snapshot and two gradient buffers.
+
+    Attributes:
+        data: (slot_bytes,) uint8; shard data sections at fixed offsets.
+        grads: two (grad_bytes,) uint8 buffers used in turn by consecutive updates.
+    """
+
+    def __init__(self, slot_bytes: int, grad_bytes: int, pin: bool) -> None:
+        self.data = torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.grads = [torch.empty(grad_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.grad_busy: list[threading.Event] = [threading.Event(), threading.Event()]
+        for e in self.grad_busy:
+            e.set()  # set = free
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + sum(g.numel() for g in self.grads)
+
+
+class SlotPool:
+    """A bounded set of :class:`Slot`, allocated on first use and reused.
+
+    Args:
+        max_slots: slots that may exist (``max_inflight`` bounded by ``host_buffer_bytes``).
+        pin: allocate pinned memory (CUDA).
+    """
+
+    def __init__(self, max_slots: int, pin: bool) -> None:
+        self._max = max_slots
+        self._pin = pin
+        self._free: list[Slot] = []
+        self._count = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, slot_bytes: int, grad_bytes: int, block: bool) -> Slot | None:
+        """A slot with at least the given sizes, or None when none is free and ``block`` is False.
+
+        Slots too small for a grown layout are dropped and reallocated.
+        """
+        with self._cv:
+            while True:
+                while self._free:
+                    s = self._free.pop()
+                    if s.data.numel() >= slot_bytes and s.grads[0].numel() >= grad_bytes:
+                        return s
+                    self._count -= 1
+                if self._count < self._max:
+                    self._count += 1
+                    break
+                if not block:
+                    return None
+                self._cv.wait()
+        try:
+            return Slot(slot_bytes, grad_bytes, self._pin)
+        except BaseException:
+            with self._cv:
+                self._count -= 1
+                self._cv.notify()
+            raise
+
+    def release(self, slot: Slot) -> None:
+        """Return a slot for reuse and wake one waiting request."""
+        with self._cv:
+            self._free.append(slot)
+            self._cv.notify()

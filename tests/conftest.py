@@ -1,0 +1,290 @@
+"""Shared fixtures: stores for checkpoints (local, memory, S3 on loopback) and request builders.
+
+- ``store``: parametrized over a local ``tmp_path`` directory and a unique ``memory://`` root.
+- ``faulty_store``: the same two, with a :class:`Fault` whose hook runs before every write of
+  a checkpoint file (local: through ``gockpt.persist._open_local``; memory: through an fsspec
+  memory filesystem subclass), to inject errors, cancellation or barriers mid-shard.
+- ``s3_store``: a fresh bucket on a moto S3 server on 127.0.0.1.
+- ``make_request`` / ``make_tensors``: build :class:`gockpt.persist.PersistRequest` objects
+  whose slot holds the tensors at the planned offsets.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from gockpt import persist as persist_mod
+from gockpt import storage
+from gockpt.format import ShardLayout, TensorSpec, plan_shards
+from gockpt.persist import PersistRequest
+
+FAULTY_PROTOCOL = "gockptfaulty"
+
+
+@dataclass
+class Store:
+    """A directory that holds checkpoints.
+
+    Attributes:
+        root: local path or fsspec URL of the directory.
+        storage_options: fsspec options for it.
+        kind: "local", "memory" or "s3".
+    """
+
+    root: str
+    storage_options: dict = field(default_factory=dict)
+    kind: str = "local"
+
+    def path(self, *names: str) -> str:
+        """``root`` joined with ``names`` (same URL form)."""
+        return "/".join([self.root.rstrip("/"), *names])
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return storage.url_to_fs(self.root, self.storage_options)[0]
+
+    def fs_path(self, *names: str) -> str:
+        """The path of ``root``/``names`` inside :attr:`fs`."""
+        return storage.url_to_fs(self.path(*names), self.storage_options)[1]
+
+    def listing(self, *names: str) -> list[str]:
+        """Sorted base names of the entries of ``root``/``names`` (empty if missing)."""
+        fs = self.fs
+        path = self.fs_path(*names)
+        if not fs.exists(path):
+            return []
+        return sorted(p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False))
+
+
+@dataclass
+class Fault:
+    """Runs ``hook(file_name, nbytes)`` before each write to a matching checkpoint file.
+
+    Attributes:
+        hook: None (disarmed) or a callable that may raise, block or set events.
+        match: substring of file names the hook applies to.
+        written: bytes written so far to matching files while armed.
+    """
+
+    hook: Callable[[str, int], None] | None = None
+    match: str = ".safetensors"
+    written: int = 0
+
+    def before_write(self, name: str, nbytes: int) -> None:
+        if self.hook is not None and self.match in name:
+            self.hook(name, nbytes)
+            self.written += nbytes
+
+    def raise_after(self, exc: BaseException, after_bytes: int) -> None:
+        """Arm: raise ``exc`` on the write that would pass ``after_bytes`` matching bytes."""
+
+        def hook(name: str, nbytes: int) -> None:
+            if self.written + nbytes > after_bytes:
+                raise exc
+
+        self.written = 0
+        self.hook = hook
+
+
+class _FaultyFile:
+    def __init__(self, f: Any, fault: Fault, name: str) -> None:
+        self._f = f
+        self._fault = fault
+        self._name = name
+
+    def write(self, data: Any) -> int:
+        self._fault.before_write(self._name, len(data))
+        return self._f.write(data)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._f, attr)
+
+    def __enter__(self) -> _FaultyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+class FaultyMemoryFileSystem(MemoryFileSystem):
+    """A memory filesystem of its own whose written files call :attr:`fault`."""
+
+    protocol = FAULTY_PROTOCOL
+    store: dict = {}
+    pseudo_dirs: list = [""]
+    fault = Fault()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        if isinstance(path, str):
+            path = path.removeprefix(f"{FAULTY_PROTOCOL}://")
+        return super()._strip_protocol(path)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        f = super()._open(path, mode=mode, **kwargs)
+        if "w" in mode:
+            return _FaultyFile(f, self.fault, path.rpartition("/")[2])
+        return f
+
+
+fsspec.register_implementation(FAULTY_PROTOCOL, FaultyMemoryFileSystem, clobber=True)
+
+
+def _clear_memory(fs: MemoryFileSystem, root: str) -> None:
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
+    """A local directory under ``tmp_path`` or a unique ``memory://`` root."""
+    if request.param == "local":
+        yield Store(str(tmp_path / "store"), kind="local")
+        return
+    name = f"gockpt-test-{uuid.uuid4().hex}"
+    yield Store(f"memory://{name}", kind="memory")
+    _clear_memory(fsspec.filesystem("memory"), f"/{name}")
+
+
+@pytest.fixture(params=["local", "memory"])
+def faulty_store(
+    request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Store, Fault]]:
+    """(store, fault): like ``store``, with a disarmed :class:`Fault` on checkpoint writes."""
+    fault = Fault()
+    if request.param == "local":
+        real_open = persist_mod._open_local
+
+        def faulty_open(path: str) -> _FaultyFile:
+            return _FaultyFile(real_open(path), fault, path.rpartition("/")[2])
+
+        monkeypatch.setattr(persist_mod, "_open_local", faulty_open)
+        yield Store(str(tmp_path / "store"), kind="local"), fault
+        return
+    monkeypatch.setattr(FaultyMemoryFileSystem, "fault", fault)
+    name = f"gockpt-test-{uuid.uuid4().hex}"
+    yield Store(f"{FAULTY_PROTOCOL}://{name}", kind="memory"), fault
+    _clear_memory(FaultyMemoryFileSystem(), f"/{name}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def _moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(_moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """A fresh bucket on a loopback moto S3 server, as ``s3://<bucket>/ckpts``."""
+    import s3fs
+
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": _moto_endpoint},
+    }
+    bucket = f"gockpt-{uuid.uuid4().hex[:16]}"
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir(bucket)
+    fs.invalidate_cache()
+    return Store(f"s3://{bucket}/ckpts", storage_options=options, kind="s3")
+
+
+def build_slot(tensors: dict[str, torch.Tensor], shards: list[ShardLayout]) -> tuple[torch.Tensor, list[int]]:
+    """Copy ``tensors`` into one uint8 slot at the planned offsets; shards back to back."""
+    slot = torch.zeros(sum(s.data_bytes for s in shards), dtype=torch.uint8)
+    bases = []
+    pos = 0
+    for shard in shards:
+        bases.append(pos)
+        for key, (begin, end) in shard.offsets.items():
+            flat = tensors[key].detach().contiguous().reshape(-1)
+            slot[pos + begin : pos + end] = flat.view(torch.uint8)
+        pos += shard.data_bytes
+    return slot, bases
+
+
+def _make_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(64, 33, generator=g),
+        "layer.bias": torch.randn(33, generator=g).to(torch.bfloat16),
+        "emb": torch.randn(50, 8, generator=g).to(torch.float16),
+        "step": torch.tensor(seed + 7, dtype=torch.int64),
+        "mask": torch.rand(17, generator=g) > 0.5,
+        "empty": torch.empty(0, 4),
+        "counts": torch.randint(-5, 5, (9,), generator=g, dtype=torch.int32),
+    }
+
+
+@pytest.fixture
+def make_tensors() -> Callable[..., dict[str, torch.Tensor]]:
+    """``make_tensors(seed)`` -> a dict of tensors of several dtypes and shapes (0-dim, empty)."""
+    return _make_tensors
+
+
+@pytest.fixture
+def make_request() -> Callable[..., PersistRequest]:
+    """``make_request(path, tensors, step=1, ...)`` -> a PersistRequest for ``tensors``.
+
+    Keyword arguments: ``step`` (captured_step in meta), ``extra`` (object torch.save'd,
+    default ``{"step": step}``), ``aliases``, ``max_shard_bytes`` (default 1 KiB: several
+    shards), ``storage_options``; any other keyword sets a PersistRequest field.
+    """
+
+    def make(
+        path: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        step: int = 1,
+        extra: Any = None,
+        aliases: dict[str, str] | None = None,
+        max_shard_bytes: int = 1024,
+        storage_options: dict | None = None,
+        **fields: Any,
+    ) -> PersistRequest:
+        specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+        shards = plan_shards(specs, max_shard_bytes, f"shard-{uuid.uuid4().hex[:8]}")
+        slot, bases = build_slot(tensors, shards)
+        blob = io.BytesIO()
+        torch.save({"step": step} if extra is None else extra, blob)
+        fields.setdefault("chunk_bytes", 100)
+        return PersistRequest(
+            path=path,
+            shards=shards,
+            slot=slot,
+            shard_bases=bases,
+            extra=blob.getvalue(),
+            aliases=dict(aliases or {}),
+            meta={"captured_step": step, "requested_step": step, "mode": "sync"},
+            storage_options=dict(storage_options or {}),
+            **fields,
+        )
+
+    return make

@@ -1,0 +1,224 @@
+"""The central invariant: every mode's checkpoint equals a blocking save of its captured step."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import gockpt
+from gockpt import Engine, GoCkptConfig
+
+from _loop import assert_state_equal, make, snapshot, train
+
+MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
+
+
+def _run(tmp_path, opt_name: str, mode: str, *, num_iters: int = 14, save_iters=(2, 3, 7),
+         explicit: bool = False, **cfg):
+    """Train with checkpoints; return (engine metrics, {version: live snapshot}, paths)."""
+    model, opt, sched, scaler = make(opt_name)
+    config = GoCkptConfig(mode=mode, min_overlap_steps=cfg.pop("k", 3), max_overlap_steps=3,
+                          max_shard_bytes=2048, **cfg)
+    eng = Engine(model, opt, config, explicit_before_update=explicit)
+    if explicit:
+        # What a closure-running framework does: end each window right before the update.
+        opt.register_step_pre_hook(lambda *a: None)
+        original_step = opt.step
+
+        def step(*a, **k):
+            eng.before_update()
+            return original_step(*a, **k)
+
+        opt.step = step
+    live: dict[int, dict] = {}
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if eng.version not in live:
+            live[eng.version] = snapshot(model, opt)
+            live[eng.version]["it"] = it
+            live[eng.version]["sched"] = sched.state_dict()
+        if it in save_iters:
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}"),
+                                    state_fn=lambda it=it: {"sched": sched.state_dict(),
+                                                            "rng": torch.get_rng_state()}))
+
+    train(model, opt, sched, scaler, num_iters, on_step_end=on_step_end)
+    eng.close()
+    return [h.result() for h in handles], live, handles
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("opt_name", ["adamw", "adam_amsgrad_max", "sgd_nesterov"])
+def test_replayed_state_equals_blocking_save(tmp_path, opt_name, mode):
+    metrics, live, handles = _run(tmp_path, opt_name, mode)
+    for m in metrics:
+        state = gockpt.load_checkpoint(m.path)
+        v = state.captured_step
+        assert v == m.captured_step
+        if mode in ("gockpt", "gockpt_o"):
+            assert m.num_overlap_steps == 3 and v == m.requested_step + 2
+            assert m.grad_bytes > 0 and m.replay_backend
+        elif mode in ("sync", "async", "lazy"):
+            assert v == m.requested_step
+        assert_state_equal(state.model_state_dict, live[v]["model"], f"{mode}:model@{v}")
+        assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{mode}:optim@{v}")
+        # Non-tensor state describes the same step as the tensors.
+        assert_state_equal(state.extra["sched"], live[v]["sched"], f"{mode}:sched@{v}")
+
+
+def test_skipped_step_is_not_replayed(tmp_path):
+    # Saves around the GradScaler-skipped iteration 5: the window spans it without an update.
+    metrics, live, _ = _run(tmp_path, "adamw", "gockpt", save_iters=(4, 5), num_iters=12)
+    for m in metrics:
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+
+
+def test_explicit_window_end_is_exact(tmp_path):
+    metrics, live, _ = _run(tmp_path, "adamw", "gockpt_o", explicit=True)
+    for m in metrics:
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[state.captured_step]["model"])
+        assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+
+
+@pytest.mark.parametrize("opt_name", ["rmsprop", "adagrad"])
+def test_other_torch_optimizers_replay_exactly(tmp_path, opt_name):
+    metrics, live, _ = _run(tmp_path, opt_name, "gockpt")
+    for m in metrics:
+        assert m.mode == "gockpt" and m.num_overlap_steps == 3
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+
+
+def test_unreplayable_optimizer_falls_back_to_lazy_with_one_warning(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng = Engine(model, opt, GoCkptConfig(mode="gockpt"))
+        opt.step(closure)
+        h1 = eng.save(str(tmp_path / "a"))
+        opt.step(closure)
+        h2 = eng.save(str(tmp_path / "b"))
+        opt.step(closure)
+        eng.close()
+    assert [m.mode for m in (h1.result(), h2.result())] == ["lazy", "lazy"]
+    assert sum("cannot replay LBFGS" in str(x.message) for x in w) == 1
+
+
+def test_flush_finishes_pending_checkpoint_at_current_step(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    h = eng.save(str(tmp_path / "c"))
+    train(model, opt, sched, scaler, 4, start_iter=3)  # one more update: window 1 of 3
+    want = snapshot(model, opt)
+    eng.wait()
+    m = h.result()
+    assert m.captured_step == m.requested_step + 1 == eng.version
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
+    assert_state_equal(state.model_state_dict, want["model"])
+    eng.close()
+
+
+def test_training_proceeds_while_copy_and_persist_run(tmp_path, monkeypatch):
+    """Overlap without sleeps: persist is held at a barrier while the training thread steps."""
+    import gockpt.engine as engine_mod
+
+    gate = threading.Event()
+    entered = threading.Event()
+    real = engine_mod.persist
+
+    def held(req):
+        entered.set()
+        assert gate.wait(30)
+        return real(req)
+
+    monkeypatch.setattr(engine_mod, "persist", held)
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="async"))
+    train(model, opt, sched, scaler, 2)
+    h = eng.save(str(tmp_path / "d"))
+    assert entered.wait(30)
+    v0 = eng.version
+    train(model, opt, sched, scaler, 6, start_iter=2)  # the training thread is not blocked
+    assert eng.version > v0 and not h.done()
+    gate.set()
+    assert h.result(30).captured_step == v0
+    eng.close()
+
+
+def test_background_error_is_raised_on_training_thread(tmp_path, monkeypatch):
+    import gockpt.engine as engine_mod
+
+    def broken(req):
+        raise OSError(28, "No space left on device", req.path)
+
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="async"))
+    train(model, opt, sched, scaler, 2)
+    monkeypatch.setattr(engine_mod, "persist", broken)
+    h = eng.save(str(tmp_path / "e"))
+    with pytest.raises(OSError):
+        h.result(30)
+    with pytest.raises(RuntimeError, match="background checkpoint failed"):
+        eng.save(str(tmp_path / "f"))
+    eng.close()
+
+
+def test_remove_cancels_in_flight_save(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    path = str(tmp_path / "g")
+    h = eng.save(path)
+    train(model, opt, sched, scaler, 4, start_iter=3)
+    eng.remove(path)
+    with pytest.raises(gockpt.CheckpointCancelledError):
+        h.result(30)
+    eng.close()
+    assert not (tmp_path / "g").exists()
+    assert [p.name for p in tmp_path.iterdir() if "gockpt-tmp" in p.name] == []
+
+
+def test_restore_into_live_model(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    train(model, opt, sched, scaler, 3)
+    h = eng.save(str(tmp_path / "r"), state_fn=lambda: {"note": "x"})
+    train(model, opt, sched, scaler, 5, start_iter=3)
+    eng.close()
+    m = h.result()
+    model2, opt2, _, _ = make("adamw", seed=1)
+    eng2 = Engine(model2, opt2, GoCkptConfig(mode="sync"))
+    assert eng2.restore(m.path) == {"note": "x"}
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(model2.state_dict(), state.model_state_dict)
+    eng2.close()
+
+
+def test_restore_rejects_model_that_does_not_fit(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="sync"))
+    train(model, opt, sched, scaler, 2)
+    m = eng.save(str(tmp_path / "s")).result()
+    eng.close()
+    other = torch.nn.Sequential(torch.nn.Linear(8, 3))
+    with pytest.raises(ValueError, match="not in the model|lacks model keys"):
+        gockpt.load_into(other, [torch.optim.AdamW(other.parameters())], gockpt.load_checkpoint(m.path))
