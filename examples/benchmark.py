@@ -300,11 +300,13 @@ def _scheme_class(name: str) -> type[Scheme]:
 def run_child(args: argparse.Namespace) -> dict:
     """Trains with one scheme (this process only) and returns its measurements."""
     import resource
+    import warnings
 
     import torch
     from common import PRESETS, build_model, make_dataloader, make_optimizer, text_datasets
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     preset = PRESETS[args.preset]
     model, loss_fn = build_model(args.preset, seed=0)
     optimizer = make_optimizer(model)

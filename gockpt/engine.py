@@ -133,6 +133,14 @@ class SaveHandle:
         """Whether the checkpoint is durable, failed, cancelled or skipped."""
         return self._future.done()
 
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the checkpoint is durable, failed, cancelled or skipped.
+
+        ``fn`` runs on the thread that finishes the checkpoint (a persist thread), or at once on
+        the calling thread when it is already done; it must not block for long.
+        """
+        self._future.add_done_callback(lambda _f: fn(self))
+
     def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
         """Block until durable; returns its metrics.
 

@@ -380,7 +380,10 @@ class _ObjectTarget(_Target):
                 f"{root}: file {clash[0]!r} belongs to the published checkpoint; "
                 "shard prefixes must be unique per save"
             )
-        fs.makedirs(root, exist_ok=True)
+        # Object stores need no directories; filesystems without rename (sftp, ...) do.
+        self.created_dir = not fs.exists(root)
+        if self.created_dir:
+            fs.makedirs(root, exist_ok=True)
 
     def file_path(self, name: str) -> str:
         return storage._join(self.root, name)
@@ -431,6 +434,11 @@ class _ObjectTarget(_Target):
             doomed = ours
         for name in doomed:
             storage._remove_file(self.fs, self.file_path(name))
+        if self.created_dir and not published:
+            try:
+                self.fs.rmdir(self.root)
+            except Exception:  # best effort: some stores have no directories to remove
+                pass
 
 
 def _plain(name: object) -> bool:
