@@ -48,7 +48,7 @@ from .layout import StateLayout, Unit, build_layout, layout_signature
 from .persist import CheckpointCancelledError, PersistRequest, persist
 from .plan import MULTI_STEP_MODES, CopyPlan, Costs, make_plan
 from .replay import ReplayBackend, TorchReplay, is_replayable, snapshot_hparams
-from .storage import remove_checkpoint
+from .storage import cleanup_staging, remove_checkpoint
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, Slot, SlotPool, make_copier
 
 log = logging.getLogger("gockpt")
@@ -244,6 +244,7 @@ class Engine:
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._guard_handles: list = []
         self._closed = False
+        self._cleaned_dirs: set[str] = set()
 
         device = self._device()
         self._copier = make_copier(device, self.config.chunk_bytes, self.config.host_link_bytes_per_s)
@@ -298,6 +299,11 @@ class Engine:
         self._raise_errors()
         self._boundary()
         t0 = time.perf_counter()
+        parent = path.rstrip("/").rpartition("/")[0] or "."
+        if parent not in self._cleaned_dirs:
+            # Scratch files of processes killed mid-save (never a complete checkpoint).
+            cleanup_staging(parent, self.config.storage_options)
+            self._cleaned_dirs.add(parent)
         layout = self._current_layout()
         plan = self._plan(layout, mode or self.config.mode, exact_step)
         seq = next(self._seq)

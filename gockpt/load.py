@@ -11,8 +11,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -42,7 +43,7 @@ class LoadedCheckpoint:
 def read_checkpoint(
     path: str,
     *,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     verify: bool = True,
     allow_pickle: bool = False,
 ) -> LoadedCheckpoint:
@@ -159,7 +160,9 @@ def _decode(file_path: str, data: memoryview | bytes, index: dict[str, dict]) ->
     for key, want in index.items():
         got = header.get(key)
         if got is None:
-            raise CheckpointCorruptError(f"{file_path}: tensor {key!r} of the manifest is not in the header")
+            raise CheckpointCorruptError(
+                f"{file_path}: tensor {key!r} of the manifest is not in the header"
+            )
         for field in ("dtype", "shape", "data_offsets"):
             if got[field] != want[field]:
                 raise CheckpointCorruptError(
@@ -180,11 +183,14 @@ def _load_local_shard(
     if size:
         # shared=False maps the file privately (copy-on-write); torch owns the mapping, so
         # the tensors below keep it alive.
-        mapped = torch.UntypedStorage.from_file(file_path, shared=False, nbytes=size)
+        mapped = cast(
+            torch.UntypedStorage,
+            torch.UntypedStorage.from_file(file_path, shared=False, nbytes=size),
+        )
         buf = torch.empty(0, dtype=torch.uint8).set_(mapped)
     else:
         buf = torch.empty(0, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     _check_digest(file_path, view, entry, verify)
     data_start = _decode(file_path, view, index)
     out = {}

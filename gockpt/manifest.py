@@ -51,7 +51,9 @@ def check_name(name: Any, path: str) -> str:
         or ".." in name
         or any(c in name for c in ("/", "\\", "\0"))
     ):
-        raise CheckpointCorruptError(f"{path}: invalid file name {name!r} (must be a plain file name)")
+        raise CheckpointCorruptError(
+            f"{path}: invalid file name {name!r} (must be a plain file name)"
+        )
     return name
 
 
@@ -87,7 +89,9 @@ def build_manifest(
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "files": {name: {"bytes": f["bytes"], "xxh3_64": f["xxh3_64"]} for name, f in files.items()},
+        "files": {
+            name: {"bytes": f["bytes"], "xxh3_64": f["xxh3_64"]} for name, f in files.items()
+        },
         "tensors": tensors,
         "aliases": dict(aliases),
         "extra_file": extra_file,

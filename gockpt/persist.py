@@ -182,10 +182,12 @@ def _check_request(req: PersistRequest) -> int | None:
     if len(req.shards) != len(req.shard_bases):
         raise ValueError(f"{len(req.shards)} shards but {len(req.shard_bases)} shard bases")
     names = set()
-    for shard, base in zip(req.shards, req.shard_bases):
+    for shard, base in zip(req.shards, req.shard_bases, strict=True):
         check_name(shard.file, req.path)
         if shard.file in names or shard.file == storage.MANIFEST_NAME:
-            raise ValueError(f"{req.path}: shard file name {shard.file!r} is used twice or reserved")
+            raise ValueError(
+                f"{req.path}: shard file name {shard.file!r} is used twice or reserved"
+            )
         names.add(shard.file)
         if base < 0 or base + shard.data_bytes > slot.numel():
             raise ValueError(
@@ -233,10 +235,10 @@ def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterato
 
 
 def _write_files(req: PersistRequest, target: _Target, extra_name: str) -> dict[str, dict]:
-    slot_view = memoryview(req.slot.numpy())
+    slot_view = req.slot.numpy().data
     extra_view = memoryview(req.extra)
     jobs: list[tuple[int, str, Callable[[], Iterator[memoryview | bytes]]]] = []
-    for shard, base in zip(req.shards, req.shard_bases):
+    for shard, base in zip(req.shards, req.shard_bases, strict=True):
 
         def pieces(shard: ShardLayout = shard, base: int = base) -> Iterator[memoryview | bytes]:
             yield shard.header
@@ -244,7 +246,11 @@ def _write_files(req: PersistRequest, target: _Target, extra_name: str) -> dict[
 
         jobs.append((shard.file_bytes, shard.file, pieces))
     jobs.append(
-        (len(extra_view), extra_name, lambda: _chunks(extra_view, 0, len(extra_view), req.chunk_bytes))
+        (
+            len(extra_view),
+            extra_name,
+            lambda: _chunks(extra_view, 0, len(extra_view), req.chunk_bytes),
+        )
     )
     jobs.sort(key=lambda job: -job[0])  # largest first balances the threads
 

@@ -39,7 +39,9 @@ _SCRATCH_RE = re.compile(r"^\.(?P<name>.+)\.gockpt-(?P<kind>tmp|old)-(?P<pid>\d+
 _LATEST_LOCK = threading.Lock()
 
 
-def url_to_fs(path: str, storage_options: Mapping[str, Any] | None) -> tuple[AbstractFileSystem, str]:
+def url_to_fs(
+    path: str, storage_options: Mapping[str, Any] | None
+) -> tuple[AbstractFileSystem, str]:
     """Resolve ``path`` to a filesystem and the path inside it, without a trailing slash.
 
     Args:
@@ -66,7 +68,9 @@ def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> 
     return _has_manifest(fs, root)
 
 
-def latest_checkpoint(directory: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
+def latest_checkpoint(
+    directory: str, storage_options: Mapping[str, Any] | None = None
+) -> str | None:
     """The checkpoint named by the ``latest`` pointer in ``directory``.
 
     Args:
@@ -253,7 +257,9 @@ def _read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict 
         check_name(name, pointer_path)
     except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
         if strict:
-            raise CheckpointCorruptError(f"{pointer_path}: not a valid 'latest' pointer ({e})") from None
+            raise CheckpointCorruptError(
+                f"{pointer_path}: not a valid 'latest' pointer ({e})"
+            ) from None
         return None
     return {"name": name, "captured_step": step}
 
@@ -287,7 +293,9 @@ def _captured_step(fs: AbstractFileSystem, root: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _best_checkpoint(fs: AbstractFileSystem, parent: str, *, exclude: str) -> tuple[str, int] | None:
+def _best_checkpoint(
+    fs: AbstractFileSystem, parent: str, *, exclude: str
+) -> tuple[str, int] | None:
     try:
         entries = fs.ls(parent, detail=False)
     except FileNotFoundError:

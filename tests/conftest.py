@@ -199,7 +199,12 @@ def s3_store(_moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Store:
     """A fresh bucket on a loopback moto S3 server, as ``s3://<bucket>/ckpts``."""
     import s3fs
 
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+    for var in (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
@@ -216,7 +221,9 @@ def s3_store(_moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Store:
     return Store(f"s3://{bucket}/ckpts", storage_options=options, kind="s3")
 
 
-def build_slot(tensors: dict[str, torch.Tensor], shards: list[ShardLayout]) -> tuple[torch.Tensor, list[int]]:
+def build_slot(
+    tensors: dict[str, torch.Tensor], shards: list[ShardLayout]
+) -> tuple[torch.Tensor, list[int]]:
     """Copy ``tensors`` into one uint8 slot at the planned offsets; shards back to back."""
     slot = torch.zeros(sum(s.data_bytes for s in shards), dtype=torch.uint8)
     bases = []

@@ -222,3 +222,29 @@ def test_restore_rejects_model_that_does_not_fit(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(8, 3))
     with pytest.raises(ValueError, match="not in the model|lacks model keys"):
         gockpt.load_into(other, [torch.optim.AdamW(other.parameters())], gockpt.load_checkpoint(m.path))
+
+
+@pytest.mark.parametrize("mode", ["gockpt_o", "async"])
+def test_engine_on_memory_filesystem(mode):
+    import uuid
+
+    root = f"memory://engine-{uuid.uuid4().hex}"
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=2, max_overlap_steps=2,
+                                          max_shard_bytes=1024))
+    live = {}
+    requested = []
+
+    def on_step_end(it):
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it in (2, 3):
+            requested.append(eng.version)
+            eng.save(f"{root}/ckpt")  # re-saves the same path while the first is in flight
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end)
+    eng.close()
+    state = gockpt.load_checkpoint(f"{root}/ckpt")
+    assert state.manifest["meta"]["requested_step"] == requested[-1]  # the newer save won
+    assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+    assert gockpt.latest_checkpoint(root) == f"{root}/ckpt"

@@ -61,7 +61,9 @@ spec_lists = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(raw=spec_lists, max_shard_bytes=st.integers(1, 400), seed=st.integers(0, 2**16))
 def test_planned_shards_load_with_official_safetensors(tmp_path, raw, max_shard_bytes, seed):
     specs = [TensorSpec(f"t{i}.w", dtype, tuple(shape)) for i, (dtype, shape) in enumerate(raw)]
@@ -101,7 +103,7 @@ def test_empty_spec_list_gives_one_empty_shard():
     assert decode_header(shard.header, shard.file_bytes, "f") == ({}, len(shard.header))
 
 
-def _header(obj: dict) -> bytes:
+def _header(obj: object) -> bytes:
     raw = json.dumps(obj).encode()
     return struct.pack("<Q", len(raw)) + raw
 
@@ -119,10 +121,26 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
         (struct.pack("<Q", 50) + b"{}", 20, "overruns"),
         (struct.pack("<Q", 5) + b"{not}", 13, "not valid JSON"),
         (_header([1, 2]), len(_header([1, 2])), "not a JSON object"),
-        (_header({"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}), len(_header(GOOD)) + 8, "unknown dtype"),
-        (_header({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}), len(_header(GOOD)) + 8, "do not match its shape"),
-        (_header({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}), len(_header(GOOD)) + 8, "malformed shape"),
-        (_header({"a": {"dtype": "F32", "shape": [2]}}), len(_header(GOOD)) + 8, "malformed header entry"),
+        (
+            _header({"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}),
+            len(_header(GOOD)) + 8,
+            "unknown dtype",
+        ),
+        (
+            _header({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}),
+            len(_header(GOOD)) + 8,
+            "do not match its shape",
+        ),
+        (
+            _header({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}),
+            len(_header(GOOD)) + 8,
+            "malformed shape",
+        ),
+        (
+            _header({"a": {"dtype": "F32", "shape": [2]}}),
+            len(_header(GOOD)) + 8,
+            "malformed header entry",
+        ),
         (
             _header(
                 {

@@ -79,7 +79,9 @@ def test_resave_same_path_replaces_atomically(store, make_request, make_tensors)
     assert store.listing() == ["ckpt", "latest"]
 
 
-def test_cancel_mid_shard_leaves_no_files_and_keeps_previous(faulty_store, make_request, make_tensors):
+def test_cancel_mid_shard_leaves_no_files_and_keeps_previous(
+    faulty_store, make_request, make_tensors
+):
     store, fault = faulty_store
     old = make_tensors(1)
     persist(make_request(store.path("ckpt"), old, step=1))
@@ -169,8 +171,12 @@ def test_publish_callbacks_run_under_the_publish_lock(store, make_request, make_
         store.path("ckpt"),
         make_tensors(1),
         publish_lock=lock,
-        is_superseded=lambda: calls.append(("superseded", lock.locked(), is_complete(store.path("ckpt")))) or False,
-        on_published=lambda: calls.append(("published", lock.locked(), is_complete(store.path("ckpt")))),
+        is_superseded=lambda: (
+            calls.append(("superseded", lock.locked(), is_complete(store.path("ckpt")))) or False
+        ),
+        on_published=lambda: calls.append(
+            ("published", lock.locked(), is_complete(store.path("ckpt")))
+        ),
     )
     persist(req)
     assert calls == [("superseded", True, False), ("published", True, True)]
@@ -235,7 +241,9 @@ def test_object_store_rejects_reused_shard_names(make_request, make_tensors):
 # --- local filesystem specifics -------------------------------------------------------------
 
 
-def test_local_symlink_at_path_is_replaced_not_written_through(tmp_path, make_request, make_tensors):
+def test_local_symlink_at_path_is_replaced_not_written_through(
+    tmp_path, make_request, make_tensors
+):
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.txt").write_text("untouched")

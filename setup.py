@@ -1,0 +1,54 @@
+"""Build of the optional CPU replay kernel ``gockpt._gockpt_native`` (csrc/).
+
+Package metadata lives in pyproject.toml; this file only declares the extension. The
+extension is optional: without a working C++ compiler (or without pybind11 headers) the
+install still succeeds and replay uses the torch backend (gockpt._native logs it once).
+The build needs no torch. No -march=native: the AVX2 and AVX-512 kernels are compiled through
+target regions in csrc/module.cpp and chosen at run time, so a wheel built on one x86-64
+machine runs on any other.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import Extension, setup
+
+
+def _native_extensions() -> list[Extension]:
+    try:
+        import pybind11
+    except ImportError:
+        print("gockpt: pybind11 not found; skipping the optional native replay kernel",
+              file=sys.stderr)
+        return []
+    if sys.platform == "win32":
+        compile_args = ["/O2", "/std:c++17", "/fp:precise"]
+        link_args: list[str] = []
+    else:
+        compile_args = [
+            "-O3",
+            "-std=c++17",
+            # Rounding is decided in the source (explicit FMA intrinsics where torch's kernels
+            # fuse, separate operations where they do not): never let the compiler contract.
+            "-ffp-contract=off",
+            "-fno-math-errno",
+            "-fvisibility=hidden",
+            "-pthread",
+        ]
+        link_args = ["-pthread"]
+    return [
+        Extension(
+            "gockpt._gockpt_native",
+            sources=["csrc/module.cpp"],
+            depends=["csrc/kernel_args.h", "csrc/lanes.h", "csrc/optim_kernels.inc"],
+            include_dirs=[pybind11.get_include(), "csrc"],
+            language="c++",
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+            optional=True,
+        )
+    ]
+
+
+setup(ext_modules=_native_extensions())
