@@ -248,7 +248,8 @@ class Engine:
 
         device = self._device()
         self._copier = make_copier(device, self.config.chunk_bytes, self.config.host_link_bytes_per_s)
-        self._pool = SlotPool(self.config.max_inflight, pin=device.type == "cuda")
+        self._pool = SlotPool(self.config.max_inflight, pin=device.type == "cuda",
+                              max_bytes=self.config.host_buffer_bytes)
         self._host_budget_checked = False
         self._persist_pool = ThreadPoolExecutor(self.config.max_inflight, thread_name_prefix="gockpt-persist")
         self._replay_q: queue.Queue = queue.Queue()

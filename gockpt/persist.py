@@ -157,8 +157,7 @@ def persist(req: PersistRequest) -> PersistResult:
                 req.on_published()
     finally:
         target.cleanup(published)
-    if published and req.update_latest:
-        assert captured_step is not None
+    if published and captured_step is not None:  # captured_step is set iff update_latest
         storage.advance_latest(req.path, captured_step, req.storage_options)
     written = sum(f["bytes"] for f in files.values())
     return PersistResult(

@@ -226,15 +226,19 @@ class SlotPool:
     """A bounded set of :class:`Slot`, allocated on first use and reused.
 
     Args:
-        max_slots: slots that may exist (``max_inflight`` bounded by ``host_buffer_bytes``).
+        max_slots: slots that may exist (``max_inflight``).
         pin: allocate pinned memory (CUDA).
+        max_bytes: bound on the bytes of all slots together (``host_buffer_bytes``); None for
+            no bound beyond ``max_slots``.
     """
 
-    def __init__(self, max_slots: int, pin: bool) -> None:
+    def __init__(self, max_slots: int, pin: bool, max_bytes: int | None = None) -> None:
         self._max = max_slots
         self._pin = pin
+        self._max_bytes = max_bytes
         self._free: list[Slot] = []
         self._count = 0
+        self._bytes = 0
         self._cv = threading.Condition()
 
     def acquire(self, slot_bytes: int, grad_bytes: int, block: bool) -> Slot | None:
@@ -242,6 +246,7 @@ class SlotPool:
 
         Slots too small for a grown layout are dropped and reallocated.
         """
+        need = slot_bytes + 2 * grad_bytes
         with self._cv:
             while True:
                 while self._free:
@@ -249,8 +254,11 @@ class SlotPool:
                     if s.data.numel() >= slot_bytes and s.grads[0].numel() >= grad_bytes:
                         return s
                     self._count -= 1
-                if self._count < self._max:
+                    self._bytes -= s.nbytes
+                fits = self._max_bytes is None or self._bytes + need <= self._max_bytes
+                if self._count < self._max and fits:
                     self._count += 1
+                    self._bytes += need
                     break
                 if not block:
                     return None
@@ -260,6 +268,7 @@ class SlotPool:
         except BaseException:
             with self._cv:
                 self._count -= 1
+                self._bytes -= need
                 self._cv.notify()
             raise
 

@@ -248,3 +248,24 @@ def test_engine_on_memory_filesystem(mode):
     assert state.manifest["meta"]["requested_step"] == requested[-1]  # the newer save won
     assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
     assert gockpt.latest_checkpoint(root) == f"{root}/ckpt"
+
+
+def test_full_pool_skips_by_policy_and_waits_by_default(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    cfg = dict(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3, max_inflight=1)
+    eng = Engine(model, opt, GoCkptConfig(when_full="skip", **cfg))
+    train(model, opt, sched, scaler, 2)
+    first = eng.save(str(tmp_path / "a"))
+    second = eng.save(str(tmp_path / "b"))  # the only slot is still in its copy windows
+    assert second.done() and second.skipped and not first.skipped
+    eng.close()
+    assert first.result().captured_step is not None and not (tmp_path / "b").exists()
+
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(**cfg))
+    train(model, opt, sched, scaler, 2)
+    first = eng.save(str(tmp_path / "c"))
+    second = eng.save(str(tmp_path / "d"))  # waits: the first finishes early at this step
+    assert first.result().captured_step == first.requested_step
+    eng.close()
+    assert not second.skipped and second.result().captured_step is not None
