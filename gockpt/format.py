@@ -216,10 +216,10 @@ def decode_header(prefix: bytes, file_bytes: int, path: str) -> tuple[dict[str, 
             raise CheckpointCorruptError(f"{path}: malformed header entry for {key!r}") from None
         if code not in CODE_TO_DTYPE:
             raise CheckpointCorruptError(f"{path}: tensor {key!r} has unknown dtype {code!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
             raise CheckpointCorruptError(f"{path}: tensor {key!r} has a malformed shape")
         spec = TensorSpec(key, CODE_TO_DTYPE[code], tuple(shape))
-        if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != spec.nbytes:
+        if not (type(begin) is int and type(end) is int) or end - begin != spec.nbytes:
             raise CheckpointCorruptError(f"{path}: tensor {key!r}: offsets do not match its shape")
         spans.append((begin, end, key))
     spans.sort()
