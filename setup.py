@@ -19,8 +19,10 @@ def _native_extensions() -> list[Extension]:
     try:
         import pybind11
     except ImportError:
-        print("gockpt: pybind11 not found; skipping the optional native replay kernel",
-              file=sys.stderr)
+        print(
+            "gockpt: pybind11 not found; skipping the optional native replay kernel",
+            file=sys.stderr,
+        )
         return []
     if sys.platform == "win32":
         compile_args = ["/O2", "/std:c++17", "/fp:precise"]
@@ -28,6 +30,7 @@ def _native_extensions() -> list[Extension]:
     else:
         compile_args = [
             "-O3",
+            "-g0",
             "-std=c++17",
             # Rounding is decided in the source (explicit FMA intrinsics where torch's kernels
             # fuse, separate operations where they do not): never let the compiler contract.

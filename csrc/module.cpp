@@ -31,6 +31,11 @@
 
 #include "kernel_args.h"
 
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 reports its own AVX-512 intrinsic headers (the _mm512_undefined_* idiom) here.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace gockpt {
 
 namespace portable {

@@ -47,7 +47,8 @@ from .format import ShardLayout, plan_shards
 from .layout import StateLayout, Unit, build_layout, layout_signature
 from .persist import CheckpointCancelledError, PersistRequest, persist
 from .plan import MULTI_STEP_MODES, CopyPlan, Costs, make_plan
-from .replay import ReplayBackend, TorchReplay, is_replayable, snapshot_hparams
+from .replay import ReplayBackend, is_replayable, snapshot_hparams
+from .selfcheck import select_backend
 from .storage import cleanup_staging, remove_checkpoint
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, Slot, SlotPool, make_copier
 
@@ -903,10 +904,6 @@ def _strip_tensors(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _select_backend(opt: Optimizer, preference: str) -> tuple[ReplayBackend, dict[str, Any]]:
-    try:
-        from .selfcheck import select_backend
-    except ImportError:  # the self-check module is optional during bring-up
-        return TorchReplay(), {"backend": "torch", "exact": True, "max_abs_error": 0.0}
     choice = select_backend(opt, preference)
     return choice.backend, {"backend": choice.backend.name, "exact": choice.exact,
                             "max_abs_error": choice.max_abs_error, "candidates": choice.candidates}

@@ -1,0 +1,158 @@
+"""The start-up self-check (gockpt.selfcheck): probing, choice, cache, fallback without kernel."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.optim import SGD, AdamW, RMSprop
+
+from gockpt import _native, selfcheck
+from gockpt.replay import TorchReplay
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_fresh_cache():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    selfcheck._cache.clear()
+    yield
+    selfcheck._cache.clear()
+    torch.set_num_threads(threads)
+
+
+def _trained(cls, steps=2, **kw):
+    gen = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(5, 3, generator=gen)),
+        torch.nn.Parameter(torch.randn(7, generator=gen)),
+    ]
+    opt = cls(params, **kw)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt
+
+
+class _Perturbed:
+    """A backend that replays like torch, then moves every parameter by ``delta``."""
+
+    def __init__(self, name, delta):
+        self.name = name
+        self.delta = delta
+
+    def supports(self, optimizer_cls, hparams):
+        return True
+
+    def step(self, optimizer_cls, hparams, params, grads, states):
+        TorchReplay().step(optimizer_cls, hparams, params, grads, states)
+        for p in params:
+            p.add_(self.delta)
+
+
+def test_cpu_adamw_gets_an_exact_native_backend():
+    choice = selfcheck.select_backend(_trained(AdamW))
+    assert choice.exact and choice.max_abs_error == 0.0
+    assert isinstance(choice.backend, _native.NativeReplay)  # exact and faster than torch
+    assert choice.candidates["torch"] == 0.0
+    assert choice.candidates[choice.backend.name] == 0.0
+    # Variants with other rounding are measured, not assumed: at least one is not exact.
+    assert any(err > 0.0 for err in choice.candidates.values())
+
+
+def test_live_optimizer_is_not_touched():
+    opt = _trained(AdamW, amsgrad=True)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    state_before = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state.items()}
+    group_before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    selfcheck.select_backend(opt)
+    for p, b in zip(opt.param_groups[0]["params"], before, strict=True):
+        assert torch.equal(p, b) and p.grad is not None
+    assert set(opt.state) == set(state_before)
+    for k, s in opt.state.items():
+        assert all(torch.equal(s[n], state_before[k][n]) for n in s)
+    assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == group_before
+
+
+def test_choice_is_cached_per_class_hparams_and_device(monkeypatch):
+    opt = _trained(AdamW)
+    first = selfcheck.select_backend(opt)
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(selfcheck, "_probe", no_probe)
+    assert selfcheck.select_backend(opt) is first
+    opt.param_groups[0]["lr"] = 0.123  # lr changes every step under a scheduler: same key
+    assert selfcheck.select_backend(opt) is first
+    opt.param_groups[0]["weight_decay"] = 0.5  # a hyperparameter that matters: new probe
+    with pytest.raises(AssertionError, match="probed again"):
+        selfcheck.select_backend(opt)
+
+
+def test_preferences_restrict_candidates():
+    opt = _trained(SGD, lr=0.1, momentum=0.9)
+    torch_only = selfcheck.select_backend(opt, "torch")
+    assert isinstance(torch_only.backend, TorchReplay) and torch_only.exact
+    assert list(torch_only.candidates) == ["torch"]
+    native_only = selfcheck.select_backend(opt, "native")
+    assert isinstance(native_only.backend, _native.NativeReplay) and native_only.exact
+    assert "torch" not in native_only.candidates
+    with pytest.raises(ValueError, match="preference"):
+        selfcheck.select_backend(opt, "fastest")
+
+
+def test_native_preference_for_unsupported_optimizer_raises():
+    opt = _trained(RMSprop)
+    with pytest.raises(ValueError, match="native kernel cannot replay RMSprop"):
+        selfcheck.select_backend(opt, "native")
+    choice = selfcheck.select_backend(opt)
+    assert isinstance(choice.backend, TorchReplay) and choice.exact
+
+
+def test_low_precision_parameters_are_left_to_torch():
+    params = [torch.nn.Parameter(torch.randn(9).to(torch.bfloat16))]
+    opt = AdamW(params)
+    choice = selfcheck.select_backend(opt)
+    assert list(choice.candidates) == ["torch"] and choice.exact
+
+
+def test_closest_backend_is_chosen_when_none_is_exact(monkeypatch):
+    far, near = _Perturbed("far", 1e-3), _Perturbed("near", 2.0**-20)
+    monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [far, near])
+    choice = selfcheck.select_backend(_trained(AdamW))
+    assert choice.backend is near
+    assert not choice.exact
+    assert 0.0 < choice.max_abs_error == choice.candidates["near"] < choice.candidates["far"]
+
+
+def test_fastest_exact_backend_wins(monkeypatch):
+    slow, fast, wrong = _Perturbed("slow", 0.0), _Perturbed("fast", 0.0), _Perturbed("wrong", 1.0)
+    monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [slow, wrong, fast])
+    seconds = {"slow": 2.0, "fast": 1.0, "wrong": 0.0}
+    monkeypatch.setattr(selfcheck, "_time_step", lambda b, *a: seconds[b.name])
+    choice = selfcheck.select_backend(_trained(AdamW))
+    assert choice.backend is fast and choice.exact
+    assert choice.candidates == {"slow": 0.0, "wrong": choice.candidates["wrong"], "fast": 0.0}
+    assert choice.candidates["wrong"] > 0.0
+
+
+def test_missing_kernel_falls_back_to_torch_with_one_info_log(monkeypatch, caplog):
+    monkeypatch.setattr(_native, "_ext", None)
+    monkeypatch.setattr(_native, "_import_error", ImportError("no module named _gockpt_native"))
+    monkeypatch.setattr(_native, "_reported_missing", False)
+    caplog.set_level(logging.INFO, logger="gockpt._native")
+    opt = _trained(AdamW)
+    choice = selfcheck.select_backend(opt)
+    assert isinstance(choice.backend, TorchReplay) and choice.exact
+    assert list(choice.candidates) == ["torch"]
+    selfcheck._cache.clear()
+    selfcheck.select_backend(opt)
+    assert _native.variants() == [] and not _native.available()
+    records = [r for r in caplog.records if r.name == "gockpt._native"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "torch backend" in records[0].getMessage()
+    with pytest.raises(ValueError, match="not available"):
+        selfcheck.select_backend(opt, "native")
