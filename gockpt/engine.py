@@ -821,7 +821,10 @@ class Engine:
         return self._layout
 
     def _plan(self, layout: StateLayout, mode: str, exact_step: bool) -> CopyPlan:
-        replayable = self.version > 0 and all(is_replayable(o) for o in self.optimizers)
+        # With several optimizers, K-1 updates could end between two optimizers' steps of one
+        # iteration, a state no loop resumes from: those engines copy in one step (lazy).
+        replayable = (self.version > 0 and len(self.optimizers) == 1
+                      and all(is_replayable(o) for o in self.optimizers))
         if mode in MULTI_STEP_MODES + ("auto",) and not all(is_replayable(o) for o in self.optimizers):
             if not self._warned_fallback:
                 names = sorted({type(o).__name__ for o in self.optimizers if not is_replayable(o)})

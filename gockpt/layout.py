@@ -164,13 +164,20 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
 
 
 def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
-    """A cheap fingerprint of what :func:`build_layout` would enumerate."""
-    sig: list = [len(model.state_dict(keep_vars=True))]
+    """A cheap fingerprint of what :func:`build_layout` would enumerate.
+
+    It covers the identity and storage of every tensor, so that ``optimizer.load_state_dict``
+    (new state tensors) or ``module.to()`` (new parameter storage) makes the engine re-enumerate.
+    """
+
+    def ident(t: object) -> object:
+        return (id(t), t.data_ptr()) if isinstance(t, torch.Tensor) else None
+
+    sig: list = [tuple((k, ident(v)) for k, v in model.state_dict(keep_vars=True).items())]
     for opt in optimizers:
-        sig.append(sum(len(g["params"]) for g in opt.param_groups))
         sig.append(tuple(
-            (id(p), tuple(sorted(k for k, v in opt.state.get(p, {}).items()
-                                 if isinstance(v, torch.Tensor))))
+            (ident(p), tuple(sorted((k, ident(v)) for k, v in opt.state.get(p, {}).items()
+                                    if isinstance(v, torch.Tensor))))
             for g in opt.param_groups for p in g["params"]
         ))
     return tuple(sig)

@@ -269,3 +269,55 @@ def test_full_pool_skips_by_policy_and_waits_by_default(tmp_path):
     assert first.result().captured_step == first.requested_step
     eng.close()
     assert not second.skipped and second.result().captured_step is not None
+
+
+def test_reloaded_optimizer_state_is_tracked(tmp_path):
+    """optimizer.load_state_dict replaces the state tensors: later saves must copy the new ones."""
+    import copy
+
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy"))
+    train(model, opt, sched, scaler, 3)
+    eng.save(str(tmp_path / "a")).result()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new tensors, same values
+    live = {}
+
+    def on_step_end(it):
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 5, start_iter=3, on_step_end=on_step_end)
+    m = eng.save(str(tmp_path / "b")).result()
+    eng.close()
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+
+
+def test_several_optimizers_copy_in_one_step(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opts = [torch.optim.AdamW(model[0].parameters()), torch.optim.SGD(model[1].parameters(), lr=0.1)]
+    eng = Engine(model, opts, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    x = torch.randn(8, 4)
+    handle = None
+    for it in range(5):
+        model(x).pow(2).mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        if it == 1:
+            want = {"model": copy_sd(model), "optims": [copy_sd(o) for o in opts]}
+            handle = eng.save(str(tmp_path / "m"))
+    eng.close()
+    m = handle.result()
+    assert m.num_overlap_steps == 1 and m.captured_step == m.requested_step
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.model_state_dict, want["model"])
+    for got, exp in zip(state.optimizer_state_dicts, want["optims"]):
+        assert_state_equal(got, exp)
+
+
+def copy_sd(obj):
+    import copy
+
+    return copy.deepcopy(obj.state_dict())
