@@ -47,18 +47,14 @@ from .format import ShardLayout, plan_shards
 from .layout import StateLayout, Unit, build_layout, layout_signature
 from .persist import CheckpointCancelledError, PersistRequest, persist
 from .plan import MULTI_STEP_MODES, CopyPlan, Costs, make_plan
-from .replay import ReplayBackend, is_replayable, snapshot_hparams
+from .replay import ReplayBackend, TorchReplay, is_replayable, snapshot_hparams
 from .selfcheck import select_backend
 from .storage import cleanup_staging, remove_checkpoint
-from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, Slot, SlotPool, make_copier
+from .transfer import CheckpointTornError, PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, Slot, SlotPool, make_copier
 
 log = logging.getLogger("gockpt")
 
 _ALIGN = 64
-
-
-class CheckpointTornError(RuntimeError):
-    """A tensor changed while it was being copied: the checkpoint would not be consistent."""
 
 
 @dataclass
@@ -79,6 +75,7 @@ class CheckpointMetrics:
         persist_s: seconds spent persisting; ``persist_gbps`` = persist_bytes / persist_s / 1e9.
         replay_backend: backend used for replay (empty when nothing was replayed).
         skipped: the request found no free slot with ``when_full="skip"``.
+        superseded: a newer save of the same path was published first; this one was dropped.
     """
 
     path: str
@@ -96,6 +93,7 @@ class CheckpointMetrics:
     persist_gbps: float = 0.0
     replay_backend: str = ""
     skipped: bool = False
+    superseded: bool = False
 
     def add_stall(self, phase: str, seconds: float) -> None:
         self.stall_by_phase_s[phase] = self.stall_by_phase_s.get(phase, 0.0) + seconds
@@ -120,6 +118,8 @@ class SaveHandle:
         self.metrics = metrics
         self.requested_step = metrics.requested_step
         self._future: Future[CheckpointMetrics] = Future()
+        self._owner = threading.get_ident()
+        self._flush: Callable[[], None] | None = None
 
     @property
     def captured_step(self) -> int | None:
@@ -145,10 +145,18 @@ class SaveHandle:
     def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
         """Block until durable; returns its metrics.
 
+        Called on the training thread while the checkpoint is still in its copy windows, it
+        first finishes them at the current step (as :meth:`Engine.wait` does).
+
         Raises:
             TimeoutError: not done within ``timeout_s`` seconds.
             The save's error (``CheckpointCancelledError`` when removed in flight).
         """
+        if not self._future.done() and self._flush is not None \
+                and threading.get_ident() == self._owner:
+            # Waiting on the training thread for a save still in its copy windows would wait
+            # for training that cannot run: finish the windows at this step instead.
+            self._flush()
         return self._future.result(timeout_s)
 
 
@@ -176,6 +184,7 @@ class _Save:
     grad_tickets: list[CopyTicket] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     failed: BaseException | None = None
+    finalized: bool = False
 
     @property
     def metrics(self) -> CheckpointMetrics:
@@ -206,6 +215,9 @@ class Engine:
         explicit_before_update: the caller signals the end of each copy window with
             :meth:`before_update` (frameworks running forward/backward inside
             ``optimizer.step(closure)``, where the step pre-hook fires before the forward).
+        start_step: optimizer updates already applied (a resumed run); None reads it from the
+            optimizers' ``step`` state (0 when they have none). Checkpoints record steps from
+            here, and the ``latest`` pointer only moves forward in steps.
 
     Raises:
         TypeError: ``optimizers`` holds something that is not a ``torch.optim.Optimizer``.
@@ -218,6 +230,7 @@ class Engine:
         config: GoCkptConfig | None = None,
         *,
         explicit_before_update: bool = False,
+        start_step: int | None = None,
     ) -> None:
         self.config = config or GoCkptConfig()
         self.model = model
@@ -227,7 +240,7 @@ class Engine:
                 raise TypeError(f"expected torch.optim.Optimizer, got {type(o).__name__}")
         self.explicit_before_update = explicit_before_update
         self.metrics: list[CheckpointMetrics] = []
-        self.version = 0
+        self.version = _infer_step(self.optimizers) if start_step is None else start_step
         self._seq = itertools.count()
         self._saves: list[_Save] = []
         self._all: list[_Save] = []
@@ -238,6 +251,7 @@ class Engine:
         self._layout: StateLayout | None = None
         self._shard_cache: tuple | None = None
         self._warned_fallback = False
+        self._fallback_warned = False
         self._backends: dict[int, ReplayBackend] = {}
         self._backend_info: dict[int, dict[str, Any]] = {}
         self._t_update_end: float | None = None
@@ -300,6 +314,7 @@ class Engine:
         self._check_open()
         self._raise_errors()
         self._boundary()
+        path = path.rstrip("/") or path
         t0 = time.perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
         if parent not in self._cleaned_dirs:
@@ -312,6 +327,7 @@ class Engine:
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version)
         handle = SaveHandle(path, metrics)
+        handle._flush = self._flush_windows
         shards, bases, slot_bytes = self._shard_layout(layout)
         grad_offsets, grad_bytes = self._grad_layout(layout, plan)
         self._check_host_budget(slot_bytes + 2 * grad_bytes)
@@ -342,6 +358,21 @@ class Engine:
                   target=self.version + plan.num_overlap_steps - 1, t_request=t0)
         self._all = [x for x in self._all if not x.handle.done()]
         self._all.append(s)
+        try:
+            return self._start(s, t0)
+        except BaseException as e:
+            # Nothing of this request may linger: the slot goes back, the handle fails.
+            s.cancel.set()
+            if s in self._saves:
+                self._saves.remove(s)
+            self._drain(s)
+            if not s.handle.done():
+                self._pool.release(slot)
+                s.handle._future.set_exception(e)
+            raise
+
+    def _start(self, s: _Save, t0: float) -> SaveHandle:
+        plan, metrics, handle = s.plan, s.metrics, s.handle
         if plan.mode in ("sync", "async"):
             self._copy_blocks(s, range(s.num_blocks), wait=True)
             self._capture(s)
@@ -440,9 +471,12 @@ class Engine:
         """
         from .restore import load_checkpoint, load_into
 
+        self.wait()
         state = load_checkpoint(path, storage_options=self.config.storage_options,
                                 verify=self.config.verify_on_load, allow_pickle=allow_pickle)
         load_into(self.model, self.optimizers, state)
+        self.version = state.captured_step
+        self._layout = None
         return state.extra
 
     def close(self) -> None:
@@ -536,8 +570,8 @@ class Engine:
             s.window = s.num_blocks - 1
             s.target = self.version
             s.metrics.num_overlap_steps = s.target - s.metrics.requested_step + 1
-            if s.extra is None:
-                self._capture(s)
+            if s.extra is None and not self._try_capture(s):
+                continue
             s.metrics.add_stall("flush", time.perf_counter() - tf)
             self._finalize(s)
 
@@ -559,7 +593,13 @@ class Engine:
             s.window_open = False
             s.metrics.add_stall("window_end", time.perf_counter() - t0)
             if s.extra is None and s.target == self.version:
-                self._capture(s)
+                if not self._fallback_warned and s.num_blocks > 1:
+                    warnings.warn("gockpt: non-tensor state taken at the next update's window end; "
+                                  "call engine.step_end() after each step for the exact boundary",
+                                  stacklevel=3)
+                    self._fallback_warned = True
+                if not self._try_capture(s):
+                    continue
             if s.window == s.num_blocks - 1:
                 self._finalize(s)
 
@@ -604,9 +644,8 @@ class Engine:
         s.metrics.add_stall("grad_buffer", time.perf_counter() - t0)
         s.slot.grad_busy[turn].clear()
         pairs = [(s.layout.units[i].param.grad, s.grad_views[turn][i]) for i in units]
-        grads_versions = [(g, g._version) for g, _ in pairs]
         hparams = [snapshot_hparams(g) for g in opt.param_groups]
-        ticket = self._copier.copy(pairs, PRIORITY_GRAD)
+        ticket = self._copier.copy(pairs, PRIORITY_GRAD, check_versions=True)
         s.grad_tickets.append(ticket)
         s.metrics.grad_bytes += ticket.nbytes
         if s.plan.mode == "gockpt":
@@ -615,7 +654,7 @@ class Engine:
             s.metrics.add_stall("grad_copy", time.perf_counter() - t0)
         else:
             self._guard(ticket, pairs)
-        record = (opt_index, type(opt), hparams, units, turn, grads_versions)
+        record = (opt_index, type(opt), hparams, units, turn)
         self._replay_q.put(("replay", s, record, ticket))
 
     def _guard(self, ticket: CopyTicket, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -656,7 +695,15 @@ class Engine:
     def _boundary(self) -> None:
         for s in list(self._saves):
             if s.extra is None and s.target == self.version:
-                self._capture(s)
+                self._try_capture(s)
+
+    def _try_capture(self, s: _Save) -> bool:
+        try:
+            self._capture(s)
+            return True
+        except BaseException as e:  # noqa: BLE001 - fails this checkpoint; raised at the next hook
+            self._fail(s, e)
+            return False
 
     def _capture(self, s: _Save) -> None:
         """Take non-tensor state, buffers and param groups at the captured step."""
@@ -670,7 +717,16 @@ class Engine:
         buf = io.BytesIO()
         torch.save(extra, buf)
         s.extra = buf.getvalue()
-        pairs = [(e.tensor, s.views[e.key]) for e in s.layout.static]
+        pairs = []
+        if s.layout.static:
+            # Re-read: a forward may rebind a buffer (``self.count = self.count + 1``).
+            current = self.model.state_dict(keep_vars=True)
+            for e in s.layout.static:
+                t = current.get(e.key[len("model."):]) if e.key.startswith("model.") else e.tensor
+                if not isinstance(t, torch.Tensor) or t.dtype != e.spec.dtype \
+                        or tuple(t.shape) != e.spec.shape:
+                    raise CheckpointTornError(f"{s.path}: {e.key} changed shape or dtype during the save")
+                pairs.append((t.detach(), s.views[e.key]))
         if pairs:
             t = self._copier.copy(pairs, PRIORITY_GRAD)
             t.wait()
@@ -679,6 +735,9 @@ class Engine:
         s.metrics.add_stall("capture", time.perf_counter() - t0)
 
     def _finalize(self, s: _Save) -> None:
+        if s.finalized:
+            return
+        s.finalized = True
         if s in self._saves:
             self._saves.remove(s)
         self._replay_q.put(("finalize", s))
@@ -714,17 +773,11 @@ class Engine:
                 s.cancel.set()
 
     def _replay(self, s: _Save, record: tuple, ticket: CopyTicket) -> None:
-        opt_index, cls, hparams, units, turn, grad_versions = record
+        opt_index, cls, hparams, units, turn = record
         try:
             if s.cancel.is_set():
                 return
-            ticket.wait()
-            for g, v in grad_versions:
-                if g._version != v:
-                    raise CheckpointTornError(
-                        f"{s.path}: a gradient was overwritten while it was copied "
-                        "(in-place zero_grad or accumulation); use zero_grad(set_to_none=True) "
-                        "or mode='gockpt'")
+            ticket.wait()  # raises CheckpointTornError when a gradient changed during its copy
             backend = self._backend(opt_index)
             s.metrics.replay_backend = backend.name
             by_group: dict[int, list[Unit]] = {}
@@ -732,7 +785,13 @@ class Engine:
                 u = s.layout.units[i]
                 by_group.setdefault(u.group_index, []).append((i, u))
             for gi, members in by_group.items():
-                backend.step(
+                be = backend
+                if be.name != "torch" and not (
+                    be.supports(cls, hparams[gi])
+                    and all(u.param.dtype == torch.float32 for _, u in members)
+                ):
+                    be = TorchReplay()  # the self-check probed fp32 with group 0's flags
+                be.step(
                     cls, hparams[gi],
                     [s.views[u.param_entry.key] for _, u in members],
                     [s.grad_views[turn][i] for i, _ in members],
@@ -769,6 +828,7 @@ class Engine:
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )
             res = persist(req)
+            m.superseded = not res.published
             m.persist_bytes = res.bytes_written
             m.persist_s = res.seconds
             m.persist_gbps = res.bytes_written / res.seconds / 1e9 if res.seconds > 0 else 0.0
@@ -781,7 +841,8 @@ class Engine:
             s.handle._future.set_exception(e)
             return
         self._pool.release(s.slot)
-        self.metrics.append(m)
+        if not m.superseded:
+            self.metrics.append(m)
         log.info("gockpt: %s durable (%s, K=%d, stall %.4fs)", s.path, m.mode, m.num_overlap_steps, m.stall_s)
         s.handle._future.set_result(m)
 
@@ -824,7 +885,8 @@ class Engine:
         # With several optimizers, K-1 updates could end between two optimizers' steps of one
         # iteration, a state no loop resumes from: those engines copy in one step (lazy).
         replayable = (self.version > 0 and len(self.optimizers) == 1
-                      and all(is_replayable(o) for o in self.optimizers))
+                      and all(is_replayable(o) for o in self.optimizers)
+                      and not _state_missing(layout))
         if mode in MULTI_STEP_MODES + ("auto",) and not all(is_replayable(o) for o in self.optimizers):
             if not self._warned_fallback:
                 names = sorted({type(o).__name__ for o in self.optimizers if not is_replayable(o)})
@@ -910,3 +972,27 @@ def _select_backend(opt: Optimizer, preference: str) -> tuple[ReplayBackend, dic
     choice = select_backend(opt, preference)
     return choice.backend, {"backend": choice.backend.name, "exact": choice.exact,
                             "max_abs_error": choice.max_abs_error, "candidates": choice.candidates}
+
+
+def _infer_step(optimizers: list[Optimizer]) -> int:
+    """Updates already applied, from the optimizers' ``step`` state (0 when absent)."""
+    best = 0
+    for o in optimizers:
+        for st in o.state.values():
+            v = st.get("step") if isinstance(st, dict) else None
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                best = max(best, int(v.item()))
+            elif isinstance(v, (int, float)):
+                best = max(best, int(v))
+    return best
+
+
+def _state_missing(layout: StateLayout) -> bool:
+    """Whether a trainable parameter has no optimizer state yet while others of its optimizer do.
+
+    Replay cannot create state that did not exist when the block was copied (it would be lost),
+    so such a checkpoint is copied in one step.
+    """
+    has_state = {u.optimizer_index for u in layout.units if u.state_entries}
+    return any(u.optimizer_index in has_state and not u.state_entries and u.param.requires_grad
+               for u in layout.units)

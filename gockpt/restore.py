@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class LoadedState:
     optimizer_state_dicts: list[dict[str, Any]]
     extra: Any
     manifest: dict[str, Any]
+    optimizer_params: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(optimizer index, parameter index) -> value of optimizer parameters outside the model."""
 
     @property
     def captured_step(self) -> int:
@@ -74,6 +76,7 @@ def load_checkpoint(
         model_sd[k] = ck.tensors[key]
     model_sd.update(blob["model_extra"])
     opt_sds: list[dict[str, Any]] = []
+    opt_params: dict[tuple[int, int], torch.Tensor] = {}
     for i, stripped in enumerate(blob["optimizers"]):
         state: dict[int, dict[str, Any]] = {int(idx): dict(st) for idx, st in stripped["state"].items()}
         prefix = f"optim.{i}."
@@ -81,15 +84,16 @@ def load_checkpoint(
             if not key.startswith(prefix):
                 continue
             idx_s, _, name = key[len(prefix):].partition(".")
-            if name == "__param__":
-                continue
             try:
                 idx = int(idx_s)
             except ValueError:
                 raise CheckpointCorruptError(f"{path}: malformed optimizer key {key!r}") from None
-            state.setdefault(idx, {})[name] = t
+            if name == "__param__":
+                opt_params[(i, idx)] = t
+            else:
+                state.setdefault(idx, {})[name] = t
         opt_sds.append({"state": dict(sorted(state.items())), "param_groups": stripped["param_groups"]})
-    return LoadedState(model_sd, opt_sds, blob.get("user"), ck.manifest)
+    return LoadedState(model_sd, opt_sds, blob.get("user"), ck.manifest, opt_params)
 
 
 def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedState) -> None:
@@ -115,6 +119,15 @@ def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedSt
     if len(optimizers) != len(state.optimizer_state_dicts):
         raise ValueError(
             f"checkpoint has {len(state.optimizer_state_dicts)} optimizers, the model {len(optimizers)}")
+    outside = {}
+    for (oi, idx), v in state.optimizer_params.items():
+        params = [p for g in optimizers[oi].param_groups for p in g["params"]]
+        if idx >= len(params) or params[idx].shape != v.shape or params[idx].dtype != v.dtype:
+            raise ValueError(f"checkpoint parameter optim.{oi}.{idx} does not fit optimizer {oi}")
+        outside[(oi, idx)] = (params[idx], v)
     model.load_state_dict(state.model_state_dict)
+    with torch.no_grad():
+        for p, v in outside.values():
+            p.copy_(v)
     for opt, sd in zip(optimizers, state.optimizer_state_dicts):
         opt.load_state_dict(sd)

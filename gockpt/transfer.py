@@ -26,11 +26,16 @@ PRIORITY_GRAD = 0
 PRIORITY_STATE = 1
 
 
+class CheckpointTornError(RuntimeError):
+    """A tensor changed while it was being copied: the checkpoint would not be consistent."""
+
+
 class CopyTicket:
     """Completion of one copy job. ``wait()`` blocks until done and re-raises its error."""
 
     def __init__(self, nbytes: int, event: object | None = None) -> None:
         self.nbytes = nbytes
+        self._versions: list[tuple[torch.Tensor, int]] = []
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._cuda_event = event
@@ -91,18 +96,25 @@ class CpuCopier:
         self.bytes_copied = 0
         self.busy_s = 0.0
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int) -> CopyTicket:
+    def copy(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int,
+        check_versions: bool = False,
+    ) -> CopyTicket:
         """Queue copies of ``src`` into ``dst`` (same dtype and number of elements) for each pair.
 
         Args:
             pairs: (src, dst); ``dst`` are contiguous host tensors.
             priority: :data:`PRIORITY_GRAD` or :data:`PRIORITY_STATE`.
+            check_versions: fail the ticket with :class:`CheckpointTornError` when a source tensor was
+                modified in place between the request and the end of its copy.
 
         Returns:
             A ticket that completes when every pair is copied.
         """
         nbytes = sum(d.numel() * d.element_size() for _, d in pairs)
         ticket = CopyTicket(nbytes)
+        if check_versions:
+            ticket._versions = [(src, src._version) for src, _ in pairs]
         chunks = self._chunks(pairs)
         with self._cv:
             if self._closed:
@@ -133,7 +145,11 @@ class CpuCopier:
                 item = next(chunks, None)
                 if item is None:
                     self._drop(job)
-                    ticket._finish()
+                    torn = any(t._version != v for t, v in ticket._versions)
+                    ticket._finish(CheckpointTornError(
+                        "a tensor was modified in place while it was copied (an in-place "
+                        "zero_grad(set_to_none=False) or gradient accumulation in the next step)")
+                        if torn else None)
                     continue
                 t0 = time.perf_counter()
                 item[1].copy_(item[0])
@@ -176,7 +192,12 @@ class CudaCopier:
         self.bytes_copied = 0
         self.busy_s = 0.0
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int) -> CopyTicket:
+    def copy(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int,
+        check_versions: bool = False,
+    ) -> CopyTicket:
+        # Version checks need the host to see completion; on CUDA the guards (tensor hooks,
+        # zero_grad wrapper) order the copy before any overwrite instead.
         stream = self._grad_stream if priority == PRIORITY_GRAD else self._state_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         nbytes = 0

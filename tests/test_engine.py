@@ -321,3 +321,140 @@ def copy_sd(obj):
     import copy
 
     return copy.deepcopy(obj.state_dict())
+
+
+def test_resumed_engine_counts_from_the_checkpoint_and_moves_latest(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="sync"))
+    train(model, opt, sched, scaler, 6)  # one of them is GradScaler-skipped
+    v = eng.version
+    eng.save(str(tmp_path / "run1"))
+    eng.close()
+    model, opt, sched, scaler = make("adamw", seed=3)
+    eng = Engine(model, opt, GoCkptConfig(mode="sync"))
+    eng.restore(str(tmp_path / "run1"))
+    assert eng.version == v == 5
+    # A fresh engine over already-trained optimizers reads the step from their state.
+    other = Engine(model, opt, GoCkptConfig(mode="sync"))
+    assert other.version == v
+    other.close()
+    train(model, opt, sched, scaler, 3)
+    m = eng.save(str(tmp_path / "run2")).result()
+    eng.close()
+    assert m.captured_step == v + 3 and gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "run2")
+
+
+class _Rebinding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1  # a new tensor every forward
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt"])
+def test_rebound_buffer_is_taken_at_the_captured_step(tmp_path, mode):
+    torch.manual_seed(0)
+    model = _Rebinding()
+    opt = torch.optim.AdamW(model.parameters())
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=2, max_overlap_steps=2))
+    live, handle = {}, None
+    for it in range(6):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        live.setdefault(eng.version, copy_sd(model))
+        if it == 2:
+            handle = eng.save(str(tmp_path / "b"))
+    eng.close()
+    state = gockpt.load_checkpoint(handle.result().path)
+    assert_state_equal(state.model_state_dict, live[state.captured_step])
+
+
+def test_state_appearing_after_the_request_is_not_lost(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.Adam(model.parameters())
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    live, handle = {}, None
+    for it in range(6):
+        out = model[0](torch.randn(2, 4)) if it < 2 else model(torch.randn(2, 4))
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        live.setdefault(eng.version, {"m": copy_sd(model), "o": copy_sd(opt)})
+        if it == 1:  # model[1] has no optimizer state yet: it gets some in the next step
+            handle = eng.save(str(tmp_path / "s"))
+    eng.close()
+    m = handle.result()
+    assert m.mode == "lazy"
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["o"])
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_in_place_zero_grad_is_safe(tmp_path, mode):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    live, handles = {}, []
+    x = torch.randn(16, 8)
+    for it in range(8):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it in (1, 2):
+            handles.append(eng.save(str(tmp_path / f"z{it}")))
+    eng.close()
+    for h in handles:
+        state = gockpt.load_checkpoint(h.result().path)
+        assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "lazy", "gockpt"])
+def test_failing_state_fn_fails_only_that_save(tmp_path, mode):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=2, max_overlap_steps=2,
+                                          max_inflight=1))
+    train(model, opt, sched, scaler, 2)
+
+    def boom():
+        raise KeyError("state_fn broke")
+
+    bad = None
+    with pytest.raises((KeyError, RuntimeError)):  # at the request (sync) or at the next hook
+        bad = eng.save(str(tmp_path / "bad"), state_fn=boom)
+        train(model, opt, sched, scaler, 4, start_iter=2)
+        eng.wait()
+    if bad is not None:
+        with pytest.raises(KeyError):
+            bad.result(30)
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")  # the error interrupted the scaler's step sequence
+    good = eng.save(str(tmp_path / "good"))  # the slot came back
+    train(model, opt, sched, scaler, 7, start_iter=4)
+    eng.close()
+    assert good.result().captured_step is not None and not (tmp_path / "bad").exists()
+
+
+def test_optimizer_parameter_outside_the_model_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    temperature = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.AdamW([*model.parameters(), temperature])
+    eng = Engine(model, opt, GoCkptConfig(mode="sync"))
+    (model(torch.randn(3, 4)).sum() * temperature).backward()
+    opt.step()
+    eng.save(str(tmp_path / "t"))
+    eng.close()
+    want = temperature.detach().clone()
+    with torch.no_grad():
+        temperature.fill_(5.0)
+    gockpt.load_into(model, [opt], gockpt.load_checkpoint(str(tmp_path / "t")))
+    assert torch.equal(temperature.detach(), want)
