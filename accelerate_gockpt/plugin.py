@@ -1,0 +1,192 @@
+"""``GoCkptPlugin``: GoCkpt's options in the style of Accelerate's own plugins.
+
+Every field left ``None`` is resolved in ``__post_init__``, in this order: the explicit
+argument, the ``GOCKPT_<FIELD>`` environment variable (``accelerate launch`` passes the
+environment to every process), the file named by ``config_file`` / ``GOCKPT_CONFIG_FILE``
+(YAML or JSON, one mapping of field names), the default. The file is ours, not part of
+``accelerate config``: that YAML rejects unknown top-level keys and drops unknown nested ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from gockpt import GoCkptConfig
+
+if TYPE_CHECKING:
+    from .checkpointer import GoCkptCheckpointer
+
+ENV_PREFIX = "GOCKPT_"
+CONFIG_FILE_ENV = "GOCKPT_CONFIG_FILE"
+
+_TRUE = ("1", "true", "yes", "y", "on", "t")
+_FALSE = ("0", "false", "no", "n", "off", "f")
+
+
+@dataclass(kw_only=True)
+class GoCkptPlugin:
+    """Options of GoCkpt under Accelerate; pass it to :func:`accelerate_gockpt.attach`.
+
+    Example::
+
+        accelerator = Accelerator(project_config=ProjectConfiguration(
+            project_dir="run", automatic_checkpoint_naming=True, total_limit=3))
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        GoCkptPlugin(mode="gockpt").attach(accelerator)   # save_state/load_state now use GoCkpt
+
+    Raises:
+        ValueError: from ``__post_init__``: a value out of range (naming the field), an
+            unparsable environment variable (naming it), an unknown key in the config file.
+        FileNotFoundError: the config file does not exist.
+    """
+
+    enabled: bool | None = field(default=None, metadata={"help": (
+        "Route save_state through GoCkpt (default True). False leaves Accelerate's blocking "
+        "save_state in place, so a launch environment can switch GoCkpt off.")})
+    mode: str | None = field(default=None, metadata={"help": (
+        "Checkpoint mode: one of gockpt.MODES (default 'auto').")})
+    max_overlap_steps: int | None = field(default=None, metadata={"help": (
+        "Upper bound on K, the optimizer updates one checkpoint's copy may span (default 7).")})
+    min_overlap_steps: int | None = field(default=None, metadata={"help": (
+        "Lower bound on K in the multi-step modes (default 1).")})
+    host_buffer_bytes: int | None = field(default=None, metadata={"help": (
+        "Host memory for snapshot slots in bytes (default: room for max_inflight checkpoints).")})
+    max_inflight: int | None = field(default=None, metadata={"help": (
+        "Checkpoints in flight at once (default 2).")})
+    when_full: str | None = field(default=None, metadata={"help": (
+        "'wait' or 'skip' when no snapshot slot is free (default 'wait').")})
+    num_io_threads: int | None = field(default=None, metadata={"help": (
+        "Threads writing the engine's shard files (default 4).")})
+    max_shard_bytes: int | None = field(default=None, metadata={"help": (
+        "Tensor bytes per engine shard file (default 1 GiB).")})
+    chunk_bytes: int | None = field(default=None, metadata={"help": (
+        "Copy and write granularity in bytes (default 4 MiB).")})
+    replay_backend: str | None = field(default=None, metadata={"help": (
+        "CPU replay backend: 'auto', 'torch' or 'native' (default 'auto').")})
+    host_link_bytes_per_s: float | None = field(default=None, metadata={"help": (
+        "Emulated device-to-host bandwidth in bytes/s, for benchmarks without an accelerator.")})
+    exact_step: bool | None = field(default=None, metadata={"help": (
+        "Every checkpoint holds exactly the step at which save_state was called (K = 1), for "
+        "scripts that take the resume point from the folder name (default False: in the "
+        "multi-step modes the state of K-1 updates later, with RNG, schedulers and registered "
+        "objects of that same step).")})
+    gockpt_dir: str | None = field(default=None, metadata={"help": (
+        "Where the engine writes its own checkpoint before it is rewritten in Accelerate's "
+        "layout: a local path or fsspec URL ('memory://gockpt' keeps it in RAM). Default: a "
+        "hidden '.gockpt-staging' folder beside the checkpoints.")})
+    publish_timeout_s: float | None = field(default=None, metadata={"help": (
+        "Seconds the main process waits for the other processes' files of a checkpoint "
+        "(default 600).")})
+    config_file: str | None = field(default=None, metadata={"help": (
+        "YAML or JSON file of defaults for the fields above (env: GOCKPT_CONFIG_FILE).")})
+
+    def __post_init__(self) -> None:
+        if self.config_file is None:
+            self.config_file = os.environ.get(CONFIG_FILE_ENV) or None
+        from_file = _read_config_file(self.config_file) if self.config_file else {}
+        for f in fields(self):
+            if f.name == "config_file" or getattr(self, f.name) is not None:
+                continue
+            env = ENV_PREFIX + f.name.upper()
+            if os.environ.get(env, "") != "":
+                setattr(self, f.name, _parse(f.name, os.environ[env], env))
+            elif f.name in from_file:
+                setattr(self, f.name, _coerce(f.name, from_file[f.name], self.config_file))
+        if self.enabled is None:
+            self.enabled = True
+        if self.exact_step is None:
+            self.exact_step = False
+        if self.publish_timeout_s is None:
+            self.publish_timeout_s = 600.0
+        if not self.publish_timeout_s > 0:
+            raise ValueError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
+        self.to_config()  # range checks of the engine's fields, naming the field
+
+    def to_config(self) -> GoCkptConfig:
+        """The engine configuration these options describe.
+
+        The engine's ``latest`` pointer is off: its checkpoints are intermediate copies.
+
+        Raises:
+            ValueError: a value out of range, naming the field.
+        """
+        kwargs = {name: getattr(self, name) for name in _ENGINE_FIELDS if getattr(self, name) is not None}
+        return GoCkptConfig(update_latest=False, **kwargs)
+
+    def attach(self, accelerator: Any) -> GoCkptCheckpointer | None:
+        """Attach GoCkpt to a prepared ``accelerator``; see :func:`accelerate_gockpt.attach`."""
+        from .checkpointer import attach
+
+        return attach(accelerator, self)
+
+
+_ENGINE_FIELDS = (
+    "mode", "max_overlap_steps", "min_overlap_steps", "host_buffer_bytes", "max_inflight",
+    "when_full", "num_io_threads", "max_shard_bytes", "chunk_bytes", "replay_backend",
+    "host_link_bytes_per_s",
+)
+_BOOL_FIELDS = ("enabled", "exact_step")
+_INT_FIELDS = ("max_overlap_steps", "min_overlap_steps", "host_buffer_bytes", "max_inflight",
+               "num_io_threads", "max_shard_bytes", "chunk_bytes")
+_FLOAT_FIELDS = ("host_link_bytes_per_s", "publish_timeout_s")
+
+
+def _parse(name: str, raw: str, where: str) -> Any:
+    """Parse the text of an environment variable for field ``name``."""
+    text = raw.strip()
+    try:
+        if name in _BOOL_FIELDS:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError("not a truth value")
+        if name in _INT_FIELDS:
+            return int(text.replace("_", ""))
+        if name in _FLOAT_FIELDS:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{where}={raw!r} is not a valid {name}") from None
+    return text
+
+
+def _coerce(name: str, value: Any, where: str | None) -> Any:
+    """Check the type of a config-file value for field ``name`` (strings are parsed)."""
+    if isinstance(value, str):
+        return _parse(name, value, f"{where}: {name}")
+    ok = (
+        (name in _BOOL_FIELDS and isinstance(value, bool))
+        or (name in _INT_FIELDS and isinstance(value, int) and not isinstance(value, bool))
+        or (name in _FLOAT_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool))
+    )
+    if not ok:
+        raise ValueError(f"{where}: {name}={value!r} has the wrong type")
+    return float(value) if name in _FLOAT_FIELDS else value
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or JSON file holding one mapping of field names.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a mapping, or a key that is not a field (naming the key).
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of GoCkptPlugin fields, got {type(data).__name__}")
+    known = {f.name for f in fields(GoCkptPlugin)} - {"config_file"}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"{path}: unknown key {key!r}; known keys: {sorted(known)}")
+    return data

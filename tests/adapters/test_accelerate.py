@@ -1,0 +1,518 @@
+"""accelerate_gockpt: non-blocking save_state in Accelerate's layout, native load_state resumes.
+
+The central check: train with GoCkpt checkpoints, resume each checkpoint with *plain*
+``accelerator.load_state`` in a fresh model, and find the state equal, bit for bit, to the live
+run at the checkpoint's captured step, then train on and end equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import accelerate_gockpt
+import accelerate_gockpt._publish as publish_mod
+import gockpt
+from accelerate_gockpt import GoCkptPlugin, attach
+
+_HERE = Path(__file__).resolve().parent
+_REPO = _HERE.parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+child = _load("gockpt_accelerate_child", _HERE / "test_accelerate_child.py")
+
+MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
+TOTAL = 16
+SAVE_AT = (2, 4, 8)  # accumulation boundaries: gradients are never part of a checkpoint
+ACCELERATE_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+                    "custom_checkpoint_0.pkl", "gockpt.json"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny ops on 2 shared cores: one intra-op thread is ~10x faster and keeps runs short.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(accumulation, scaler, inf_at, accumulate)`` -> {batches: live snapshot}."""
+    cache: dict[tuple, dict[int, dict]] = {}
+
+    def get(accumulation: int = 1, scaler: bool = False, inf_at: int | None = None,
+            accumulate: bool = True) -> dict[int, dict]:
+        key = (accumulation, scaler, inf_at, accumulate)
+        if key not in cache:
+            run = child.build(str(tmp_path_factory.mktemp("ref")), accumulation=accumulation, scaler=scaler)
+            live: dict[int, dict] = {}
+            child.train(run, TOTAL, inf_at=inf_at, accumulate=accumulate, on_batch_end=lambda r: live.__setitem__(
+                r.progress.batches, child.snapshot(r)))
+            cache[key] = live
+        return cache[key]
+
+    return get
+
+
+def _train_with_gockpt(project_dir, plugin, *, accumulation=1, scaler=False, inf_at=None,
+                       save_at=SAVE_AT, total_limit=None):
+    run = child.build(str(project_dir), accumulation=accumulation, scaler=scaler, total_limit=total_limit)
+    ckpt = attach(run.acc, plugin)
+    calls = []
+
+    def on_batch_end(r):
+        if r.progress.batches in save_at:
+            calls.append(r.acc.save_state())
+
+    child.train(run, TOTAL, inf_at=inf_at, on_batch_end=on_batch_end)
+    metrics = ckpt.wait()
+    final = child.snapshot(run)
+    ckpt.close()
+    return run, calls, metrics, final
+
+
+def _assert_resumes_exactly(path, live, *, accumulation=1, scaler=False, inf_at=None, use_gockpt=False,
+                            accumulate=True):
+    """Plain (or GoCkpt-attached) load_state in a fresh run equals the live run, then and at the end."""
+    fresh = child.build(str(Path(path).parent.parent / f"resume-{uuid.uuid4().hex[:6]}"), seed=3,
+                        accumulation=accumulation, scaler=scaler)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync")) if use_gockpt else None
+    fresh.acc.load_state(str(path))
+    c = fresh.progress.batches
+    got, want = child.snapshot(fresh), live[c]
+    diffs = []
+    for key in ("model", "optim", "sched", "rng", "step", "scaler"):
+        diffs += child.differences(got[key], want[key], f"{Path(path).name}@{c}:{key}")
+    child.train(fresh, TOTAL, inf_at=inf_at, accumulate=accumulate)
+    diffs += child.differences(child.snapshot(fresh)["model"], live[TOTAL]["model"], "after resume")
+    if ckpt is not None:
+        ckpt.close()
+    assert diffs == []
+    return c
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_from_each_checkpoint_is_bit_identical(tmp_path, reference, mode, accumulation):
+    # Clipping and a per-step scheduler run on every update; accumulation=2 skips every other
+    # optimizer step inside Accelerate's wrapper.
+    live = reference(accumulation)
+    plugin = GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3)
+    run, calls, metrics, final = _train_with_gockpt(tmp_path / "run", plugin, accumulation=accumulation)
+    assert child.differences(final["model"], live[TOTAL]["model"]) == []  # training unperturbed
+    assert [p.name for p in calls] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert len(metrics) == 3
+    for path, m in zip(calls, metrics, strict=True):
+        assert set(os.listdir(path)) == ACCELERATE_FILES
+        sidecar = json.loads((path / "gockpt.json").read_text())
+        assert sidecar["captured_step"] == m.captured_step and sidecar["mode"] == m.mode
+        if mode in ("gockpt", "gockpt_o"):
+            assert m.num_overlap_steps == 3 and m.captured_step == m.requested_step + 2
+        elif mode != "auto":
+            assert m.captured_step == m.requested_step
+        batches = _assert_resumes_exactly(path, live, accumulation=accumulation)
+        assert batches >= SAVE_AT[calls.index(path)]
+    assert not any((tmp_path / "run" / ".gockpt-staging").iterdir())
+
+
+def test_loop_without_accumulate_resumes_exactly(tmp_path, reference):
+    # Without accelerator.accumulate() the model's forward pre-hook is the step boundary.
+    live = reference(1, accumulate=False)
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    child.train(run, TOTAL, accumulate=False,
+                on_batch_end=lambda r: r.acc.save_state() if r.progress.batches in SAVE_AT else None)
+    metrics = ckpt.wait()
+    ckpt.close()
+    assert [m.captured_step for m in metrics] == [4, 6, 10]
+    for name in ("checkpoint_0", "checkpoint_2"):
+        _assert_resumes_exactly(tmp_path / "run" / "checkpoints" / name, live, accumulate=False)
+
+
+def test_two_models_and_optimizers_are_saved_as_accelerate_does(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    def make(seed):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=str(tmp_path), automatic_checkpoint_naming=True))
+        torch.manual_seed(seed)
+        gen, disc = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 1))
+        og, od = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
+        return (acc, *acc.prepare(gen, disc, og, od))
+
+    def step(gen, disc, og, od, i):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        disc(gen(x).detach()).mean().backward()
+        od.step()
+        od.zero_grad()
+        (-disc(gen(x)).mean()).backward()
+        og.step()
+        og.zero_grad()
+
+    acc, *objs = make(0)
+    ckpt = attach(acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    for i in range(3):
+        step(*objs, i)
+    path = acc.save_state()
+    want = [{k: v.clone() for k, v in m.state_dict().items()} for m in objs[:2]]
+    want_opt = [o.state_dict()["state"][0]["exp_avg"].clone() for o in objs[2:]]
+    for i in range(3, 5):  # a window of K=2 would otherwise end between the two steps
+        step(*objs, i)
+    ckpt.close()
+    assert {"model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin"} <= set(os.listdir(path))
+    acc2, *objs2 = make(1)
+    acc2.load_state(str(path))
+    for got, w in zip(objs2[:2], want, strict=True):
+        assert child.differences(dict(got.state_dict()), w) == []
+    for got, w in zip(objs2[2:], want_opt, strict=True):
+        assert torch.equal(got.state_dict()["state"][0]["exp_avg"], w)
+
+
+def test_gradscaler_overflow_step_is_not_replayed(tmp_path, reference):
+    # The inf in the 5th batch makes the GradScaler skip that update inside the copy window of
+    # the checkpoint requested after batch 4: K=3 then spans batches 5-7 (updates 5 and 6).
+    live = reference(1, scaler=True, inf_at=4)
+    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3)
+    _, calls, metrics, final = _train_with_gockpt(tmp_path / "run", plugin, scaler=True, inf_at=4)
+    assert child.differences(final["model"], live[TOTAL]["model"]) == []
+    m = metrics[1]
+    assert m.captured_step == m.requested_step + 2
+    assert "scaler.pt" in os.listdir(calls[1])
+    assert (m.requested_step, m.captured_step) == (4, 6)
+    assert _assert_resumes_exactly(calls[1], live, scaler=True, inf_at=4) == 7
+    assert _assert_resumes_exactly(calls[0], live, scaler=True, inf_at=4) == 4
+
+
+def test_exact_step_holds_the_step_of_the_request(tmp_path, reference):
+    live = reference(1)
+    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3, exact_step=True)
+    _, calls, metrics, _ = _train_with_gockpt(tmp_path / "run", plugin)
+    assert [(m.requested_step, m.captured_step) for m in metrics] == [(2, 2), (4, 4), (8, 8)]
+    assert _assert_resumes_exactly(calls[1], live) == 4
+
+
+def test_save_state_returns_while_the_engine_persists(tmp_path, monkeypatch):
+    import gockpt.engine as engine_mod
+
+    gate, entered = threading.Event(), threading.Event()
+    real = engine_mod.persist
+
+    def held(req):
+        entered.set()
+        assert gate.wait(60)
+        return real(req)
+
+    monkeypatch.setattr(engine_mod, "persist", held)
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    assert entered.wait(60)
+    child.train(run, 6)  # the training thread is not held by the persist
+    assert run.progress.batches == 6 and not path.exists() and not ckpt.saves[0].done()
+    gate.set()
+    ckpt.saves[0].result(60)
+    assert set(os.listdir(path)) == ACCELERATE_FILES
+    ckpt.close()
+
+
+def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path, monkeypatch):
+    gate, entered = threading.Event(), threading.Event()
+    real = publish_mod._rename_into_place
+
+    def held(job):
+        if job.final.endswith("checkpoint_2"):
+            entered.set()
+            assert gate.wait(60)
+        real(job)
+
+    monkeypatch.setattr(publish_mod, "_rename_into_place", held)
+    run = child.build(str(tmp_path / "run"), total_limit=2)
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
+    root = tmp_path / "run" / "checkpoints"
+    for batches in (1, 2):
+        child.train(run, batches)
+        run.acc.save_state()
+        ckpt.saves[-1].result(60)
+    child.train(run, 3)
+    run.acc.save_state()
+    assert entered.wait(60)
+    # Accelerate would already have deleted checkpoint_0 to make room; here both complete
+    # checkpoints stay until checkpoint_2 is in place.
+    assert sorted(os.listdir(root)) == ["checkpoint_0", "checkpoint_1"]
+    assert all(set(os.listdir(root / n)) == ACCELERATE_FILES for n in os.listdir(root))
+    gate.set()
+    ckpt.wait()
+    assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
+    ckpt.close()
+
+
+def test_load_state_restores_the_iteration_counter(tmp_path):
+    project = tmp_path / "run"
+    run = child.build(str(project), total_limit=3)
+    ckpt = attach(run.acc, GoCkptPlugin(mode="lazy"))
+    for batches in (1, 2, 3):
+        child.train(run, batches)
+        run.acc.save_state()
+    ckpt.close()
+    fresh = child.build(str(project), seed=4, total_limit=3)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="lazy"))
+    fresh.acc.load_state()  # automatic naming: the newest checkpoint
+    assert fresh.progress.batches == 3
+    assert fresh.acc.project_configuration.iteration == 3
+    child.train(fresh, 5)
+    assert fresh.acc.save_state().name == "checkpoint_3"  # no "already exists" error
+    ckpt.close()
+    assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", "checkpoint_2", "checkpoint_3"]
+
+
+def test_iteration_is_restored_from_a_plain_accelerate_checkpoint(tmp_path):
+    project = tmp_path / "run"
+    run = child.build(str(project))
+    child.train(run, 2)
+    run.acc.save_state()
+    run.acc.save_state()  # checkpoint_1, written by Accelerate itself
+    fresh = child.build(str(project), seed=4)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
+    fresh.acc.load_state()
+    assert fresh.acc.project_configuration.iteration == 2
+    ckpt.close()
+
+
+def test_explicit_output_dir_is_replaced_whole_with_engine_copy_in_memory(tmp_path, reference):
+    live = reference(1)
+    run = child.build(str(tmp_path / "run"), automatic_naming=False)
+    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2,
+                          gockpt_dir=f"memory://gockpt-test-{uuid.uuid4().hex}")
+    ckpt = attach(run.acc, plugin)
+    target = tmp_path / "latest"
+
+    def on_batch_end(r):
+        if r.progress.batches <= 3:
+            r.acc.save_state(target)
+
+    child.train(run, 4, on_batch_end=on_batch_end)
+    ckpt.wait()
+    # Three saves of one folder overlapped; the newest request is what stays.
+    assert json.loads((target / "gockpt.json").read_text())["requested_step"] == 3
+    assert set(os.listdir(target)) == ACCELERATE_FILES
+    assert list((tmp_path / ".gockpt-staging").iterdir()) == []
+    ckpt.close()
+    assert _assert_resumes_exactly(target, live, use_gockpt=True) == 4
+
+
+def test_publish_error_is_raised_on_the_training_thread(tmp_path, monkeypatch):
+    def broken(job, state, metrics):
+        raise OSError(28, "No space left on device", job.staging)
+
+    monkeypatch.setattr(publish_mod, "_write_files", broken)
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.saves[0].result(60)
+    with pytest.raises(RuntimeError, match="publishing a checkpoint failed"):
+        run.acc.save_state()
+    assert not path.exists()
+    assert list((tmp_path / "run" / ".gockpt-staging").iterdir()) == []
+    ckpt.close()
+
+
+def test_model_file_is_safetensors_with_accelerate_keys(tmp_path):
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    ckpt.close()
+    weights = load_file(str(path / "model.safetensors"))
+    want = run.acc.get_state_dict(run.model, unwrap=False)
+    assert child.differences(weights, dict(want)) == []
+    assert torch.load(path / "optimizer.bin", weights_only=True)["param_groups"][0]["lr"] > 0
+
+
+def test_detach_restores_accelerate_methods(tmp_path):
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
+    assert run.acc.save_state == ckpt.save_state
+    with pytest.raises(RuntimeError, match="already attached"):
+        attach(run.acc, GoCkptPlugin(mode="sync"))
+    ckpt.close()
+    assert "save_state" not in vars(run.acc) and "load_state" not in vars(run.acc)
+
+
+def test_plugin_prefers_arguments_then_environment_then_file(tmp_path, monkeypatch):
+    yaml_file = tmp_path / "gockpt.yaml"
+    yaml_file.write_text("mode: lazy\nmax_inflight: 3\nnum_io_threads: 2\nchunk_bytes: '8_192'\n")
+    monkeypatch.setenv("GOCKPT_CONFIG_FILE", str(yaml_file))
+    monkeypatch.setenv("GOCKPT_MAX_INFLIGHT", "4")
+    monkeypatch.setenv("GOCKPT_MODE", "gockpt")
+    p = GoCkptPlugin(mode="sync")
+    assert (p.mode, p.max_inflight, p.num_io_threads, p.chunk_bytes) == ("sync", 4, 2, 8192)
+    config = p.to_config()
+    assert config.max_overlap_steps == gockpt.GoCkptConfig().max_overlap_steps
+    assert config.update_latest is False
+    json_file = tmp_path / "gockpt.json"
+    json_file.write_text(json.dumps({"when_full": "skip", "enabled": False}))
+    monkeypatch.delenv("GOCKPT_MODE")
+    p = GoCkptPlugin(config_file=str(json_file))
+    # An explicit file wins over GOCKPT_CONFIG_FILE; the environment still wins over both.
+    assert (p.mode, p.when_full, p.enabled, p.max_inflight) == (None, "skip", False, 4)
+
+
+@pytest.mark.parametrize("env, value, match", [
+    ("GOCKPT_MAX_INFLIGHT", "many", "GOCKPT_MAX_INFLIGHT"),
+    ("GOCKPT_ENABLED", "perhaps", "GOCKPT_ENABLED"),
+    ("GOCKPT_MODE", "bogus", "mode"),
+    ("GOCKPT_MAX_INFLIGHT", "0", "max_inflight"),
+])
+def test_plugin_rejects_bad_environment(monkeypatch, env, value, match):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=match):
+        GoCkptPlugin()
+
+
+def test_plugin_rejects_unknown_config_key(tmp_path):
+    f = tmp_path / "gockpt.yml"
+    f.write_text("mode: sync\nmax_overlap: 3\n")
+    with pytest.raises(ValueError, match="max_overlap"):
+        GoCkptPlugin(config_file=str(f))
+
+
+def test_disabled_plugin_leaves_accelerate_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("GOCKPT_ENABLED", "0")
+    run = child.build(str(tmp_path / "run"))
+    assert attach(run.acc) is None
+    assert "save_state" not in vars(run.acc)
+
+
+def test_two_processes_under_accelerate_launch(tmp_path):
+    # No user accelerate config may leak in; "--multi_gpu" is how accelerate launch starts
+    # several processes (torchrun), which Accelerator(cpu=True) runs on gloo.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "HF_HOME": str(tmp_path / "hf")}
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
+           "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()),
+           str(_HERE / "test_accelerate_child.py"), "ddp", str(tmp_path), "gockpt"]
+    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
+    for res in results:
+        assert res["errors"] == [], res
+        assert res["names"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    assert results[0]["resumed_batches"] == results[1]["resumed_batches"]
+    for name in results[0]["names"]:
+        files = set(os.listdir(tmp_path / "checkpoints" / name))
+        assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= files
+        keys = load_file(str(tmp_path / "checkpoints" / name / "model.safetensors")).keys()
+        # Accelerate keeps the model it was given in _models (DDP wraps it afterwards) and
+        # saves that one's keys.
+        assert keys and not any(k.startswith("module.") for k in keys)
+    r0 = torch.load(tmp_path / "checkpoints" / "checkpoint_2" / "random_states_0.pkl", weights_only=False)
+    r1 = torch.load(tmp_path / "checkpoints" / "checkpoint_2" / "random_states_1.pkl", weights_only=False)
+    assert not torch.equal(r0["torch_manual_seed"], r1["torch_manual_seed"])  # each rank its own
+
+
+def test_sigkill_during_save_leaves_a_checkpoint_that_load_state_resumes(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
+    proc = subprocess.Popen([sys.executable, str(_HERE / "test_accelerate_child.py"), "crash", str(tmp_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    digests: dict[int, str] = {}
+    blocked = None
+    timer = threading.Timer(180, proc.kill)  # a hung child fails the test instead of hanging it
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            parts = line.split()
+            if parts[:1] == ["state"]:
+                digests[int(parts[1])] = parts[2]
+            elif parts[:1] == ["blocked"]:
+                blocked = parts[1]
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+    finally:
+        timer.cancel()
+    assert blocked is not None and "checkpoint_3" in blocked, "the child never reached the save"
+    root = tmp_path / "checkpoints"
+    # checkpoint_3 was being written when the process died; total_limit=2 kept the last two
+    # complete ones, which Accelerate's delete-first rotation would not have.
+    assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
+    assert any((tmp_path / ".gockpt-staging").iterdir())  # the dead process's leftovers
+    plain = child.build(str(tmp_path), seed=9, total_limit=2)
+    plain.acc.load_state()  # Accelerate's own pick of the newest folder
+    assert child.digest(plain) == digests[plain.progress.batches]
+    fresh = child.build(str(tmp_path), seed=9, total_limit=2)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
+    fresh.acc.load_state()
+    assert fresh.acc.project_configuration.iteration == 3
+    child.train(fresh, fresh.progress.batches + 1)
+    assert fresh.acc.save_state().name == "checkpoint_3"
+    ckpt.close()
+    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]
+    assert list((tmp_path / ".gockpt-staging").iterdir()) == []  # dead process's files removed
+
+
+def test_tiny_llama_example_resumes_bit_identically(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    example = _load("gockpt_train_accelerate", _REPO / "examples" / "train_accelerate.py")
+    monkeypatch.setenv("GOCKPT_MODE", "gockpt")
+    monkeypatch.setenv("GOCKPT_MIN_OVERLAP_STEPS", "2")
+    monkeypatch.setenv("GOCKPT_MAX_OVERLAP_STEPS", "2")
+    common = ["--preset", "tiny", "--steps", "12", "--save-every", "4", "--log-every", "4", "--cpu"]
+    from accelerate.state import AcceleratorState, GradientState
+
+    def run(project, *extra):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return example.run(example.parse_args(["--project-dir", str(project), *common, *extra]))
+
+    straight = run(tmp_path / "a")
+    assert [Path(p).name for p in straight.checkpoints] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    # Resume from checkpoint_1 (captured one update after its request at batch 8).
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    os.rename(tmp_path / "a" / "checkpoints" / "checkpoint_1", tmp_path / "b" / "checkpoints" / "checkpoint_1")
+    resumed = run(tmp_path / "b", "--resume")
+    assert resumed.resumed_from == "checkpoint_1"
+    assert child.differences(resumed.model_state, straight.model_state) == []
+    assert resumed.losses[-1] == straight.losses[-1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_public_surface():
+    assert set(accelerate_gockpt.__all__) == {"AccelerateSave", "GoCkptCheckpointer", "GoCkptPlugin", "attach"}

@@ -1,0 +1,263 @@
+"""A tiny Accelerate training loop for the adapter tests, and the subprocess entry points.
+
+In-process, ``test_accelerate.py`` imports :func:`build`, :func:`train` and :func:`snapshot`.
+As a script it runs one of:
+
+- ``ddp <project_dir> <mode>`` under ``accelerate launch --multi_gpu --num_processes 2`` on CPU
+  (gloo): train with GoCkpt, then resume each rank with plain ``load_state`` and compare; each
+  rank writes ``result_<rank>.json`` into ``project_dir``.
+- ``crash <project_dir>``: train with ``total_limit=2`` and a save every batch; the publisher
+  blocks inside the fourth checkpoint's file writes and prints ``blocked``; the test then
+  kills the process with SIGKILL. Each batch prints ``state <batches> <digest>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+NUM_SAMPLES = 512
+BATCH_SIZE = 4
+
+
+class Net(nn.Module):
+    """Linear layers, BatchNorm (buffers) and dropout (consumes the global RNG)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.norm(self.inp(x)))))
+
+
+class Progress:
+    """The loop's counter, registered for checkpointing (``custom_checkpoint_0.pkl``)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.batches = sd["batches"]
+
+
+@dataclass
+class Run:
+    acc: Accelerator
+    model: nn.Module
+    opt: Any
+    dl: Any
+    sched: Any
+    progress: Progress
+
+
+def build(project_dir: str, *, seed: int = 0, accumulation: int = 1, total_limit: int | None = None,
+          scaler: bool = False, automatic_naming: bool = True, reset: bool = True) -> Run:
+    """A prepared run: AdamW, a per-step LambdaLR, a shuffled loader, a registered counter."""
+    if reset:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    acc = Accelerator(
+        cpu=True, gradient_accumulation_steps=accumulation,
+        project_config=ProjectConfiguration(project_dir=project_dir, total_limit=total_limit,
+                                            automatic_checkpoint_naming=automatic_naming))
+    g = torch.Generator().manual_seed(1234)
+    data = TensorDataset(torch.randn(NUM_SAMPLES, 8, generator=g), torch.randn(NUM_SAMPLES, 4, generator=g))
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    dl = DataLoader(data, batch_size=BATCH_SIZE, shuffle=True, generator=torch.Generator().manual_seed(7))
+    if scaler:
+        # Accelerate makes no GradScaler on CPU; one set before prepare() is used as on a GPU.
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    progress = Progress()
+    acc.register_for_checkpointing(progress)
+    torch.manual_seed(100 + seed + acc.process_index)  # dropout masks differ per rank
+    return Run(acc, model, opt, dl, sched, progress)
+
+
+def train(run: Run, total_batches: int, *, on_batch_end=None, inf_at: int | None = None,
+          accumulate: bool = True) -> None:
+    """Train until ``run.progress.batches == total_batches``, resuming mid-epoch if needed.
+
+    Clips gradients on every real update; ``inf_at`` puts an inf into a gradient at that batch
+    (with a GradScaler the update is skipped). ``accumulate=False``: the plain loop without
+    ``accelerator.accumulate`` (gradient accumulation off).
+    """
+    acc = run.acc
+    while run.progress.batches < total_batches:
+        skip = run.progress.batches % len(run.dl)
+        loader = acc.skip_first_batches(run.dl, skip) if skip else run.dl
+        for x, y in loader:
+            with acc.accumulate(run.model) if accumulate else contextlib.nullcontext():
+                loss = F.mse_loss(run.model(x), y)
+                acc.backward(loss)
+                if inf_at == run.progress.batches:
+                    next(run.model.parameters()).grad[0, 0] = float("inf")
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(run.model.parameters(), 0.5)
+                run.opt.step()
+                run.sched.step()
+                run.opt.zero_grad()
+            run.progress.batches += 1
+            if on_batch_end is not None:
+                on_batch_end(run)
+            if run.progress.batches >= total_batches:
+                break
+
+
+def snapshot(run: Run) -> dict[str, Any]:
+    """Deep copies of what a checkpoint must hold, at this batch boundary."""
+    inner = run.acc.unwrap_model(run.model)
+    return {
+        "model": {k: v.clone() for k, v in inner.state_dict().items()},
+        "optim": _clone(run.opt.state_dict()),
+        "sched": run.sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "step": run.acc.step,
+        "batches": run.progress.batches,
+        "scaler": run.acc.scaler.state_dict() if run.acc.scaler is not None else None,
+    }
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+def differences(got: Any, want: Any, where: str = "") -> list[str]:
+    """Where two nested state structures differ (bit for bit for tensors)."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
+            return [f"{where}: {type(got).__name__} vs tensor {want.dtype}{list(want.shape)}"]
+        a, b = got.detach().contiguous().view(-1), want.detach().contiguous().view(-1)
+        if a.numel() and not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            return [f"{where}: values differ"]
+        return []
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return [f"{where}: keys {sorted(map(str, set(got) ^ set(want)))}"]
+        return [d for k in want for d in differences(got[k], want[k], f"{where}.{k}")]
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return [f"{where}: length"]
+        return [d for i, (a, b) in enumerate(zip(got, want, strict=True)) for d in differences(a, b, f"{where}[{i}]")]
+    return [] if got == want else [f"{where}: {got!r} != {want!r}"]
+
+
+def digest(run: Run) -> str:
+    """A hash of the unwrapped model's tensors (for comparing across processes)."""
+    h = hashlib.sha256()
+    for k, v in run.acc.unwrap_model(run.model).state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- subprocesses
+
+
+def _ddp(project_dir: str, mode: str) -> None:
+    from accelerate_gockpt import GoCkptPlugin, attach
+
+    run = build(project_dir, total_limit=2, reset=False)
+    rank = run.acc.process_index
+    ckpt = attach(run.acc, GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    live: dict[int, dict] = {}
+
+    def on_batch_end(r: Run) -> None:
+        live[r.progress.batches] = snapshot(r)
+        if r.progress.batches in (2, 5, 8):
+            r.acc.save_state()
+
+    train(run, 14, on_batch_end=on_batch_end)
+    final = snapshot(run)
+    published = [m.captured_step for m in ckpt.wait()]
+    ckpt.close()
+    run.acc.wait_for_everyone()  # the main process publishes after the others' files are in
+    root = os.path.join(project_dir, "checkpoints")
+    names = sorted(os.listdir(root))
+    errors: list[str] = []
+    resumed = []
+    for name in names:
+        # Plain Accelerate from here on: GoCkpt is detached.
+        fresh = build(project_dir, seed=5, reset=False)
+        fresh.acc.load_state(os.path.join(root, name))
+        c = fresh.progress.batches
+        resumed.append(c)
+        got = snapshot(fresh)
+        errors += differences(got["rng"], live[c]["rng"], f"{name}:rng")
+        # BatchNorm statistics are per process under DDP (each forward takes rank 0's); the
+        # checkpoint holds the main process's, as Accelerate's does.
+        buffers = {k for k, _ in run.acc.unwrap_model(run.model).named_buffers()} if rank else set()
+        model = {k: v for k, v in got["model"].items() if k not in buffers}
+        errors += differences(model, {k: live[c]["model"][k] for k in model}, f"{name}:model")
+        errors += differences(got["optim"], live[c]["optim"], f"{name}:optim")
+        errors += differences(got["sched"], live[c]["sched"], f"{name}:sched")
+        train(fresh, 14)
+        errors += differences(snapshot(fresh)["model"], final["model"], f"{name}:final")
+    result = {"rank": rank, "names": names, "resumed_batches": resumed, "errors": errors,
+              "published": published}
+    with open(os.path.join(project_dir, f"result_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    run.acc.end_training()
+
+
+def _crash(project_dir: str) -> None:
+    import accelerate_gockpt._publish as publish_mod
+    from accelerate_gockpt import GoCkptPlugin, attach
+
+    run = build(project_dir, total_limit=2)
+    attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    real_save = publish_mod._save
+    never = threading.Event()
+
+    def save(obj: Any, path: str) -> None:
+        if "checkpoint_3" in path and path.endswith("optimizer.bin"):
+            print("blocked", path, flush=True)
+            never.wait()
+        real_save(obj, path)
+
+    publish_mod._save = save
+
+    def on_batch_end(r: Run) -> None:
+        print("state", r.progress.batches, digest(r), flush=True)
+        r.acc.save_state()
+
+    train(run, 10**9, on_batch_end=on_batch_end)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "ddp":
+        _ddp(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "crash":
+        _crash(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]!r}")
