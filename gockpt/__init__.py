@@ -9,11 +9,13 @@ and an atomic publish (PCcheck §4.1).
 from __future__ import annotations
 
 from .config import MODES, GoCkptConfig
-from .engine import CheckpointMetrics, CheckpointTornError, Engine, SaveHandle
+from .engine import Engine
 from .format import CheckpointCorruptError
+from .handle import CheckpointMetrics, SaveHandle
 from .persist import CheckpointCancelledError
 from .restore import LoadedState, load_checkpoint, load_into
 from .storage import latest_checkpoint, remove_checkpoint
+from .transfer import CheckpointTornError
 
 __all__ = [
     "MODES",

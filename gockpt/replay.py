@@ -120,7 +120,7 @@ class TorchReplay:
         if group.get("fused") and not _cpu_fused_ok(optimizer_cls):
             group["fused"] = False
         opt = optimizer_cls([{"params": list(params), **group}])
-        for p, g, st in zip(params, grads, states):
+        for p, g, st in zip(params, grads, states, strict=True):
             p.grad = g
             opt.state[p] = st
         try:

@@ -129,5 +129,5 @@ def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedSt
     with torch.no_grad():
         for p, v in outside.values():
             p.copy_(v)
-    for opt, sd in zip(optimizers, state.optimizer_state_dicts):
+    for opt, sd in zip(optimizers, state.optimizer_state_dicts, strict=True):
         opt.load_state_dict(sd)

@@ -1,0 +1,112 @@
+"""The result side of a checkpoint request: its handle and its metrics."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class CheckpointMetrics:
+    """What one checkpoint cost and delivered.
+
+    Attributes:
+        path: checkpoint directory.
+        mode: the mode it ran in.
+        num_overlap_steps: K, the training steps its copy spanned.
+        requested_step / captured_step: optimizer updates applied at the request / in the data.
+        stall_s: training-thread stall in seconds (sum of ``stall_by_phase_s``).
+        stall_by_phase_s: seconds by phase (slot_wait, copy, window_end, grad_copy, capture,
+            guard, flush, persist for ``sync``).
+        state_bytes / grad_bytes: bytes copied to the host (state, gradients).
+        persist_bytes: bytes written to storage.
+        time_to_durable_s: seconds from the request to the publish.
+        persist_s: seconds spent persisting; ``persist_gbps`` = persist_bytes / persist_s / 1e9.
+        replay_backend: backend used for replay (empty when nothing was replayed).
+        skipped: the request found no free slot with ``when_full="skip"``.
+        superseded: a newer save of the same path was published first; this one was dropped.
+    """
+
+    path: str
+    mode: str
+    num_overlap_steps: int
+    requested_step: int
+    captured_step: int | None = None
+    stall_s: float = 0.0
+    stall_by_phase_s: dict[str, float] = field(default_factory=dict)
+    state_bytes: int = 0
+    grad_bytes: int = 0
+    persist_bytes: int = 0
+    time_to_durable_s: float = 0.0
+    persist_s: float = 0.0
+    persist_gbps: float = 0.0
+    replay_backend: str = ""
+    skipped: bool = False
+    superseded: bool = False
+
+    def add_stall(self, phase: str, seconds: float) -> None:
+        self.stall_by_phase_s[phase] = self.stall_by_phase_s.get(phase, 0.0) + seconds
+        self.stall_s += seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able copy."""
+        return asdict(self)
+
+
+class SaveHandle:
+    """The future of one checkpoint request.
+
+    Attributes:
+        path: checkpoint directory.
+        requested_step: optimizer updates applied when it was requested.
+        metrics: live metrics (complete once done).
+    """
+
+    def __init__(self, path: str, metrics: CheckpointMetrics) -> None:
+        self.path = path
+        self.metrics = metrics
+        self.requested_step = metrics.requested_step
+        self._future: Future[CheckpointMetrics] = Future()
+        self._owner = threading.get_ident()
+        self._flush: Callable[[], None] | None = None
+
+    @property
+    def captured_step(self) -> int | None:
+        """The step whose state the checkpoint holds, once taken."""
+        return self.metrics.captured_step
+
+    @property
+    def skipped(self) -> bool:
+        return self.metrics.skipped
+
+    def done(self) -> bool:
+        """Whether the checkpoint is durable, failed, cancelled or skipped."""
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the checkpoint is durable, failed, cancelled or skipped.
+
+        ``fn`` runs on the thread that finishes the checkpoint (a persist thread), or at once on
+        the calling thread when it is already done; it must not block for long.
+        """
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
+        """Block until durable; returns its metrics.
+
+        Called on the training thread while the checkpoint is still in its copy windows, it
+        first finishes them at the current step (as :meth:`Engine.wait` does).
+
+        Raises:
+            TimeoutError: not done within ``timeout_s`` seconds.
+            The save's error (``CheckpointCancelledError`` when removed in flight).
+        """
+        if not self._future.done() and self._flush is not None \
+                and threading.get_ident() == self._owner:
+            # Waiting on the training thread for a save still in its copy windows would wait
+            # for training that cannot run: finish the windows at this step instead.
+            self._flush()
+        return self._future.result(timeout_s)
