@@ -1,0 +1,266 @@
+"""``GoCkptIO``: Lightning's CheckpointIO backed by the GoCkpt engine.
+
+Call sequence of one checkpoint under ``Trainer(plugins=[GoCkptIO()])`` (global rank 0):
+
+1. (training thread, ModelCheckpoint hook) ``Trainer.save_checkpoint`` dumps Lightning's dict and
+   calls :meth:`GoCkptIO.save_checkpoint`; the callback half deep-copies its non-tensor parts and
+   requests ``engine.save``: the model and optimizer tensors are not copied here.
+2. (training thread, the callback's hooks) ``on_before_optimizer_step`` ends each copy window,
+   ``on_train_batch_end`` marks each step boundary (GoCkpt §4.2).
+3. (training thread, the captured step) the non-tensor state is taken: the request's copy when the
+   checkpoint holds the requested step, else Lightning's dict dumped again at the captured step.
+4. (engine threads) replay, shards, manifest, publish; then the metrics reach the loggers at the
+   next batch end.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+
+import gockpt
+from gockpt import GoCkptConfig
+from gockpt.storage import is_complete, is_local, url_to_fs
+
+if TYPE_CHECKING:
+    from .callback import GoCkptCallback
+
+
+class GoCkptIO(CheckpointIO):
+    """Saves Lightning checkpoints as GoCkpt checkpoint directories without stopping training.
+
+    A checkpoint path (``epoch=0-step=16.ckpt``, ``last.ckpt``) names a directory of shards and a
+    manifest. In the multi-step modes a checkpoint may hold a step up to ``K - 1`` optimizer steps
+    after the one requested (GoCkpt §4.2); its ``global_step``, loop progress, scheduler, callback
+    and precision state are then taken at that same step, so resuming from it continues exactly.
+    Checkpoints ranked by a metric (``ModelCheckpoint(monitor=...)``) hold exactly the requested
+    step when ``exact_monitored`` is set, because the metric was measured there. Taking
+    Lightning's dict again runs the ``on_save_checkpoint`` hooks again, at the captured step.
+
+    With ``ModelCheckpoint``: a save of a path that already holds a checkpoint (``last.ckpt``,
+    also while an earlier save of it is in flight) replaces it atomically, and a symlink there is
+    replaced, never written through. A local path is created as an empty placeholder directory at
+    request time, so ``save_last="link"`` can link to a checkpoint still in flight and
+    ``ckpt_path="last"`` finds the link; the placeholder has no manifest, so it is never loaded
+    as a checkpoint. Removing a checkpoint in flight cancels it and leaves no file; removing a
+    complete one waits until the checkpoints requested before it are durable, so a crash always
+    leaves a complete checkpoint. At the start of training, placeholders and scratch files of a
+    run that died are cleared. ``fit`` returns once every requested checkpoint is durable.
+
+    Per checkpoint the loggers get ``gockpt/stall_s``, ``gockpt/bytes``, ``gockpt/gbps``,
+    ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps`` (K), ``gockpt/captured_step``
+    and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), at the step of the request.
+
+    Strategies: one device and DDP (global rank 0 saves). FSDP, DeepSpeed and ModelParallel
+    write their own sharded checkpoints, bypassing CheckpointIO; they are refused in ``setup``.
+
+    The callback half (:class:`~lightning_gockpt.GoCkptCallback`) is added to every Trainer by the
+    ``lightning.pytorch.callbacks_factory`` entry point and links itself to this plugin in
+    ``setup``; passing it in ``callbacks`` works too.
+
+    Loading: the non-tensor state loads with ``torch.load(weights_only=True)``, like Lightning's
+    default; checkpoints whose hyperparameters or callback state hold other objects need
+    ``allow_pickle=True`` here or ``fit(..., weights_only=False)`` (trusted files only).
+
+    Args:
+        config: engine options; or give them as keyword arguments (``mode``,
+            ``max_overlap_steps``, ``host_buffer_bytes``, ``max_inflight``, ``num_io_threads``,
+            ``storage_options``, ... see :class:`gockpt.GoCkptConfig`; ``max_inflight`` defaults
+            to 4 here, room for two triggers of ``ModelCheckpoint(save_last=True)``).
+        exact_monitored: checkpoints of a ModelCheckpoint with ``monitor`` hold exactly the
+            requested step (copied over one step, "lazy"); others may be delivered later.
+        allow_pickle: unpickle arbitrary objects in the non-tensor state when loading.
+
+    Raises:
+        TypeError: both ``config`` and keyword options were given.
+        ValueError: an invalid engine option (from :class:`gockpt.GoCkptConfig`).
+    """
+
+    def __init__(
+        self,
+        config: GoCkptConfig | None = None,
+        *,
+        exact_monitored: bool = True,
+        allow_pickle: bool = False,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise TypeError("pass either a GoCkptConfig or keyword options, not both")
+        # ModelCheckpoint(save_last=True) requests two checkpoints per trigger: room for two
+        # triggers in flight keeps multi-step copies from being finished early for want of a slot.
+        options.setdefault("max_inflight", 4)
+        self.config = config if config is not None else GoCkptConfig(**options)
+        self.exact_monitored = exact_monitored
+        self.allow_pickle = allow_pickle
+        self._callback: GoCkptCallback | None = None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        """Request a checkpoint of the live model and optimizers at ``path`` (a directory).
+
+        Returns after the request's stall; the checkpoint becomes durable in the background and
+        at the latest when ``fit`` returns.
+
+        Raises:
+            TypeError: ``storage_options`` given (set them on ``GoCkptIO(storage_options=...)``).
+            RuntimeError: no linked callback (the entry point is not installed and no
+                ``GoCkptCallback`` was passed), or a background error of an earlier checkpoint.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "GoCkptIO takes fsspec options once, as GoCkptIO(storage_options=...), "
+                "not per Trainer.save_checkpoint call")
+        if self._callback is None:
+            raise RuntimeError(
+                "GoCkptIO has no linked GoCkptCallback: install the package (`pip install -e .`) "
+                "so Lightning loads its entry point, or pass callbacks=[GoCkptCallback()]")
+        path = os.fspath(path)
+        exact = self.exact_monitored and self._callback.is_monitored(path)
+        self._callback.request(checkpoint, path, exact_step=exact)
+
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a checkpoint into Lightning's dict (CPU tensors unless ``map_location`` says).
+
+        A ``last*.ckpt`` path that is not complete (a save of it, or of the checkpoint it links
+        to, was cut short) resolves, with a warning, to the newest complete checkpoint in its
+        directory (the ``latest`` pointer). A plain file is loaded with ``torch.load``.
+
+        Args:
+            path: checkpoint directory (local path or fsspec URL).
+            map_location: a device or device string for the tensors; other forms leave them on
+                the CPU, where Lightning copies them to the model's device.
+            weights_only: ``False`` allows arbitrary objects in the non-tensor state.
+
+        Returns:
+            Lightning's checkpoint dict: its non-tensor entries plus ``state_dict`` and, unless
+            saved weights-only, ``optimizer_states``.
+
+        Raises:
+            FileNotFoundError: no complete checkpoint at ``path`` (nor, for ``last*.ckpt``,
+                in its directory).
+            gockpt.CheckpointCorruptError: a corrupt file (names the file and key), or a
+                GoCkpt checkpoint not written by GoCkptIO.
+        """
+        path = os.fspath(path)
+        if os.path.isfile(path):
+            return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
+        state = gockpt.load_checkpoint(
+            self._resolve(path), storage_options=self.config.storage_options,
+            verify=self.config.verify_on_load, allow_pickle=self.allow_pickle or weights_only is False)
+        extra = state.extra
+        if not isinstance(extra, dict) or "lightning" not in extra:
+            raise gockpt.CheckpointCorruptError(f"{path}: a GoCkpt checkpoint not written by GoCkptIO")
+        checkpoint = dict(extra["lightning"])
+        checkpoint["state_dict"] = _to(state.model_state_dict, map_location)
+        if extra["optimizer_states"]:
+            checkpoint["optimizer_states"] = [_to(sd, map_location) for sd in state.optimizer_state_dicts]
+        return checkpoint
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Delete the checkpoint at ``path``, cancelling its save first if it is in flight.
+
+        No file of a cancelled save is left behind (Lightning issue #14035). A complete checkpoint
+        is deleted once the saves requested before are durable, so one complete checkpoint always
+        remains. A symlink is unlinked, its target kept.
+        """
+        path = os.fspath(path)
+        if self._callback is not None and self._callback.io is self:
+            self._callback.remove(path)
+        else:
+            gockpt.remove_checkpoint(path, self.config.storage_options)
+
+    def teardown(self) -> None:
+        """Backstop at the end of a run: finish pending checkpoints and stop the engine."""
+        if self._callback is not None:
+            self._callback.close()
+
+    def _resolve(self, path: str) -> str:
+        options = self.config.storage_options
+        if is_complete(path, options):
+            return path
+        if "://" in path:
+            parent, _, name = path.rstrip("/").rpartition("/")
+        else:
+            parent, name = os.path.split(os.path.abspath(path))
+        last = ModelCheckpoint.CHECKPOINT_NAME_LAST
+        if not (name.startswith(last) and name.endswith(ModelCheckpoint.FILE_EXTENSION)):
+            raise FileNotFoundError(f"{path} is not a complete GoCkpt checkpoint (no manifest.json)")
+        newest = gockpt.latest_checkpoint(parent, options)
+        if newest is None:
+            raise FileNotFoundError(
+                f"{path} is incomplete (the run stopped while it was being saved) and {parent!r} "
+                "holds no complete checkpoint")
+        warnings.warn(
+            f"{path} is incomplete (the run stopped while it was being saved); resuming from "
+            f"{newest}, the newest complete checkpoint beside it", stacklevel=3)
+        return newest
+
+
+def make_placeholder(path: str, storage_options: Any) -> None:
+    """Create an empty directory at a local checkpoint path that does not exist yet.
+
+    ``save_last="link"`` links ``last.ckpt`` to a checkpoint that may still be in flight; a link
+    to a missing target is dropped by Lightning's ``ckpt_path="last"`` search, which would then
+    start from scratch. The publish replaces the placeholder atomically; a cancelled save removes
+    it; after a crash :meth:`GoCkptIO.load_checkpoint` sees it has no manifest.
+    """
+    fs, local = url_to_fs(path, storage_options)
+    if is_local(fs) and not os.path.lexists(local):
+        os.makedirs(local, exist_ok=True)
+
+
+def remove_placeholder(path: str, storage_options: Any) -> None:
+    """Remove the placeholder of ``path`` if it is still an empty directory."""
+    fs, local = url_to_fs(path, storage_options)
+    if is_local(fs) and os.path.isdir(local) and not os.path.islink(local) and not os.listdir(local):
+        os.rmdir(local)
+
+
+def tidy_placeholders(directory: str, storage_options: Any) -> None:
+    """Remove the placeholders a stopped run left in a local checkpoint directory.
+
+    Empty ``*.ckpt`` directories are removed; a symlink left dangling by that (``last.ckpt`` of
+    ``save_last="link"``) is pointed at the newest complete checkpoint, or removed if there is
+    none. Call once the run has resumed and before it saves.
+    """
+    fs, local = url_to_fs(directory, storage_options)
+    if not is_local(fs) or not os.path.isdir(local):
+        return
+    for entry in os.scandir(local):
+        if entry.name.endswith(ModelCheckpoint.FILE_EXTENSION) and entry.is_dir(follow_symlinks=False) \
+                and not os.listdir(entry.path):
+            os.rmdir(entry.path)
+    newest = None
+    for entry in os.scandir(local):
+        if not entry.is_symlink() or os.path.exists(entry.path):
+            continue
+        newest = newest or gockpt.latest_checkpoint(local)
+        if newest is None:
+            os.unlink(entry.path)
+            continue
+        # The scratch name is one cleanup_staging recognises should this process die here.
+        tmp = os.path.join(local, f".{entry.name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
+        os.symlink(os.path.relpath(newest, local), tmp)
+        os.replace(tmp, entry.path)
+
+
+def _to(tree: Any, map_location: Any) -> Any:
+    import torch
+
+    if not isinstance(map_location, (str, torch.device)):
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree.to(map_location)
+    if isinstance(tree, dict):
+        return {k: _to(v, map_location) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to(v, map_location) for v in tree]
+    return tree

@@ -1,0 +1,513 @@
+"""Lightning adapter: resume equivalence in every mode, ModelCheckpoint interplay, DDP, metrics.
+
+Resume equivalence: 24 steps uninterrupted (no GoCkpt at all) vs. a run with GoCkpt checkpoints
+every 8 steps that stops after step 20, then a fresh Trainer resuming from the checkpoint
+requested at step 16 and finishing at step 24. In the multi-step modes that checkpoint holds
+step 18 (K = 3); the resumed run must then repeat the reference's batches 18.. exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from _lightning_train import Crash, CrashAfter, assert_bitwise_equal, fit, results
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+import gockpt
+import gockpt.engine as engine_mod
+from gockpt.storage import is_complete
+from lightning_gockpt import GoCkptCallback, GoCkptIO
+from lightning_gockpt.callback import _linking_callback
+
+HERE = Path(__file__).resolve().parent
+MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def gockpt_io(mode: str = "gockpt", **kw) -> GoCkptIO:
+    """GoCkptIO forcing K = 3 in the multi-step modes, with room for 4 saves in flight.
+
+    The room matters: a request that finds every host slot taken finishes the copies still in
+    their windows at once, which would shorten K however slowly the machine persists.
+    """
+    kw.setdefault("max_inflight", 4)
+    return GoCkptIO(mode=mode, min_overlap_steps=3, max_overlap_steps=3, **kw)
+
+
+def reference(tmp_path_factory, precision: str = "32-true", accumulate: int = 1) -> dict:
+    """The uninterrupted 24-step run without GoCkpt (cached per configuration)."""
+    key = (precision, accumulate)
+    if key not in _REFERENCES:
+        root = tmp_path_factory.mktemp("reference")
+        _REFERENCES[key] = results(*fit(str(root), precision=precision, accumulate=accumulate))
+    return _REFERENCES[key]
+
+
+def assert_continues_reference(res: dict, ref: dict, captured_step: int, accumulate: int = 1) -> None:
+    """The resumed run started at ``captured_step`` and ended exactly as the reference."""
+    first = captured_step * accumulate  # batches before the captured step
+    assert sorted(res["losses"]) == list(range(first, 24 * accumulate))
+    for batch, loss in res["losses"].items():
+        assert loss == ref["losses"][batch], f"loss of batch {batch}"
+    assert res["global_step"] == ref["global_step"] == 24
+    assert_bitwise_equal(res["model"], ref["model"], "model")
+    assert_bitwise_equal(res["optim"], ref["optim"], "optimizer")
+
+
+def scratch_entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".gockpt-" in p.name)
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[dict, int | None]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.calls.append((dict(metrics), step))
+
+
+# ---------------------------------------------------------------------- resume equivalence
+
+RESUME_CASES = (
+    [(mode, "32-true", 1) for mode in MODES]
+    + [("gockpt", "bf16-mixed", 1), ("gockpt_o", "bf16-mixed", 1), ("async", "bf16-mixed", 1)]
+    + [("gockpt", "32-true", 2), ("gockpt_o", "bf16-mixed", 2), ("lazy", "32-true", 2)]
+)
+
+
+@pytest.mark.parametrize(("mode", "precision", "accumulate"), RESUME_CASES)
+def test_resume_after_stop_equals_uninterrupted_run(tmp_path, tmp_path_factory, mode, precision, accumulate):
+    ref = reference(tmp_path_factory, precision, accumulate)
+    logger = MemoryLogger()
+    with pytest.raises(Crash):
+        fit(str(tmp_path / "a"), io=gockpt_io(mode), ckpt_every=8, precision=precision,
+            accumulate=accumulate, callbacks=(CrashAfter(20),), logger=logger)
+    path = str(tmp_path / "a" / "step=16.ckpt")
+    state = gockpt.load_checkpoint(path)
+    captured, replay = state.captured_step, state.manifest["meta"].get("replay")
+    if mode in ("gockpt", "gockpt_o"):
+        assert captured == 18, replay
+    elif mode != "auto":
+        assert captured == 16
+    assert 16 <= captured <= 18
+    # The non-tensor state was taken at the captured step, with the tensors.
+    loaded = GoCkptIO().load_checkpoint(path)
+    assert loaded["global_step"] == captured
+    assert loaded["lr_schedulers"][0]["last_epoch"] == captured
+    assert loaded["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == captured * accumulate
+    # Both requested checkpoints were logged once durable (the crash flushed the second).
+    logged = sorted(int(m["gockpt/captured_step"]) for m, _ in logger.calls if "gockpt/stall_s" in m)
+    assert logged[-1] == captured and len(logged) == 2
+
+    trainer, model = fit(str(tmp_path / "b"), io=gockpt_io(mode), ckpt_path=path, precision=precision,
+                         accumulate=accumulate)
+    assert_continues_reference(results(trainer, model), ref, captured, accumulate)
+
+
+def test_tiny_llama_resumes_bit_identically(tmp_path):
+    sys.path.insert(0, str(HERE.parents[1] / "examples"))
+    try:
+        from train_lightning import LlamaLM, make_trainer
+    finally:
+        sys.path.pop(0)
+
+    def run(root, max_steps, ckpt_path=None, crash_after=None):
+        module = LlamaLM(preset="tiny", seed=0, lr=3e-3)
+        trainer = make_trainer(str(root), max_steps=max_steps, ckpt_every=4, io=gockpt_io("gockpt_o"),
+                               callbacks=[CrashAfter(crash_after)] if crash_after else [])
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return results(trainer, module)
+
+    ref = run(tmp_path / "ref", 12)
+    with pytest.raises(Crash):
+        run(tmp_path / "a", 12, crash_after=7)
+    path = tmp_path / "a" / "step=4.ckpt"
+    assert gockpt.load_checkpoint(str(path)).captured_step == 6
+    res = run(tmp_path / "b", 12, ckpt_path=str(path))
+    assert sorted(res["losses"]) == list(range(6, 12))
+    assert all(res["losses"][b] == ref["losses"][b] for b in res["losses"])
+    assert_bitwise_equal(res["model"], ref["model"], "model")
+    assert_bitwise_equal(res["optim"], ref["optim"], "optimizer")
+
+
+# ---------------------------------------------------------------------- crash for real
+
+def _run_until_killed(tmp_path: Path, runs: list[dict]) -> None:
+    """Start the job in a subprocess, wait for its ``ready`` line, SIGKILL it there."""
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(runs))
+    proc = subprocess.Popen([sys.executable, str(HERE / "_lightning_train.py"), str(config)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, cwd=tmp_path)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+        assert lines and lines[-1].startswith("ready"), "".join(lines)
+        assert proc.poll() is None  # blocked mid-run, with checkpoints in flight
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("mode", "save_last"), [("gockpt", "link"), ("gockpt_o", True)])
+def test_sigkill_then_resume_from_last_equals_uninterrupted_run(tmp_path, tmp_path_factory, mode, save_last):
+    ref = reference(tmp_path_factory)
+    root = tmp_path / "ckpt"
+    # Two saves per request step with save_last=True: room for both steps' saves in flight.
+    io_options = {"mode": mode, "min_overlap_steps": 3, "max_overlap_steps": 3, "max_inflight": 4}
+    # Checkpoints every 4 steps; killed at the end of step 21 once step=16.ckpt (holding step 18)
+    # is durable, while the step-20 request (to hold step 22) is still being copied.
+    _run_until_killed(tmp_path, [{
+        "root": str(root), "io": io_options, "max_steps": 40, "ckpt_every": 4, "save_last": save_last,
+        "gate_path": str(root / "step=16.ckpt"), "gate_step": 21}])
+    assert not is_complete(str(root / "step=20.ckpt"))
+    last = root / "last.ckpt"
+    if save_last == "link":
+        assert last.is_symlink() and os.readlink(last) == "step=20.ckpt"
+        assert last.exists()  # its placeholder keeps it a candidate for ckpt_path="last"
+        with pytest.warns(UserWarning, match="newest complete checkpoint"):
+            trainer, model = fit(str(root), io=gockpt_io(mode), ckpt_every=4, save_last=save_last,
+                                 ckpt_path="last")
+    else:
+        assert is_complete(str(last))
+        trainer, model = fit(str(root), io=gockpt_io(mode), ckpt_every=4, save_last=save_last,
+                             ckpt_path="last")
+    assert trainer.ckpt_path == str(last)
+    assert_continues_reference(results(trainer, model), ref, 18)
+    # The dead run's scratch entries and placeholders are gone; every checkpoint is complete.
+    assert scratch_entries(root) == []
+    names = {p.name for p in root.iterdir()}
+    assert names == {"latest", "last.ckpt", *(f"step={s}.ckpt" for s in range(4, 25, 4))}
+    assert all(is_complete(str(root / n)) for n in names - {"latest"})
+    assert GoCkptIO().load_checkpoint(str(last))["global_step"] == 24
+
+
+def test_last_resolves_to_newest_complete_checkpoint_when_its_target_is_incomplete(tmp_path, tmp_path_factory):
+    """The directory a kill leaves with save_last="link": last.ckpt -> an unpublished checkpoint."""
+    ref = reference(tmp_path_factory)
+    root = tmp_path / "ckpt"
+    fit(str(root), io=gockpt_io("lazy"), ckpt_every=8, max_steps=16)
+    (root / "step=24.ckpt").mkdir()  # what make_placeholder leaves for an in-flight save
+    os.symlink("step=24.ckpt", root / "last.ckpt")
+    with pytest.raises(FileNotFoundError, match="no manifest"):
+        GoCkptIO().load_checkpoint(str(root / "step=24.ckpt"))
+    with pytest.warns(UserWarning, match=r"resuming from .*step=16\.ckpt"):
+        trainer, model = fit(str(root), io=gockpt_io("lazy"), ckpt_every=8, save_last="link",
+                             ckpt_path="last")
+    assert_continues_reference(results(trainer, model), ref, 16)
+    # At the start of training the stale placeholder was removed and the dangling link pointed at
+    # the newest complete checkpoint; step 24 was then saved under its own name.
+    assert os.readlink(root / "last.ckpt") == "step=16.ckpt"
+    assert all(is_complete(str(p)) for p in root.iterdir() if p.name.endswith(".ckpt"))
+    assert is_complete(str(root / "step=24.ckpt"))
+
+
+def test_last_without_any_complete_checkpoint_raises(tmp_path):
+    (tmp_path / "step=8.ckpt").mkdir()
+    os.symlink("step=8.ckpt", tmp_path / "last.ckpt")
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        GoCkptIO().load_checkpoint(str(tmp_path / "last.ckpt"))
+
+
+# ---------------------------------------------------------------------- ModelCheckpoint interplay
+
+def test_top_k_removal_cancels_in_flight_save_and_leaves_no_files(tmp_path, monkeypatch):
+    real = engine_mod.persist
+    held: list[str] = []
+
+    def persist_until_cancelled(req):
+        # Every checkpoint but the last is removed by top-k: hold it until the removal cancels it.
+        if not req.path.endswith("step=24.ckpt"):
+            held.append(req.path)
+            assert req.cancel.wait(30), f"{req.path} was never removed"
+        return real(req)
+
+    monkeypatch.setattr(engine_mod, "persist", persist_until_cancelled)
+    logger = MemoryLogger()
+    fit(str(tmp_path), io=gockpt_io("gockpt", max_inflight=3), ckpt_every=4, save_top_k=1, monitor="score",
+        logger=logger)
+    assert [Path(p).name for p in held] == [f"step={s}.ckpt" for s in (4, 8, 12, 16, 20)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step=24.ckpt"]
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step=24.ckpt")
+    # Cancelled checkpoints are not logged as finished.
+    assert [step for m, step in logger.calls if "gockpt/stall_s" in m] == [24]
+
+
+def test_top_1_keeps_the_previous_checkpoint_until_the_next_one_is_durable(tmp_path, monkeypatch):
+    real = engine_mod.persist
+    gate = threading.Event()
+    seen: list[tuple[bool, bool]] = []
+
+    def held(req):
+        if req.path.endswith("step=8.ckpt"):
+            assert gate.wait(30)
+        return real(req)
+
+    class Look(CrashAfter):  # runs before ModelCheckpoint at each batch end
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 11:
+                seen.append((is_complete(str(tmp_path / "step=4.ckpt")),
+                             is_complete(str(tmp_path / "step=8.ckpt"))))
+                gate.set()
+
+    monkeypatch.setattr(engine_mod, "persist", held)
+    fit(str(tmp_path), io=gockpt_io("async"), ckpt_every=4, save_top_k=1, max_steps=12,
+        callbacks=(Look(10**9),))
+    # step=4.ckpt was removed at step 8 by Lightning, but kept while step=8.ckpt was in flight.
+    assert seen == [(True, False)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step=12.ckpt"]
+
+
+def test_save_last_true_replaces_last_atomically_and_never_writes_through_a_link(tmp_path):
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "keep.txt").write_text("untouched")
+    os.symlink(other, tmp_path / "last.ckpt")
+    # Every step re-saves last.ckpt while earlier saves of it are still in flight (K = 3).
+    trainer, model = fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=1, save_top_k=0, save_last=True,
+                         max_steps=12, checkpoint_kwargs={"enable_version_counter": False})
+    assert sorted(p.name for p in other.iterdir()) == ["keep.txt"]
+    assert (other / "keep.txt").read_text() == "untouched"
+    last = tmp_path / "last.ckpt"
+    assert last.is_dir() and not last.is_symlink()
+    assert scratch_entries(tmp_path) == []
+    loaded = GoCkptIO().load_checkpoint(str(last))
+    assert loaded["global_step"] == 12
+    assert_bitwise_equal(loaded["state_dict"], results(trainer, model)["model"], "model")
+    assert_bitwise_equal(loaded["optimizer_states"][0], results(trainer, model)["optim"], "optimizer")
+
+
+def test_save_last_link_points_at_complete_checkpoints(tmp_path):
+    seen: list[tuple[int, bool, bool]] = []
+
+    class Probe(CrashAfter):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            last = tmp_path / "last.ckpt"
+            if last.is_symlink():
+                seen.append((trainer.global_step, last.exists(), is_complete(str(last))))
+
+    fit(str(tmp_path), io=gockpt_io("gockpt", exact_monitored=False), ckpt_every=4, save_top_k=2,
+        monitor="score", save_last="link", max_steps=16, callbacks=(Probe(10**9),))
+    # One step after a request the link's target is being copied (K = 3): it is present (its
+    # placeholder), not complete.
+    assert (5, True, False) in seen and (9, True, False) in seen
+    assert all(exists for _, exists, _ in seen)
+    assert os.readlink(tmp_path / "last.ckpt") == "step=16.ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "latest", "step=12.ckpt", "step=16.ckpt"]
+    assert all(is_complete(str(tmp_path / n)) for n in ("step=12.ckpt", "step=16.ckpt", "last.ckpt"))
+
+
+@pytest.mark.parametrize("exact_monitored", [True, False])
+def test_monitored_checkpoints_hold_the_requested_step(tmp_path, exact_monitored):
+    states: dict[int, dict] = {}
+
+    class Record(CrashAfter):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            states[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    unranked = ModelCheckpoint(dirpath=str(tmp_path / "plain"), filename="{step}", every_n_train_steps=6,
+                               save_top_k=-1)
+    io = gockpt_io("gockpt", exact_monitored=exact_monitored, max_inflight=6)  # 2 saves a step
+    fit(str(tmp_path / "ranked"), io=io, ckpt_every=6,
+        monitor="score", max_steps=20, callbacks=(Record(10**9), unranked))
+    for step in (6, 12, 18):
+        ranked = gockpt.load_checkpoint(str(tmp_path / "ranked" / f"step={step}.ckpt"))
+        plain = gockpt.load_checkpoint(str(tmp_path / "plain" / f"step={step}.ckpt"))
+        assert ranked.captured_step == (step if exact_monitored else step + 2)
+        assert plain.captured_step == step + 2
+        for state in (ranked, plain):
+            assert_bitwise_equal(state.model_state_dict, states[state.captured_step], f"step {step}")
+            assert state.extra["lightning"]["global_step"] == state.captured_step
+
+
+# ---------------------------------------------------------------------- lifecycle, wiring, errors
+
+def test_entry_point_adds_an_inert_callback_to_every_trainer(tmp_path):
+    import lightning.pytorch as pl
+
+    plain = pl.Trainer(default_root_dir=tmp_path, logger=False)
+    ours = [cb for cb in plain.callbacks if isinstance(cb, GoCkptCallback)]
+    assert len(ours) == 1 and ours[0]._from_factory
+    trainer, _ = fit(str(tmp_path), max_steps=2)  # no GoCkptIO: the callback stays inert
+    cb = next(cb for cb in trainer.callbacks if isinstance(cb, GoCkptCallback))
+    assert cb.io is None and cb.engine is None
+
+
+def test_explicit_callback_links_instead_of_the_factory_one(tmp_path):
+    explicit = GoCkptCallback()
+    io = gockpt_io("async")
+    trainer, _ = fit(str(tmp_path), io=io, ckpt_every=2, max_steps=4, callbacks=(explicit,))
+    assert _linking_callback(trainer) is explicit and io._callback is explicit
+    factory = [cb for cb in trainer.callbacks if isinstance(cb, GoCkptCallback) and cb._from_factory]
+    assert len(factory) == 1 and factory[0].io is None
+    assert is_complete(str(tmp_path / "step=4.ckpt"))
+
+
+def test_fit_returns_with_every_checkpoint_durable_and_save_after_fit_works(tmp_path, monkeypatch):
+    real = engine_mod.persist
+    gate = threading.Event()
+    paths = [str(tmp_path / f"step={s}.ckpt") for s in (3, 6, 9)]
+    complete_at_train_end: list[bool] = []
+
+    def held(req):
+        assert gate.wait(30)
+        return real(req)
+
+    class OpenGateAtTrainEnd(CrashAfter):  # runs before GoCkptCallback.on_train_end
+        def on_train_end(self, trainer, pl_module):
+            complete_at_train_end.extend(is_complete(p) for p in paths)
+            gate.set()
+
+    monkeypatch.setattr(engine_mod, "persist", held)
+    trainer, model = fit(str(tmp_path), io=gockpt_io("gockpt_o", max_inflight=3), ckpt_every=3, max_steps=10,
+                         callbacks=(OpenGateAtTrainEnd(10**9),))
+    assert complete_at_train_end == [False, False, False]
+    assert all(is_complete(p) for p in paths)
+    trainer.save_checkpoint(str(tmp_path / "after.ckpt"))  # the engine is closed: a blocking save
+    loaded = GoCkptIO().load_checkpoint(str(tmp_path / "after.ckpt"))
+    assert loaded["global_step"] == 10
+    assert_bitwise_equal(loaded["state_dict"], results(trainer, model)["model"], "model")
+
+
+def test_metrics_reach_the_logger_per_checkpoint(tmp_path):
+    logger = MemoryLogger()
+    fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=5, max_steps=12, logger=logger)
+    calls = [(m, step) for m, step in logger.calls if "gockpt/stall_s" in m]
+    assert [step for _, step in calls] == [5, 10]
+    for m, step in calls:
+        assert m["gockpt/mode"] == gockpt.MODES.index("gockpt") and m["gockpt/num_overlap_steps"] == 3
+        assert m["gockpt/captured_step"] == step + 2
+        assert m["gockpt/bytes"] > 0 and m["gockpt/stall_s"] >= 0 and m["gockpt/gbps"] > 0
+        assert m["gockpt/time_to_durable_s"] > 0
+
+
+def test_resumed_run_ranks_its_checkpoints_above_the_ones_it_resumed_from(tmp_path):
+    fit(str(tmp_path), io=gockpt_io("lazy"), ckpt_every=8, max_steps=16)
+    fit(str(tmp_path), io=gockpt_io("lazy"), ckpt_every=4, max_steps=20,
+        ckpt_path=str(tmp_path / "step=16.ckpt"))
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step=20.ckpt")
+    assert gockpt.load_checkpoint(str(tmp_path / "step=20.ckpt")).captured_step == 20
+
+
+def test_hyperparameters_needing_pickle_load_only_when_allowed(tmp_path):
+    from fractions import Fraction
+
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+
+    pl.seed_everything(0, verbose=False)
+    model = TinyNet(lr=Fraction(1, 20))  # an object torch.load(weights_only=True) refuses
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, plugins=[gockpt_io("sync")])
+    trainer.fit(model)
+    trainer.save_checkpoint(str(tmp_path / "hp.ckpt"))
+    with pytest.raises(gockpt.CheckpointCorruptError, match="allow_pickle"):
+        GoCkptIO().load_checkpoint(str(tmp_path / "hp.ckpt"))
+    assert GoCkptIO().load_checkpoint(str(tmp_path / "hp.ckpt"), weights_only=False)["hyper_parameters"] == {
+        "lr": Fraction(1, 20)}
+    assert GoCkptIO(allow_pickle=True).load_checkpoint(str(tmp_path / "hp.ckpt"))["global_step"] == 2
+
+
+def test_strategies_that_bypass_checkpoint_io_are_refused(tmp_path):
+    class DeepSpeedStrategy(DDPStrategy):  # stands in for lightning's (deepspeed is not installed)
+        pass
+
+    for strategy in (FSDPStrategy(), DeepSpeedStrategy()):
+        cb = GoCkptCallback()
+
+        class FakeTrainer:
+            callbacks = [cb]
+
+        FakeTrainer.strategy = strategy
+        strategy.checkpoint_io = GoCkptIO()
+        with pytest.raises(ValueError, match=f"does not support {type(strategy).__name__}"):
+            cb.setup(FakeTrainer(), None, "fit")
+
+
+def test_storage_options_per_save_are_rejected(tmp_path):
+    io = GoCkptIO()
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
+    with pytest.raises(RuntimeError, match="no linked GoCkptCallback"):
+        io.save_checkpoint({}, str(tmp_path / "x.ckpt"))
+    with pytest.raises(TypeError):
+        GoCkptIO(gockpt.GoCkptConfig(), mode="sync")
+
+
+def test_weights_only_checkpoint_has_no_optimizer_states(tmp_path):
+    trainer, model = fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=6, max_steps=6,
+                         checkpoint_kwargs={"save_weights_only": True})
+    loaded = GoCkptIO().load_checkpoint(str(tmp_path / "step=6.ckpt"))
+    assert "optimizer_states" not in loaded and "lr_schedulers" not in loaded
+    assert_bitwise_equal(loaded["state_dict"], results(trainer, model)["model"], "model")
+
+
+# ---------------------------------------------------------------------- DDP, the example
+
+def test_ddp_two_processes_checkpoint_and_resume(tmp_path):
+    io_options = {"mode": "gockpt", "min_overlap_steps": 3, "max_overlap_steps": 3}
+    common = {"io": io_options, "max_steps": 12, "strategy": "ddp", "devices": 2}
+    runs = [
+        {**common, "root": str(tmp_path / "a"), "ckpt_every": 6, "results_path": str(tmp_path / "a.pt")},
+        {**common, "root": str(tmp_path / "b"), "ckpt_path": str(tmp_path / "a" / "step=6.ckpt"),
+         "results_path": str(tmp_path / "b.pt")},
+    ]
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(runs))
+    proc = subprocess.run([sys.executable, str(HERE / "_lightning_train.py"), str(config)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    uninterrupted = torch.load(tmp_path / "a.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert gockpt.load_checkpoint(str(tmp_path / "a" / "step=6.ckpt")).captured_step == 8
+    assert sorted(resumed["losses"]) == [8, 9, 10, 11]
+    assert all(resumed["losses"][b] == uninterrupted["losses"][b] for b in resumed["losses"])
+    assert_bitwise_equal(resumed["model"], uninterrupted["model"], "model")
+    assert_bitwise_equal(resumed["optim"], uninterrupted["optim"], "optimizer")
+    # Only global rank 0 wrote, once per request.
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["latest", "step=12.ckpt", "step=6.ckpt"]
+
+
+
+def test_example_demo_kills_resumes_and_continues(tmp_path):
+    script = HERE.parents[1] / "examples" / "train_lightning.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--demo", "--preset", "tiny", "--max-steps", "80", "--ckpt-every", "20",
+         "--root", str(tmp_path / "demo")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "killed with SIGKILL after step 61" in out
+    assert "resuming from" in proc.stderr and "step=40.ckpt" in proc.stderr  # last.ckpt was in flight
+    assert "the resumed run restarted after step 42 and trained steps 43..61 again" in out
+    assert "identical on all 19 steps" in out
