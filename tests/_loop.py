@@ -90,7 +90,7 @@ def assert_state_equal(got: dict, want: dict, where: str = "") -> None:
             assert_state_equal(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_state_equal(a, b, f"{where}[{i}]")
     else:
         assert got == want or (got != got and want != want), f"{where}: {got!r} != {want!r}"

@@ -7,11 +7,10 @@ import warnings
 
 import pytest
 import torch
+from _loop import assert_state_equal, make, snapshot, train
 
 import gockpt
 from gockpt import Engine, GoCkptConfig
-
-from _loop import assert_state_equal, make, snapshot, train
 
 MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
 
@@ -313,7 +312,7 @@ def test_several_optimizers_copy_in_one_step(tmp_path):
     assert m.num_overlap_steps == 1 and m.captured_step == m.requested_step
     state = gockpt.load_checkpoint(m.path)
     assert_state_equal(state.model_state_dict, want["model"])
-    for got, exp in zip(state.optimizer_state_dicts, want["optims"]):
+    for got, exp in zip(state.optimizer_state_dicts, want["optims"], strict=True):
         assert_state_equal(got, exp)
 
 

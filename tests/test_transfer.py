@@ -13,8 +13,8 @@ def test_copies_are_exact_and_chunked():
     c = CpuCopier(chunk_bytes=4096)
     src = [torch.randn(1000), torch.randint(0, 100, (3, 7), dtype=torch.int64), torch.randn(0)]
     dst = [torch.empty_like(s) for s in src]
-    c.copy(list(zip(src, dst)), PRIORITY_STATE).wait()
-    assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    c.copy(list(zip(src, dst, strict=True)), PRIORITY_STATE).wait()
+    assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
     c.close()
 
 
