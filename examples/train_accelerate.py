@@ -1,6 +1,6 @@
 """Train a small byte-level Llama on real text with Accelerate, checkpointing through GoCkpt.
 
-The same workload as ``train_lightning.py`` (``examples/common.py``: Python's documentation as
+The same workload as ``train_lightning.py`` (``examples/workload.py``: Python's documentation as
 bytes, a Llama built from a config). GoCkpt costs the script two lines, marked ``# GoCkpt``;
 everything else is a plain Accelerate loop with ``save_state``/``load_state``.
 
@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import workload as common  # noqa: E402
 
 from accelerate_gockpt import attach  # noqa: E402  # GoCkpt
 

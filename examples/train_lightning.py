@@ -1,6 +1,6 @@
 """Train a small byte-level Llama on real text with Lightning, checkpointing through GoCkpt.
 
-The workload is ``examples/common.py``'s: Python's own documentation (``pydoc_data.topics``, or
+The workload is ``examples/workload.py``'s: Python's own documentation (``pydoc_data.topics``, or
 ``--data``) as bytes, and a ``LlamaForCausalLM`` built from a config (nothing is downloaded).
 GoCkpt costs the script three lines, marked ``# GoCkpt``: the import, ``GoCkptIO(...)`` and
 ``plugins=[io]``. Everything else is plain Lightning: a ``ModelCheckpoint`` every ``--ckpt-every`` steps and
@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import workload as common  # noqa: E402
 
 from lightning_gockpt import GoCkptIO  # noqa: E402  # GoCkpt
 

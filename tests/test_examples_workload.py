@@ -1,4 +1,4 @@
-"""The examples' data and model helpers (examples/common.py)."""
+"""The examples' data and model helpers (examples/workload.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "common.py"
-_spec = importlib.util.spec_from_file_location("gockpt_examples_common", _PATH)
+_PATH = Path(__file__).resolve().parents[1] / "examples" / "workload.py"
+_spec = importlib.util.spec_from_file_location("gockpt_examples_workload", _PATH)
 assert _spec is not None and _spec.loader is not None
 common = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = common

@@ -59,24 +59,20 @@ class Preset:
     """Windows per optimizer step."""
 
 
+# fmt: off
 PRESETS: dict[str, Preset] = {
     # ~0.1 M parameters: tests and smoke runs, milliseconds per step.
-    "tiny": Preset(
-        hidden_size=48, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        seq_len=32, batch_size=4,
-    ),
+    "tiny": Preset(hidden_size=48, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, seq_len=32, batch_size=4),
     # ~3.3 M parameters (~40 MB checkpoint with AdamW state): the demos.
-    "small": Preset(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-        seq_len=64, batch_size=8,
-    ),
+    "small": Preset(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=4, seq_len=64, batch_size=8),
     # ~25.6 M parameters: 12 bytes per parameter (fp32 weights + two AdamW moments) give a
-    # ~307 MB checkpoint; one step takes ~0.3 s on one core of a 2-core VM with fused AdamW.
-    "bench": Preset(
-        hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-        seq_len=64, batch_size=1,
-    ),
+    # ~307 MB checkpoint; one step takes ~0.2-0.3 s on one core of a 2-core VM (fused AdamW).
+    "bench": Preset(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                    num_attention_heads=8, seq_len=64, batch_size=1),
 }
+# fmt: on
 
 
 def load_text(path: str | None = None) -> str:
@@ -133,7 +129,9 @@ class TokenWindows(Dataset[torch.Tensor]):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if tokens.ndim != 1 or tokens.numel() < seq_len + 1:
-            raise ValueError(f"need a 1-D tensor of >= {seq_len + 1} tokens, got {tuple(tokens.shape)}")
+            raise ValueError(
+                f"need a 1-D tensor of >= {seq_len + 1} tokens, got {tuple(tokens.shape)}"
+            )
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -237,6 +235,8 @@ def build_model(preset: str = "small", *, seed: int = 0) -> tuple[nn.Module, Los
     return model, lm_loss
 
 
-def make_optimizer(model: nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
+def make_optimizer(
+    model: nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.1
+) -> torch.optim.AdamW:
     """AdamW over all parameters, with the fused kernel (the fastest torch one on CPU)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
