@@ -39,6 +39,7 @@ from accelerate.utils import (
 )
 
 import gockpt
+from gockpt.storage import fsync_path
 
 SIDECAR_NAME = "gockpt.json"
 """Beside Accelerate's files (its loader ignores it): ``iteration`` (the save's
@@ -100,7 +101,7 @@ def publish(job: PublishJob, metrics: gockpt.CheckpointMetrics, stopped: Callabl
         _write_files(job, state, metrics)
         del state
         _wait_for_ranks(job, stopped)
-        _fsync_dir(job.staging)
+        fsync_path(job.staging)
         _rename_into_place(job)
         if job.rotate_root is not None and job.total_limit is not None:
             rotate(job.rotate_root, job.total_limit)
@@ -187,7 +188,7 @@ def _write_files(job: PublishJob, state: gockpt.LoadedState, metrics: gockpt.Che
         if job.safe_serialization:
             path = os.path.join(d, name)
             safetensors.torch.save_file(sd, path, metadata={"format": "pt"})
-            _fsync_file(path)
+            fsync_path(path)
         else:
             _save(_owned(sd), os.path.join(d, name))
     for i, osd in enumerate(state.optimizer_state_dicts):
@@ -259,22 +260,6 @@ def _save(obj: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _wait_for_ranks(job: PublishJob, stopped: Callable[[], bool]) -> None:
     missing = [f"{RNG_STATE_NAME}_{r}.pkl" for r in range(1, job.num_processes)]
     deadline = time.monotonic() + job.timeout_s
@@ -303,4 +288,4 @@ def _rename_into_place(job: PublishJob) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(job.staging, job.final)
-    _fsync_dir(parent)
+    fsync_path(parent)

@@ -346,7 +346,7 @@ class _LocalTarget(_Target):
             f.write(manifest)
             f.flush()
             os.fsync(f.fileno())
-        storage._fsync_dir(self.staging)
+        storage.fsync_path(self.staging)
 
     def publish(self, manifest: bytes) -> None:
         if not os.path.lexists(self.root):
@@ -360,7 +360,7 @@ class _LocalTarget(_Target):
             except BaseException:
                 os.rename(self.aside, self.root)
                 raise
-        storage._fsync_dir(self.parent)
+        storage.fsync_path(self.parent)
 
     def cleanup(self, published: bool) -> None:
         # After an exchange the staging name holds the previous checkpoint.

@@ -181,7 +181,7 @@ def cleanup_staging(directory: str, storage_options: Mapping[str, Any] | None = 
             _remove_local(full)
         count += 1
     if count:
-        _fsync_dir(parent)
+        fsync_path(parent)
     return count
 
 
@@ -209,8 +209,13 @@ def _has_manifest(fs: AbstractFileSystem, root: str) -> bool:
     return bool(fs.exists(_join(root, MANIFEST_NAME)))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def fsync_path(path: str) -> None:
+    """fsync a local file or directory (a directory's fsync makes renames in it durable).
+
+    Raises:
+        OSError: the path cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
     try:
         os.fsync(fd)
     finally:
@@ -281,7 +286,7 @@ def _write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(parent)
+    fsync_path(parent)
 
 
 def _captured_step(fs: AbstractFileSystem, root: str) -> int | None:
