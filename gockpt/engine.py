@@ -240,9 +240,11 @@ class Engine:
         tw = time.perf_counter()
         slot = self._pool.acquire(slot_bytes, grad_bytes, block=False)
         if slot is None and self.config.when_full == "wait":
-            # Saves still in their copy windows only advance with training: finish them at this
-            # step, or a full pool would wait for ever.
-            self._flush_windows()
+            # A save already past its windows frees its slot without training; saves still in
+            # their copy windows only advance with training, so when they hold every slot, finish
+            # them at this step, or the pool would wait for ever.
+            if not any(x.finalized and not x.handle.done() for x in self._all):
+                self._flush_windows()
             slot = self._pool.acquire(slot_bytes, grad_bytes, block=True)
         metrics.add_stall("slot_wait", time.perf_counter() - tw)
         if slot is None:
