@@ -551,7 +551,9 @@ class Engine:
         s.slot.grad_busy[turn].wait()  # the replay of the update before last has released it
         s.metrics.add_stall("grad_buffer", time.perf_counter() - t0)
         s.slot.grad_busy[turn].clear()
-        pairs = [(s.layout.units[i].param.grad, s.grad_views[turn][i]) for i in units]
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (s.layout.units[i].param.grad, s.grad_views[turn][i]) for i in units  # type: ignore[misc]
+        ]
         hparams = [snapshot_hparams(g) for g in opt.param_groups]
         ticket = self._copier.copy(pairs, PRIORITY_GRAD, check_versions=True)
         s.grad_tickets.append(ticket)
@@ -688,7 +690,7 @@ class Engine:
             ticket.wait()  # raises CheckpointTornError when a gradient changed during its copy
             backend = self._backend(opt_index)
             s.metrics.replay_backend = backend.name
-            by_group: dict[int, list[Unit]] = {}
+            by_group: dict[int, list[tuple[int, Unit]]] = {}
             for i in units:
                 u = s.layout.units[i]
                 by_group.setdefault(u.group_index, []).append((i, u))

@@ -140,8 +140,10 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
             for p in group["params"]:
                 if id(p) in owned:
                     raise ValueError("a parameter is owned by two optimizers")
-                key = canonical.get(id(p))
-                if key is None:
+                found = canonical.get(id(p))
+                if found is not None:
+                    key = found
+                else:
                     # An optimizer parameter outside the model: stored under the optimizer.
                     key = f"optim.{oi}.{pidx}.__param__"
                 pe = _entry(key, p.detach())

@@ -119,7 +119,7 @@ class TorchReplay:
                 group[k] = False
         if group.get("fused") and not _cpu_fused_ok(optimizer_cls):
             group["fused"] = False
-        opt = optimizer_cls([{"params": list(params), **group}])
+        opt = optimizer_cls([{"params": list(params), **group}])  # type: ignore[call-arg]
         for p, g, st in zip(params, grads, states, strict=True):
             p.grad = g
             opt.state[p] = st
