@@ -618,11 +618,12 @@ class Engine:
     def _capture(self, s: _Save) -> None:
         """Take non-tensor state, buffers and param groups at the captured step."""
         t0 = time.perf_counter()
+        # One traversal of the module tree serves both the non-tensor entries and the buffers.
+        current = self.model.state_dict(keep_vars=True)
         extra = {
             "user": s.state_fn() if s.state_fn is not None else None,
             "optimizers": [_strip_tensors(o.state_dict()) for o in self.optimizers],
-            "model_extra": {k: v for k, v in self.model.state_dict().items()
-                            if not isinstance(v, torch.Tensor)},
+            "model_extra": {k: v for k, v in current.items() if not isinstance(v, torch.Tensor)},
         }
         buf = io.BytesIO()
         torch.save(extra, buf)
@@ -630,7 +631,6 @@ class Engine:
         pairs = []
         if s.layout.static:
             # Re-read: a forward may rebind a buffer (``self.count = self.count + 1``).
-            current = self.model.state_dict(keep_vars=True)
             for e in s.layout.static:
                 t = current.get(e.key[len("model."):]) if e.key.startswith("model.") else e.tensor
                 if not isinstance(t, torch.Tensor) or t.dtype != e.spec.dtype \

@@ -61,17 +61,20 @@ class SaveHandle:
 
     Attributes:
         path: checkpoint directory.
-        requested_step: optimizer updates applied when it was requested.
         metrics: live metrics (complete once done).
     """
 
     def __init__(self, path: str, metrics: CheckpointMetrics) -> None:
         self.path = path
         self.metrics = metrics
-        self.requested_step = metrics.requested_step
         self._future: Future[CheckpointMetrics] = Future()
         self._owner = threading.get_ident()
         self._flush: Callable[[], None] | None = None
+
+    @property
+    def requested_step(self) -> int:
+        """Optimizer updates applied when the checkpoint was requested."""
+        return self.metrics.requested_step
 
     @property
     def captured_step(self) -> int | None:

@@ -295,3 +295,17 @@ def make_request() -> Callable[..., PersistRequest]:
         )
 
     return make
+
+
+@pytest.fixture
+def one_thread_fresh_selfcheck():
+    """One intra-op thread (the reference torch steps stay fast on a busy machine) and an empty
+    self-check cache, restored afterwards."""
+    from gockpt import selfcheck
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    selfcheck._cache.clear()
+    yield
+    selfcheck._cache.clear()
+    torch.set_num_threads(threads)

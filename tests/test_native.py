@@ -46,15 +46,7 @@ def _id(x):
     return str(x)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_fresh_cache():
-    # One intra-op thread: the reference torch steps stay fast on a shared, busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    selfcheck._cache.clear()
-    yield
-    selfcheck._cache.clear()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_fresh_selfcheck")
 
 
 def _data(sizes, steps, seed=0):

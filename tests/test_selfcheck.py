@@ -11,15 +11,7 @@ from torch.optim import SGD, AdamW, RMSprop
 from gockpt import _native, selfcheck
 from gockpt.replay import TorchReplay
 
-
-@pytest.fixture(autouse=True)
-def _one_thread_fresh_cache():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    selfcheck._cache.clear()
-    yield
-    selfcheck._cache.clear()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_fresh_selfcheck")
 
 
 def _trained(cls, steps=2, **kw):
