@@ -15,15 +15,13 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from gockpt import GoCkptConfig
+from gockpt import env as _env
 
 if TYPE_CHECKING:
     from .checkpointer import GoCkptCheckpointer
 
-ENV_PREFIX = "GOCKPT_"
-CONFIG_FILE_ENV = "GOCKPT_CONFIG_FILE"
-
-_TRUE = ("1", "true", "yes", "y", "on", "t")
-_FALSE = ("0", "false", "no", "n", "off", "f")
+ENV_PREFIX = _env.ENV_PREFIX
+CONFIG_FILE_ENV = _env.CONFIG_FILE_ENV
 
 
 @dataclass(kw_only=True)
@@ -87,23 +85,30 @@ class GoCkptPlugin:
         if self.config_file is None:
             self.config_file = os.environ.get(CONFIG_FILE_ENV) or None
         from_file = _read_config_file(self.config_file) if self.config_file else {}
+        _env.warn_unknown([_env.env_name(f.name) for f in fields(self)])
+        sources: dict[str, str] = {}  # field -> where its value came from, for error messages
         for f in fields(self):
             if f.name == "config_file" or getattr(self, f.name) is not None:
                 continue
-            env = ENV_PREFIX + f.name.upper()
+            env = _env.env_name(f.name)
             if os.environ.get(env, "") != "":
                 setattr(self, f.name, _parse(f.name, os.environ[env], env))
+                sources[f.name] = f"{env}={os.environ[env]!r}"
             elif f.name in from_file:
                 setattr(self, f.name, _coerce(f.name, from_file[f.name], self.config_file))
+                sources[f.name] = f"{self.config_file}: {f.name}={from_file[f.name]!r}"
         if self.enabled is None:
             self.enabled = True
         if self.exact_step is None:
             self.exact_step = False
         if self.publish_timeout_s is None:
             self.publish_timeout_s = 600.0
-        if not self.publish_timeout_s > 0:
-            raise ValueError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
-        self.to_config()  # range checks of the engine's fields, naming the field
+        try:
+            if not self.publish_timeout_s > 0:
+                raise ValueError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
+            self.to_config()  # range checks of the engine's fields, naming the field
+        except ValueError as e:
+            raise _env.name_source(e, sources) from None
 
     def to_config(self) -> GoCkptConfig:
         """The engine configuration these options describe.
@@ -136,21 +141,9 @@ _FLOAT_FIELDS = ("host_link_bytes_per_s", "publish_timeout_s")
 
 def _parse(name: str, raw: str, where: str) -> Any:
     """Parse the text of an environment variable for field ``name``."""
-    text = raw.strip()
-    try:
-        if name in _BOOL_FIELDS:
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError("not a truth value")
-        if name in _INT_FIELDS:
-            return int(text.replace("_", ""))
-        if name in _FLOAT_FIELDS:
-            return float(text)
-    except ValueError:
-        raise ValueError(f"{where}={raw!r} is not a valid {name}") from None
-    return text
+    kind = bool if name in _BOOL_FIELDS else int if name in _INT_FIELDS else \
+        float if name in _FLOAT_FIELDS else str
+    return _env.parse_env_value(raw, kind, where)
 
 
 def _coerce(name: str, value: Any, where: str | None) -> Any:

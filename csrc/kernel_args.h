@@ -27,7 +27,9 @@ enum class Recipe : int {
   kCudaSingle = 2,
 };
 
-enum class SqrtKind : int { kIeee = 0, kMklAvx512 = 1 };
+// kIeee: correctly rounded; kMklAvx512: MKL's AVX-512 path (Intel); kMklSse: MKL's generic SSE
+// path (CPUs that are not Intel). See lanes.h.
+enum class SqrtKind : int { kIeee = 0, kMklAvx512 = 1, kMklSse = 2 };
 
 enum class WeightDecay : int { kNone = 0, kCoupled = 1, kDecoupled = 2 };
 

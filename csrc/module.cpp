@@ -152,7 +152,14 @@ SqrtKind parse_sqrt(const std::string& name, Isa isa) {
     }
     return SqrtKind::kMklAvx512;
   }
-  throw py::value_error("sqrt must be 'ieee' or 'mkl_avx512', got '" + name + "'");
+  if (name == "mkl_sse") {
+    if (isa == Isa::kPortable) {
+      throw py::value_error("sqrt 'mkl_sse' needs the avx2 or avx512 kernels, selected isa is "
+                            "'portable'");
+    }
+    return SqrtKind::kMklSse;
+  }
+  throw py::value_error("sqrt must be 'ieee', 'mkl_avx512' or 'mkl_sse', got '" + name + "'");
 }
 
 Recipe parse_recipe(const std::string& name) {

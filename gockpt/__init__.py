@@ -10,23 +10,32 @@ from __future__ import annotations
 
 from .config import MODES, GoCkptConfig
 from .engine import Engine
-from .format import CheckpointCorruptError
+from .errors import (
+    CheckpointCancelledError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStorageError,
+    CheckpointTimeoutError,
+    CheckpointTornError,
+)
 from .handle import CheckpointMetrics, SaveHandle
-from .persist import CheckpointCancelledError
 from .restore import LoadedState, load_checkpoint, load_into
-from .storage import latest_checkpoint, remove_checkpoint
-from .transfer import CheckpointTornError
+from .storage import is_complete, latest_checkpoint, remove_checkpoint
 
 __all__ = [
     "MODES",
     "CheckpointCancelledError",
     "CheckpointCorruptError",
+    "CheckpointError",
     "CheckpointMetrics",
+    "CheckpointStorageError",
+    "CheckpointTimeoutError",
     "CheckpointTornError",
     "Engine",
     "GoCkptConfig",
     "LoadedState",
     "SaveHandle",
+    "is_complete",
     "latest_checkpoint",
     "load_checkpoint",
     "load_into",

@@ -11,15 +11,31 @@ ran the live step:
   kernels; untested on a GPU here, so only ever chosen when the self-check finds them exact).
 - ``fma``: whether the multiply-adds that ATen's AVX2/AVX-512 kernels fuse (lerp, addcmul,
   add with alpha) are fused; ``False`` matches ``ATEN_CPU_CAPABILITY=default``.
-- ``sqrt``: ``"ieee"`` (correctly rounded) or ``"mkl_avx512"`` (the faithful square root that
-  MKL's ``vsSqrt`` computes on AVX-512 machines, which torch's CPU ``sqrt`` calls).
+- ``sqrt``: ``"ieee"`` (correctly rounded), ``"mkl_avx512"`` (the faithful square root that
+  MKL's ``vsSqrt`` computes on AVX-512 Intel CPUs) or ``"mkl_sse"`` (MKL's generic SSE path,
+  which ``vsSqrt`` runs on CPUs that are not Intel: a 12-bit ``RSQRTPS`` estimate and two
+  Newton steps without FMA, also faithful only). torch's CPU build computes ``Tensor.sqrt`` of
+  float32 with MKL's ``vsSqrt`` whatever ``ATEN_CPU_CAPABILITY`` says, so the square root
+  follows the CPU's vendor and MKL's code path, while the fused multiply-adds follow ATen's
+  dispatch (``fma=False`` under ``ATEN_CPU_CAPABILITY=default``).
 
-Measured with torch 2.13 (CPU, MKL 2024.2) on an AVX-512 Xeon: ``aten_cpu`` + FMA +
-``mkl_avx512`` reproduces ``torch.optim.Adam``/``AdamW`` (foreach or not) bit for bit, and
-without FMA under ``ATEN_CPU_CAPABILITY=default``; ``aten_cpu`` + FMA reproduces ``SGD``. With
-``MKL_ENABLE_INSTRUCTIONS=AVX2`` torch's sqrt is IEEE, so ``aten_cpu`` + FMA + ``ieee`` is the
-exact one on AVX2 machines. ``fused=True`` on the CPU is not reproduced: ATen's fused kernel
-computes the few elements past its last full vector in double precision.
+Which variant reproduces ``torch.optim`` (torch 2.13 CPU, MKL 2024.2; Adam/AdamW foreach or
+not; SGD has no square root, ``aten_cpu`` + FMA, or no FMA under the ``default`` capability):
+
+========================================  ==========================================
+CPU (MKL's ``vsSqrt`` kernel)              exact variant
+========================================  ==========================================
+Intel with AVX-512 (``Z0``)                ``aten_cpu`` + FMA + ``mkl_avx512``
+Intel with AVX2 only (``L9``)              ``aten_cpu`` + FMA + ``ieee``
+AMD EPYC / Ryzen, any ISA (``EX``)         ``aten_cpu`` + FMA + ``mkl_sse``
+========================================  ==========================================
+
+The Intel rows were measured on an AVX-512 Xeon (the AVX2 row with
+``MKL_ENABLE_INSTRUCTIONS=AVX2``); the AMD row on an AMD EPYC (Zen 3, AVX2), where
+``MKL_ENABLE_INSTRUCTIONS`` does not change MKL's choice. ``RSQRTPS`` tables differ between
+vendors, so ``mkl_sse`` uses the running CPU's own instruction. ``fused=True`` on the CPU is
+not reproduced: ATen's fused kernel computes the few elements past its last full vector in
+double precision.
 
 :func:`gockpt.selfcheck.select_backend` decides which variant is exact for a given optimizer.
 Without the compiled module (no compiler at install time), :func:`available` is ``False``,
@@ -57,7 +73,7 @@ logger = logging.getLogger(__name__)
 _reported_missing = False
 
 RECIPES = ("aten_cpu", "cuda_foreach", "cuda_single")
-SQRT_FLAVOURS = ("ieee", "mkl_avx512")
+SQRT_FLAVOURS = ("ieee", "mkl_avx512", "mkl_sse")
 
 
 def available() -> bool:
@@ -90,7 +106,12 @@ def variants(num_threads: int | None = None) -> list[NativeReplay]:
     """
     if not available():
         return []
-    sqrts = ["ieee", "mkl_avx512"] if "avx512" in _ext.isas() else ["ieee"]
+    usable = _ext.isas()
+    sqrts = ["ieee"]
+    if "avx512" in usable:
+        sqrts.append("mkl_avx512")
+    if "avx2" in usable or "avx512" in usable:
+        sqrts.append("mkl_sse")
     out = []
     for recipe in RECIPES:
         for fma in (True, False):
@@ -112,7 +133,8 @@ class NativeReplay:
     Args:
         recipe: one of ``"aten_cpu"``, ``"cuda_foreach"``, ``"cuda_single"``.
         fma: fuse the multiply-adds ATen's vectorized kernels fuse.
-        sqrt: ``"ieee"`` or ``"mkl_avx512"`` (needs an AVX-512 CPU).
+        sqrt: ``"ieee"``, ``"mkl_avx512"`` (needs an AVX-512 CPU) or ``"mkl_sse"`` (needs the
+            avx2 or avx512 kernels).
         num_threads: threads per call; ``None``: ``torch.get_num_threads()`` at each call.
         isa: ``"auto"`` (best for this CPU), ``"avx512"``, ``"avx2"`` or ``"portable"``.
 
@@ -142,6 +164,8 @@ class NativeReplay:
         chosen = usable[0] if isa == "auto" else isa
         if sqrt == "mkl_avx512" and chosen != "avx512":
             raise ValueError(f"sqrt='mkl_avx512' needs the avx512 kernels, isa is {chosen!r}")
+        if sqrt == "mkl_sse" and chosen == "portable":
+            raise ValueError("sqrt='mkl_sse' needs the avx2 or avx512 kernels, isa is 'portable'")
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         self.recipe = recipe

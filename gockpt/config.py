@@ -85,6 +85,22 @@ class GoCkptConfig:
     accelerator: the copy worker sleeps so that a copy takes at least ``bytes / rate``.
     ``None``: no throttling."""
 
+    storage_timeout_s: float | None = 60.0
+    """Bound in seconds on one object-store operation, retries included: for ``s3://``, botocore
+    connect/read timeouts of a third of it and 3 attempts (standard retry mode, which backs off
+    on ``503 SlowDown``) unless ``storage_options["config_kwargs"]`` sets them; for other
+    non-local filesystems, a chunk write that takes longer fails the save. Past it the save
+    fails with :class:`gockpt.CheckpointTimeoutError` and its partial objects are deleted.
+    Local disks are not bounded (a write in progress cannot be interrupted). ``None``: the
+    filesystem's own defaults (s3fs: up to 25 tries of 15 s reads). > 0 or None."""
+
+    slot_wait_timeout_s: float | None = 60.0
+    """Bound in seconds on how long a save request waits for a free host snapshot slot when
+    ``when_full="wait"`` (slots are freed as earlier checkpoints finish persisting, so a hung
+    store would otherwise stall training). Past it the request fails with
+    :class:`gockpt.CheckpointTimeoutError` and training goes on. ``None``: wait without bound.
+    > 0 or None."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -114,3 +130,9 @@ class GoCkptConfig:
             raise ValueError(
                 f"host_link_bytes_per_s must be > 0 or None, got {self.host_link_bytes_per_s}"
             )
+        for name in ("storage_timeout_s", "slot_wait_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ValueError(f"{name} must be > 0 (seconds) or None, got {value!r}")

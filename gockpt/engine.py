@@ -43,14 +43,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .config import GoCkptConfig
-from .format import ShardLayout, plan_shards
+from .format import ShardLayout
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout, Unit, build_layout, layout_signature
 from .persist import CheckpointCancelledError, PersistRequest, persist
 from .plan import MULTI_STEP_MODES, CopyPlan, Costs, make_plan
 from .replay import ReplayBackend, TorchReplay, is_replayable, snapshot_hparams
 from .selfcheck import select_backend
-from .storage import cleanup_staging, remove_checkpoint
+from .snapshot import host_view, plan_slot, storage_key, to_skeleton
+from .storage import claim_directory, cleanup_staging, remove_checkpoint
 from .transfer import (
     PRIORITY_GRAD,
     PRIORITY_STATE,
@@ -85,7 +86,7 @@ class _Save:
     window_open: bool = False
     tickets: dict[int, CopyTicket] = field(default_factory=dict)
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    extra: bytes | None = None
+    extra: Any = None
     grad_turn: int = 0
     grad_tickets: list[CopyTicket] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -103,11 +104,6 @@ class _Save:
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _host_view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    n = like.numel() * like.element_size()
-    return buf[offset : offset + n].view(like.dtype).view(like.shape)
 
 
 class Engine:
@@ -197,6 +193,7 @@ class Engine:
         state_fn: Callable[[], Any] | None = None,
         exact_step: bool = False,
         mode: str | None = None,
+        max_overlap_steps: int | None = None,
     ) -> SaveHandle:
         """Request a checkpoint of the state after the latest optimizer update.
 
@@ -209,6 +206,9 @@ class Engine:
                 the training thread at the captured step and serialized at once (deep copy).
             exact_step: hold exactly the requested step (K = 1).
             mode: override of ``config.mode`` for this checkpoint.
+            max_overlap_steps: upper bound on K for this checkpoint only (>= 1), e.g. the
+                updates left before a point the caller cannot resume from (an epoch end); it
+                also lowers ``config.min_overlap_steps``.
 
         Returns:
             A :class:`SaveHandle`; ``result()`` gives :class:`CheckpointMetrics`.
@@ -224,11 +224,17 @@ class Engine:
         t0 = time.perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
         if parent not in self._cleaned_dirs:
-            # Scratch files of processes killed mid-save (never a complete checkpoint).
+            # One writing process per directory (refuses a second one; a dead or closed one
+            # does not block); then scratch files of writers killed mid-save.
+            claim = claim_directory(parent, self.config.storage_options)
+            self._claims = [*getattr(self, "_claims", []), claim]
             cleanup_staging(parent, self.config.storage_options)
             self._cleaned_dirs.add(parent)
         layout = self._current_layout()
-        plan = self._plan(layout, mode or self.config.mode, exact_step)
+        if max_overlap_steps is not None and max_overlap_steps < 1:
+            raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
+        plan = self._plan(layout, mode or self.config.mode, exact_step or max_overlap_steps == 1,
+                          max_overlap_steps)
         seq = next(self._seq)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version)
@@ -245,7 +251,12 @@ class Engine:
             # them at this step, or the pool would wait for ever.
             if not any(x.finalized and not x.handle.done() for x in self._all):
                 self._flush_windows()
-            slot = self._pool.acquire(slot_bytes, grad_bytes, block=True)
+            slot = self._pool.acquire(slot_bytes, grad_bytes, block=True,
+                                      timeout=getattr(self.config, "slot_wait_timeout_s", None))
+            if slot is None:
+                warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
+                              f"checkpoint {path} (the checkpoints in flight are still being "
+                              "persisted: storage slower than the checkpoint interval?)", stacklevel=2)
         metrics.add_stall("slot_wait", time.perf_counter() - tw)
         if slot is None:
             metrics.skipped = True
@@ -254,9 +265,9 @@ class Engine:
             return handle
         views = {}
         for e in layout.entries:
-            views[e.key] = _host_view(slot.data, self._slot_offset(e.key), e.tensor)
+            views[e.key] = host_view(slot.data, self._slot_offset(e.key), e.tensor)
         grad_views = [
-            {i: _host_view(g, off, layout.units[i].param) for i, off in grad_offsets.items()}
+            {i: host_view(g, off, layout.units[i].param) for i, off in grad_offsets.items()}
             for g in slot.grads
         ]
         prefix = f"shard-{uuid.uuid4().hex[:8]}"
@@ -319,6 +330,21 @@ class Engine:
         """
         self._raise_errors()
         self._window_end()
+
+    def flush(self) -> None:
+        """Finish the copy windows of every pending checkpoint now, at the current step.
+
+        Call at a step boundary before code that changes parameters, buffers or optimizer state
+        outside ``optimizer.step()`` (weight averaging swapping weights in through ``.data``,
+        ``load_state_dict``): afterwards no pending checkpoint reads the live tensors. A
+        checkpoint whose captured step was not reached yet is captured at the current step
+        (``state_fn`` is called now). Persisting goes on in the background.
+
+        Raises:
+            A background error of an earlier checkpoint.
+        """
+        self._flush_windows()
+        self._raise_errors()
 
     def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
         """Finish every pending checkpoint now and block until all are durable.
@@ -407,6 +433,8 @@ class Engine:
             self._replay_thread.join()
             self._persist_pool.shutdown(wait=True)
             self._copier.close()
+            for claim in getattr(self, "_claims", []):
+                claim.release()
         self._raise_errors()
 
     def __enter__(self) -> Engine:
@@ -544,6 +572,7 @@ class Engine:
         units = [
             i for j in range(s.window + 1) for i in s.plan.blocks[j]
             if s.layout.units[i].optimizer_index == opt_index and s.layout.units[i].param.grad is not None
+            and not (not s.layout.units[i].state_entries and opt.state.get(s.layout.units[i].param))
         ]
         turn = s.grad_turn
         s.grad_turn ^= 1
@@ -616,18 +645,25 @@ class Engine:
             return False
 
     def _capture(self, s: _Save) -> None:
-        """Take non-tensor state, buffers and param groups at the captured step."""
+        """Take the state tree, buffers and param groups at the captured step.
+
+        The tree (``state_fn()``, the model's state_dict, the optimizers' state_dicts) is copied
+        at once with :func:`gockpt.snapshot.to_skeleton`: a tensor that is a tracked tensor of
+        this save becomes a reference to its shard entry, any other tensor (a hook's edit,
+        optimizer state created inside the copy window) is copied to the CPU now. Units whose
+        optimizer state appeared or was replaced during the windows are not referenced: their
+        host copies were not brought forward, so their live values are copied here instead.
+        """
         t0 = time.perf_counter()
-        # One traversal of the module tree serves both the non-tensor entries and the buffers.
+        # One traversal of the module tree serves both the state tree and the buffers.
         current = self.model.state_dict(keep_vars=True)
-        extra = {
-            "user": s.state_fn() if s.state_fn is not None else None,
-            "optimizers": [_strip_tensors(o.state_dict()) for o in self.optimizers],
-            "model_extra": {k: v for k, v in current.items() if not isinstance(v, torch.Tensor)},
-        }
-        buf = io.BytesIO()
-        torch.save(extra, buf)
-        s.extra = buf.getvalue()
+        live: dict[tuple, str] = {}
+        for u in s.layout.units:
+            if self._dirty(u):
+                continue
+            live[storage_key(u.param_entry.tensor)] = u.param_entry.key
+            for e in u.state_entries.values():
+                live[storage_key(e.tensor)] = e.key
         pairs = []
         if s.layout.static:
             # Re-read: a forward may rebind a buffer (``self.count = self.count + 1``).
@@ -637,12 +673,26 @@ class Engine:
                         or tuple(t.shape) != e.spec.shape:
                     raise CheckpointTornError(f"{s.path}: {e.key} changed shape or dtype during the save")
                 pairs.append((t.detach(), s.views[e.key]))
+                live[storage_key(t)] = e.key
         if pairs:
             t = self._copier.copy(pairs, PRIORITY_GRAD)
             t.wait()
             s.metrics.state_bytes += t.nbytes
+        # The skeleton owns copies of everything that is not a reference, so it is serialized
+        # later on the persist thread.
+        s.extra = {
+            "user": to_skeleton(s.state_fn(), live) if s.state_fn is not None else None,
+            "optimizers": [to_skeleton(o.state_dict(), live) for o in self.optimizers],
+            "model": to_skeleton(current, live),
+        }
         s.metrics.captured_step = self.version
         s.metrics.add_stall("capture", time.perf_counter() - t0)
+
+    def _dirty(self, u: Unit) -> bool:
+        """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from."""
+        st = self.optimizers[u.optimizer_index].state.get(u.param, {})
+        now = {n: storage_key(t) for n, t in st.items() if isinstance(t, torch.Tensor)}
+        return now != {n: storage_key(e.tensor) for n, e in u.state_entries.items()}
 
     def _finalize(self, s: _Save) -> None:
         if s.finalized:
@@ -728,9 +778,11 @@ class Engine:
                 "replay": self._backend_info.get(0, {}),
                 "created_unix_s": time.time(),
             }
+            blob = io.BytesIO()
+            torch.save(s.extra, blob)
             req = PersistRequest(
                 path=s.path, shards=s.shards, slot=s.slot.data, shard_bases=s.shard_bases,
-                extra=s.extra or b"", aliases=s.layout.aliases, meta=meta,
+                extra=blob.getvalue(), aliases=s.layout.aliases, meta=meta,
                 storage_options=self.config.storage_options, num_io_threads=self.config.num_io_threads,
                 chunk_bytes=self.config.chunk_bytes, update_latest=self.config.update_latest,
                 cancel=s.cancel, publish_lock=self._publish_lock,
@@ -791,7 +843,7 @@ class Engine:
             self._shard_cache = None
         return self._layout
 
-    def _plan(self, layout: StateLayout, mode: str, exact_step: bool) -> CopyPlan:
+    def _plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None = None) -> CopyPlan:
         # With several optimizers, K-1 updates could end between two optimizers' steps of one
         # iteration, a state no loop resumes from: those engines copy in one step (lazy).
         replayable = (self.version > 0 and len(self.optimizers) == 1
@@ -810,22 +862,15 @@ class Engine:
         if mode in MULTI_STEP_MODES + ("auto",) and replayable:
             for i in range(len(self.optimizers)):
                 self._backend(i)
+        hi = self.config.max_overlap_steps if cap is None else min(cap, self.config.max_overlap_steps)
         return make_plan(mode, unit_bytes, grad_bytes, self._costs(),
-                         max_overlap_steps=self.config.max_overlap_steps, replayable=replayable,
-                         min_overlap_steps=self.config.min_overlap_steps)
+                         max_overlap_steps=hi, replayable=replayable,
+                         min_overlap_steps=min(self.config.min_overlap_steps, hi))
 
     def _shard_layout(self, layout: StateLayout) -> tuple[list[ShardLayout], list[int], int]:
         if self._shard_cache is None or self._shard_cache[0] is not layout:
-            specs = [e.spec for e in layout.entries]
-            shards = plan_shards(specs, self.config.max_shard_bytes, "shard")
-            bases, off = [], 0
-            offsets: dict[str, int] = {}
-            for sh in shards:
-                bases.append(off)
-                for k, (b, _) in sh.offsets.items():
-                    offsets[k] = off + b
-                off = _align(off + sh.data_bytes)
-            self._shard_cache = (layout, shards, bases, max(off, _ALIGN), offsets)
+            sl = plan_slot([e.spec for e in layout.entries], self.config.max_shard_bytes)
+            self._shard_cache = (layout, sl.shards, sl.bases, sl.nbytes, sl.offsets)
         return self._shard_cache[1], self._shard_cache[2], self._shard_cache[3]
 
     def _slot_offset(self, key: str) -> int:
@@ -866,7 +911,9 @@ class Engine:
         if self._errors:
             with self._lock:
                 e = self._errors.pop(0)
-            raise RuntimeError(f"gockpt: a background checkpoint failed: {e}") from e
+            # The original exception, with its type and cause chain: ``except CheckpointTornError``
+            # and friends must work on the training thread.
+            raise e
 
 
 def _strip_tensors(sd: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,29 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .errors import CheckpointCorruptError
+
+__all__ = [
+    "CODE_TO_DTYPE",
+    "DTYPE_TO_CODE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_DEPTH",
+    "CheckpointCorruptError",
+    "ShardLayout",
+    "TensorSpec",
+    "decode_header",
+    "decode_json",
+    "dtype_code",
+    "dtype_itemsize",
+    "encode_header",
+    "plan_shards",
+]
 
 FORMAT_NAME = "gockpt"
 FORMAT_VERSION = 1
@@ -40,9 +61,62 @@ CODE_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_CODE.items()}
 #: The largest header this reader accepts (safetensors' own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
 
+#: The deepest nesting of JSON arrays and objects a decoder here accepts. Our manifests and
+#: headers nest 4 levels; the bound turns hostile input into an error, not a RecursionError.
+MAX_JSON_DEPTH = 64
 
-class CheckpointCorruptError(ValueError):
-    """A checkpoint file does not decode: bad header, wrong size, checksum mismatch."""
+
+def decode_json(raw: bytes | str, path: str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Decode JSON strictly: UTF-8, no duplicate object keys, nesting at most ``max_depth``.
+
+    Args:
+        raw: the encoded document (bound its size before reading it).
+        path: the file it came from, for error messages.
+        max_depth: the deepest nesting of arrays/objects accepted, >= 1.
+
+    Returns:
+        The decoded value.
+
+    Raises:
+        CheckpointCorruptError: not UTF-8, not JSON, a duplicate key (named), NaN/Infinity,
+            or nested deeper than ``max_depth``.
+    """
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:
+                raise CheckpointCorruptError(f"{path}: duplicate JSON key {key!r}", path=path)
+            obj[key] = value
+        return obj
+
+    def constant(name: str) -> Any:
+        raise CheckpointCorruptError(f"{path}: JSON constant {name} is not allowed", path=path)
+
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray, memoryview)) else raw
+        obj = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except UnicodeDecodeError as e:
+        raise CheckpointCorruptError(f"{path}: not valid UTF-8 ({e})", path=path) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointCorruptError(f"{path}: not valid JSON ({e})", path=path) from None
+    except RecursionError:
+        raise CheckpointCorruptError(
+            f"{path}: JSON nested deeper than {max_depth} levels", path=path
+        ) from None
+    # The C decoder recurses once per level, bounded by the interpreter's recursion limit;
+    # this walk (iterative) enforces the much smaller bound.
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise CheckpointCorruptError(
+                    f"{path}: JSON nested deeper than {max_depth} levels", path=path
+                )
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -200,10 +274,7 @@ def decode_header(prefix: bytes, file_bytes: int, path: str) -> tuple[dict[str, 
         raise CheckpointCorruptError(f"{path}: header length {n} overruns the file ({file_bytes} bytes)")
     if len(prefix) < 8 + n:
         raise CheckpointCorruptError(f"{path}: header truncated")
-    try:
-        header = json.loads(prefix[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointCorruptError(f"{path}: header is not valid JSON ({e})") from None
+    header = decode_json(bytes(prefix[8 : 8 + n]), path)
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
@@ -214,7 +285,7 @@ def decode_header(prefix: bytes, file_bytes: int, path: str) -> tuple[dict[str, 
             code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise CheckpointCorruptError(f"{path}: malformed header entry for {key!r}") from None
-        if code not in CODE_TO_DTYPE:
+        if not isinstance(code, str) or code not in CODE_TO_DTYPE:
             raise CheckpointCorruptError(f"{path}: tensor {key!r} has unknown dtype {code!r}")
         if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
             raise CheckpointCorruptError(f"{path}: tensor {key!r} has a malformed shape")

@@ -99,11 +99,26 @@ class StateLayout:
 
 
 def _entry(key: str, t: torch.Tensor) -> Entry:
-    if not t.is_contiguous():
-        raise ValueError(f"tensor {key!r} is not contiguous; GoCkpt copies contiguous tensors only")
+    # Stored in logical (contiguous) order; a non-contiguous but dense tensor (channels_last) is
+    # copied element-wise and the state tree records its strides, so it loads as it was saved.
+    if t.layout != torch.strided or not _dense(t):
+        raise ValueError(f"tensor {key!r} overlaps itself or is sparse; GoCkpt stores dense tensors only")
     spec = TensorSpec(key, t.dtype, tuple(t.shape))
     dtype_code(t.dtype, key)  # raises TypeError for dtypes safetensors cannot store
     return Entry(key, t, spec)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``numel`` distinct elements of its storage (any stride order)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
 
 
 def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
@@ -113,7 +128,7 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
     noticed through :attr:`StateLayout.signature`.
 
     Raises:
-        ValueError: a non-contiguous tensor, or a parameter owned by two optimizers.
+        ValueError: a sparse or self-overlapping tensor, or a parameter owned by two optimizers.
         TypeError: a dtype safetensors cannot store.
     """
     sd = model.state_dict(keep_vars=True)

@@ -1,19 +1,23 @@
 """Read a checkpoint directory back: manifest, shards (checked against it), extra state.
 
-Every file is size-checked and, with ``verify``, checksummed in the same pass that brings it
-into memory. Local shards are memory-mapped copy-on-write, so tensors share pages with the page
-cache and writing to them never changes the file; remote shards are fetched whole and decoded
-by the official ``safetensors`` reader.
+The directory is untrusted. Only regular files inside it are opened (locally: no symlink, in
+or out of the directory, no device, no FIFO); every size is bounded before reading (the
+manifest to 16 MiB, every other file to the size the manifest records, a shard header to its
+file); JSON is decoded strictly (no duplicate keys, bounded depth). Every file is size-checked
+and, with ``verify``, checksummed in the same pass that brings it into memory. Local shards are
+memory-mapped copy-on-write from the descriptor that was checked, so tensors share pages with
+the page cache and writing to them never changes the file; remote shards are fetched whole and
+decoded by the official ``safetensors`` reader.
 """
 
 from __future__ import annotations
 
 import io
-import json
+import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -21,8 +25,8 @@ import xxhash
 from fsspec import AbstractFileSystem
 
 from gockpt import storage
-from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, CheckpointCorruptError, decode_header
-from gockpt.manifest import validate_manifest
+from gockpt.errors import CheckpointCorruptError
+from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header
 
 
 @dataclass
@@ -69,18 +73,12 @@ def read_checkpoint(
             file and, where one is at fault, the tensor key.
     """
     fs, root = storage.url_to_fs(path, storage_options)
-    manifest_path = storage._join(root, storage.MANIFEST_NAME)
     try:
-        raw = fs.cat_file(manifest_path)
+        manifest = storage.read_manifest(fs, root)
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(
             f"{path} is not a complete GoCkpt checkpoint (no manifest.json)"
         ) from None
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointCorruptError(f"{manifest_path}: not valid JSON ({e})") from None
-    manifest = validate_manifest(obj, manifest_path)
 
     by_file: dict[str, dict[str, dict]] = {}
     for key, entry in manifest["tensors"].items():
@@ -115,13 +113,6 @@ def _missing(file_path: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"{file_path}: file listed in the manifest is missing")
 
 
-def _check_size(file_path: str, size: int, entry: dict) -> None:
-    if size != entry["bytes"]:
-        raise CheckpointCorruptError(
-            f"{file_path}: {size} bytes but the manifest says {entry['bytes']} (truncated or overwritten)"
-        )
-
-
 def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
     if verify:
         digest = xxhash.xxh3_64_hexdigest(data)
@@ -133,10 +124,11 @@ def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
 
 def _read_bytes(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool) -> bytes:
     try:
-        data = fs.cat_file(file_path)
+        data = storage.read_bounded(
+            fs, file_path, max_bytes=entry["bytes"], exact_bytes=entry["bytes"]
+        )
     except (FileNotFoundError, NotADirectoryError):
         raise _missing(file_path) from None
-    _check_size(file_path, len(data), entry)
     _check_digest(file_path, data, entry, verify)
     return data
 
@@ -150,7 +142,8 @@ def _decode(file_path: str, data: memoryview | bytes, index: dict[str, dict]) ->
     prefix = bytes(data[:8])
     if len(prefix) == 8:
         length = int.from_bytes(prefix, "little")
-        prefix = bytes(data[: 8 + min(length, MAX_HEADER_BYTES)])
+        # Bounded by the file itself (already size-checked against the manifest).
+        prefix = bytes(data[: 8 + min(length, MAX_HEADER_BYTES, len(data))])
     header, data_start = decode_header(prefix, len(data), file_path)
     unknown = sorted(header.keys() - index.keys())
     if unknown:
@@ -176,20 +169,20 @@ def _load_local_shard(
     file_path: str, entry: dict, index: dict[str, dict], verify: bool
 ) -> dict[str, torch.Tensor]:
     try:
-        size = os.stat(file_path).st_size
+        fd, size = storage.open_local_regular(file_path, expected_bytes=entry["bytes"])
     except (FileNotFoundError, NotADirectoryError):
         raise _missing(file_path) from None
-    _check_size(file_path, size, entry)
-    if size:
-        # shared=False maps the file privately (copy-on-write); torch owns the mapping, so
-        # the tensors below keep it alive.
-        mapped = cast(
-            torch.UntypedStorage,
-            torch.UntypedStorage.from_file(file_path, shared=False, nbytes=size),
-        )
-        buf = torch.empty(0, dtype=torch.uint8).set_(mapped)
-    else:
-        buf = torch.empty(0, dtype=torch.uint8)
+    try:
+        if size:
+            # A private (copy-on-write) map of the descriptor that was checked: the tensors
+            # below keep the map alive, writing to them never reaches the file.
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            buf = torch.frombuffer(mapped, dtype=torch.uint8)
+        else:
+            buf = torch.empty(0, dtype=torch.uint8)
+    finally:
+        os.close(fd)
     view = buf.numpy().data
     _check_digest(file_path, view, entry, verify)
     data_start = _decode(file_path, view, index)

@@ -18,14 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gockpt.format import (
-    CODE_TO_DTYPE,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    CheckpointCorruptError,
-    ShardLayout,
-    decode_header,
-)
+from gockpt.errors import CheckpointCorruptError
+from gockpt.format import CODE_TO_DTYPE, FORMAT_NAME, FORMAT_VERSION, ShardLayout, decode_header
 
 _HEX64_RE = re.compile(r"^[0-9a-f]{16}$")
 
@@ -52,7 +46,7 @@ def check_name(name: Any, path: str) -> str:
         or any(c in name for c in ("/", "\\", "\0"))
     ):
         raise CheckpointCorruptError(
-            f"{path}: invalid file name {name!r} (must be a plain file name)"
+            f"{path}: invalid file name {name!r} (must be a plain file name)", path=path or None
         )
     return name
 
@@ -120,7 +114,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
     """
 
     def bad(msg: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{path}: {msg}")
+        return CheckpointCorruptError(f"{path}: {msg}", path=path)
 
     if not isinstance(obj, dict):
         raise bad("manifest is not a JSON object")
@@ -147,6 +141,9 @@ def validate_manifest(obj: Any, path: str) -> dict:
     extra_file = check_name(obj.get("extra_file"), path)
     if extra_file not in files:
         raise bad(f"extra file {extra_file!r} is not listed in 'files'")
+    for field in ("captured_step", "requested_step"):
+        if field in obj["meta"] and not _is_int(obj["meta"][field]):
+            raise bad(f"meta field {field!r} is not an integer: {obj['meta'][field]!r}")
 
     for key, entry in obj["tensors"].items():
         if not isinstance(key, str) or not key:
@@ -156,7 +153,8 @@ def validate_manifest(obj: Any, path: str) -> dict:
         file = check_name(entry.get("file"), path)
         if file not in files or file == extra_file:
             raise bad(f"tensor {key!r}: file {file!r} is not a listed shard")
-        if entry.get("dtype") not in CODE_TO_DTYPE:
+        dtype = entry.get("dtype")
+        if not isinstance(dtype, str) or dtype not in CODE_TO_DTYPE:
             raise bad(f"tensor {key!r} in {file!r}: unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
         if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):

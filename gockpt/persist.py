@@ -3,20 +3,25 @@
 Call sequence of one save (the engine runs :func:`persist` on one of its worker threads):
 
 1. (persist thread) check the request, open a target: a staging directory next to the
-   checkpoint on a local filesystem, the checkpoint directory itself on an object store.
+   checkpoint on a local filesystem (holding a writer lock that
+   :func:`gockpt.storage.cleanup_staging` respects), the checkpoint directory itself on an
+   object store.
 2. (io threads, ``num_io_threads``) stream each shard as header bytes + ``chunk_bytes`` slices
    of the slot (memoryviews: no serialization copy) and the extra blob, hashing the same chunks
-   with xxh3-64 (GoCkpt §4.4.1, §4.4.3: multi-threaded persistence).
+   with xxh3-64 (GoCkpt §4.4.1, §4.4.3: multi-threaded persistence). Every file is opened
+   through the fsspec filesystem of ``path``, the seam where tests inject faults.
 3. (persist thread) write ``manifest.json`` last; locally fsync files, manifest and staging dir.
 4. (persist thread, under ``publish_lock``) unless cancelled or superseded: publish. Locally an
    atomic rename, or an atomic exchange with a previous checkpoint at the same path; on an
    object store one put of the manifest (GoCkpt §4.4.3: the metadata marks completion). Then
    ``on_published()``.
 5. (persist thread) delete what the new checkpoint replaced, move ``latest`` forward
-   (PCcheck §4.1).
+   (PCcheck §4.1). A failure here does not fail the save: the checkpoint is durable.
 
-On cancel or error every file of this save is removed and the previously published checkpoint
-is left untouched.
+On cancel or error every file of this save is removed (object stores: partial objects deleted,
+multipart uploads aborted) and the previously published checkpoint is left untouched; the
+error raised is the original one, with the checkpoint's path, never a clean-up failure (those
+are logged at WARNING).
 """
 
 from __future__ import annotations
@@ -26,25 +31,31 @@ import ctypes
 import errno
 import functools
 import json
+import logging
 import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import xxhash
 from fsspec import AbstractFileSystem
 
 from gockpt import storage
+from gockpt.errors import (
+    CheckpointCancelledError,
+    CheckpointError,
+)
 from gockpt.format import ShardLayout
 from gockpt.manifest import build_manifest, check_name
 
+__all__ = ["CheckpointCancelledError", "PersistRequest", "PersistResult", "persist"]
 
-class CheckpointCancelledError(RuntimeError):
-    """The save was cancelled (``PersistRequest.cancel`` was set) before it was published."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +80,9 @@ class PersistRequest:
         is_superseded: called under ``publish_lock`` right before publishing; True => discard
             this save (``PersistResult.published`` is False), not an error.
         on_published: called under ``publish_lock`` right after a successful publish.
+        storage_timeout_s: bound in seconds on one object-store operation (request with its
+            retries, see :func:`gockpt.storage.url_to_fs`) and on one chunk write to a
+            non-local filesystem; None: the filesystem's own defaults and no chunk deadline.
     """
 
     path: str
@@ -86,6 +100,7 @@ class PersistRequest:
     publish_lock: threading.Lock = field(default_factory=threading.Lock)
     is_superseded: Callable[[], bool] = lambda: False
     on_published: Callable[[], None] = lambda: None
+    storage_timeout_s: float | None = storage.DEFAULT_STORAGE_TIMEOUT_S
 
 
 @dataclass
@@ -97,21 +112,21 @@ class PersistResult:
         bytes_written: bytes of all files written, the manifest included once published.
         seconds: wall time of :func:`persist`.
         files: name -> {"bytes": int, "xxh3_64": 16 hex digits}, as in the manifest.
+        latest_error: None, or why ``latest`` could not be moved to this published checkpoint
+            (e.g. ``ENOSPC``); the checkpoint is durable and
+            :func:`gockpt.storage.latest_checkpoint` still finds it (see
+            :func:`gockpt.storage.advance_latest`).
     """
 
     published: bool
     bytes_written: int
     seconds: float
     files: dict[str, dict]
+    latest_error: str | None = None
 
 
 class _Aborted(Exception):
     """Another file of the same save failed; this one stops early."""
-
-
-def _open_local(path: str) -> BinaryIO:
-    """Open a new local file for writing (a seam for fault-injection tests)."""
-    return open(path, "wb")
 
 
 def persist(req: PersistRequest) -> PersistResult:
@@ -121,27 +136,35 @@ def persist(req: PersistRequest) -> PersistResult:
         req: the request; ``req.slot`` must stay unchanged until this returns.
 
     Returns:
-        A :class:`PersistResult`.
+        A :class:`PersistResult`. A checkpoint that was published is reported as published even
+        when moving ``latest`` failed afterwards (a :class:`RuntimeWarning` names the pointer
+        file and the errno; ``PersistResult.latest_error`` says why).
 
     Raises:
         CheckpointCancelledError: ``req.cancel`` was set before publishing.
-        OSError: a write failed (e.g. ``ENOSPC``); the message names ``req.path``.
+        CheckpointTimeoutError: a storage operation passed ``req.storage_timeout_s``.
+        CheckpointStorageError: the filesystem or object store failed (e.g. ``ENOSPC``, HTTP
+            500); also an ``OSError`` with the original ``errno``; the message names ``req.path``
+            and the file; ``__cause__`` is the original error.
         ValueError, TypeError: a malformed request (slot too small, bad names, meta not JSON).
-        Any error raised by the filesystem, ``is_superseded`` or ``on_published``. In every
-        error case the files of this save are removed and the previous checkpoint is intact.
+        Any error raised by ``is_superseded`` or ``on_published``, unchanged. In every error
+        case the files of this save are removed and the previous checkpoint is intact.
     """
     start = time.perf_counter()
     captured_step = _check_request(req)
-    fs, root = storage.url_to_fs(req.path, req.storage_options)
     extra_name = f"state-{uuid.uuid4().hex[:12]}.pt"
     target: _Target
     try:
+        fs, root = storage.url_to_fs(req.path, req.storage_options, req.storage_timeout_s)
         if storage.is_local(fs):
-            target = _LocalTarget(root)
+            target = _LocalTarget(fs, root)
         else:
-            target = _ObjectTarget(fs, root, [s.file for s in req.shards] + [extra_name])
-    except OSError as e:
-        raise _with_path(e, req.path, root) from e
+            names = [s.file for s in req.shards] + [extra_name]
+            target = _ObjectTarget(fs, root, names, req.storage_timeout_s)
+    except (CheckpointError, ValueError, TypeError):
+        raise
+    except Exception as e:
+        raise storage.storage_error(e, req.path, None) from e
     published = False
     try:
         files = _write_files(req, target, extra_name)
@@ -157,14 +180,28 @@ def persist(req: PersistRequest) -> PersistResult:
                 req.on_published()
     finally:
         target.cleanup(published)
+    latest_error = None
     if published and captured_step is not None:  # captured_step is set iff update_latest
-        storage.advance_latest(req.path, captured_step, req.storage_options)
+        try:
+            storage.advance_latest(
+                req.path, captured_step, req.storage_options, req.storage_timeout_s
+            )
+        except Exception as e:  # noqa: BLE001 - the checkpoint is durable: warn, do not fail
+            latest_error = str(e)
+            code = getattr(e, "errno", None)
+            message = (
+                f"gockpt: checkpoint {req.path!r} is durable, but moving 'latest' failed "
+                f"(errno {code}{f' {errno.errorcode.get(code, code)}' if code else ''}): {e}"
+            )
+            log.warning("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
     written = sum(f["bytes"] for f in files.values())
     return PersistResult(
         published=published,
         bytes_written=written + (len(manifest_bytes) if published else 0),
         seconds=time.perf_counter() - start,
         files=files,
+        latest_error=latest_error,
     )
 
 
@@ -213,19 +250,13 @@ def _check_cancel(req: PersistRequest) -> None:
         raise CheckpointCancelledError(f"save of {req.path} was cancelled")
 
 
-def _with_path(e: OSError, ckpt_path: str, file_path: str) -> OSError:
-    """The same error (same errno, hence same OSError subclass) naming the checkpoint."""
-    if e.errno is None:
-        return OSError(f"{e} (writing checkpoint {ckpt_path!r}, file {file_path!r})")
-    reason = e.strerror or os.strerror(e.errno)
-    return OSError(e.errno, f"{reason} (writing checkpoint {ckpt_path!r})", file_path)
-
-
 def _guard(req: PersistRequest, file_path: str, fn: Callable[[bytes], None], data: bytes) -> None:
     try:
         fn(data)
-    except OSError as e:
-        raise _with_path(e, req.path, file_path) from e
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise storage.storage_error(e, req.path, file_path) from e
 
 
 def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterator[memoryview]:
@@ -265,8 +296,10 @@ def _write_files(req: PersistRequest, target: _Target, extra_name: str) -> dict[
             check()
             try:
                 return target.write(name, pieces(), check)
-            except OSError as e:
-                raise _with_path(e, req.path, target.file_path(name)) from e
+            except (CheckpointError, _Aborted):
+                raise
+            except Exception as e:
+                raise storage.storage_error(e, req.path, target.file_path(name)) from e
         except BaseException:
             abort.set()
             raise
@@ -288,7 +321,7 @@ def _write_files(req: PersistRequest, target: _Target, extra_name: str) -> dict[
 
 
 class _Target:
-    """Where one save writes; ``cleanup(published)`` always runs last."""
+    """Where one save writes; ``cleanup(published)`` always runs last and never raises."""
 
     manifest_path: str
 
@@ -311,9 +344,14 @@ class _Target:
 
 
 class _LocalTarget(_Target):
-    """A staging directory beside the checkpoint, renamed into place (PCcheck §4.1)."""
+    """A staging directory beside the checkpoint, renamed into place (PCcheck §4.1).
 
-    def __init__(self, root: str) -> None:
+    The staging directory holds a lock file, ``flock``-ed until the publish, so a clean-up in
+    any process (any PID namespace) sees that this writer is alive.
+    """
+
+    def __init__(self, fs: AbstractFileSystem, root: str) -> None:
+        self.fs = fs
         self.root = root
         self.parent, name = storage._split(root)
         os.makedirs(self.parent, exist_ok=True)
@@ -321,6 +359,11 @@ class _LocalTarget(_Target):
         self.staging = os.path.join(self.parent, f".{name}.gockpt-tmp-{tag}")
         self.aside = os.path.join(self.parent, f".{name}.gockpt-old-{tag}")
         os.mkdir(self.staging)
+        try:
+            self.lock = storage.lock_staging(self.staging)
+        except BaseException:
+            storage._remove_local(self.staging)
+            raise
         self.manifest_path = os.path.join(self.staging, storage.MANIFEST_NAME)
 
     def file_path(self, name: str) -> str:
@@ -331,7 +374,7 @@ class _LocalTarget(_Target):
     ) -> tuple[int, str]:
         digest = xxhash.xxh3_64()
         nbytes = 0
-        with _open_local(self.file_path(name)) as f:
+        with self.fs.open(self.file_path(name), "wb") as f:
             for piece in pieces:
                 check()
                 f.write(piece)
@@ -342,13 +385,18 @@ class _LocalTarget(_Target):
         return nbytes, digest.hexdigest()
 
     def prepare(self, manifest: bytes) -> None:
-        with _open_local(self.manifest_path) as f:
+        with self.fs.open(self.manifest_path, "wb") as f:
             f.write(manifest)
             f.flush()
             os.fsync(f.fileno())
         storage.fsync_path(self.staging)
 
     def publish(self, manifest: bytes) -> None:
+        # The lock file must not enter the checkpoint; the lock itself stays held (on the
+        # unlinked inode) until cleanup, and a cleaner that finds no lock file in a staging
+        # directory leaves it to its owner's PID (see storage.cleanup_staging).
+        storage.unlock_staging(self.lock, unlink=True)
+        self.lock = None
         if not os.path.lexists(self.root):
             os.rename(self.staging, self.root)
         elif not _exchange(self.staging, self.root):
@@ -364,16 +412,28 @@ class _LocalTarget(_Target):
 
     def cleanup(self, published: bool) -> None:
         # After an exchange the staging name holds the previous checkpoint.
-        storage._remove_local(self.staging)
-        storage._remove_local(self.aside)
+        for path in (self.staging, self.aside):
+            try:
+                storage._remove_local(path)
+            except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
+                log.warning("gockpt: could not remove %s (cleanup_staging will): %s", path, e)
+        storage.unlock_staging(self.lock, unlink=False)
+        self.lock = None
 
 
 class _ObjectTarget(_Target):
-    """Files written in place under names unique to this save; the manifest put publishes."""
+    """Files written in place under names unique to this save; the manifest put publishes.
 
-    def __init__(self, fs: AbstractFileSystem, root: str, names: list[str]) -> None:
+    A failed file is discarded (s3fs: its multipart upload aborted), then every object this
+    save started is deleted in one bulk request; the original error is what the save raises.
+    """
+
+    def __init__(
+        self, fs: AbstractFileSystem, root: str, names: list[str], timeout_s: float | None
+    ) -> None:
         self.fs = fs
         self.root = root
+        self.timeout_s = timeout_s
         self.manifest_path = storage._join(root, storage.MANIFEST_NAME)
         self.started: list[str] = []
         self.replaced: set[str] = set()
@@ -393,6 +453,15 @@ class _ObjectTarget(_Target):
     def file_path(self, name: str) -> str:
         return storage._join(self.root, name)
 
+    def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one write; past ``timeout_s`` the file fails even if the call came back."""
+        t0 = time.monotonic()
+        out = fn()
+        if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
+            # The caller names the checkpoint and file (storage.storage_error).
+            raise TimeoutError(f"one write took over {self.timeout_s:g} s (storage_timeout_s)")
+        return out
+
     def write(
         self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
     ) -> tuple[int, str]:
@@ -403,22 +472,25 @@ class _ObjectTarget(_Target):
         try:
             for piece in pieces:
                 check()
-                f.write(piece)
+                self._timed(name, functools.partial(f.write, piece))
                 digest.update(piece)
                 nbytes += len(piece)
-            f.close()
+            self._timed(name, f.close)
         except BaseException:
-            _abandon(f)
+            _abandon(f, self.file_path(name))
             raise
         return nbytes, digest.hexdigest()
 
     def _manifest_files(self) -> set[str] | None:
         try:
-            files = json.loads(self.fs.cat_file(self.manifest_path))["files"]
+            raw = storage.read_bounded(
+                self.fs, self.manifest_path, max_bytes=storage.MAX_METADATA_BYTES
+            )
+            files = json.loads(raw)["files"]
             return {name for name in files if _plain(name)}
         except FileNotFoundError:
             return set()
-        except (OSError, ValueError, TypeError, KeyError):
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
             return None
 
     def publish(self, manifest: bytes) -> None:
@@ -427,6 +499,12 @@ class _ObjectTarget(_Target):
         self.fs.pipe_file(self.manifest_path, manifest)
 
     def cleanup(self, published: bool) -> None:
+        try:
+            self._cleanup(published)
+        except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
+            log.warning("gockpt: cleaning up after a save of %s failed: %s", self.root, e)
+
+    def _cleanup(self, published: bool) -> None:
         ours = set(self.started)
         if published:
             doomed = self.replaced - ours
@@ -437,12 +515,23 @@ class _ObjectTarget(_Target):
             doomed = ours if current is not None and not (current & ours) else set()
         else:
             doomed = ours
-        for name in doomed:
-            storage._remove_file(self.fs, self.file_path(name))
+        if doomed:
+            paths = sorted(self.file_path(name) for name in doomed)
+            try:
+                self.fs.rm(paths)  # one bulk request on S3
+            except FileNotFoundError:
+                for path in paths:
+                    storage._remove_file(self.fs, path)
+            except Exception as e:  # noqa: BLE001 - reported, the save's error wins
+                log.warning(
+                    "gockpt: could not delete %d object(s) of a %s save of %s: %s: %s",
+                    len(paths), "replaced" if published else "failed", self.root,
+                    type(e).__name__, e,
+                )
         if self.created_dir and not published:
             try:
                 self.fs.rmdir(self.root)
-            except Exception:  # best effort: some stores have no directories to remove
+            except Exception:  # noqa: BLE001 - many stores have no directories to remove
                 pass
 
 
@@ -454,8 +543,9 @@ def _plain(name: object) -> bool:
     return True
 
 
-def _abandon(f: Any) -> None:
-    """Drop a half-written remote file without committing it where the backend allows."""
+def _abandon(f: Any, path: str) -> None:
+    """Drop a half-written remote file without committing it where the backend allows
+    (s3fs: ``discard()`` aborts the multipart upload)."""
     try:
         discard = getattr(f, "discard", None)
         if discard is not None:
@@ -463,8 +553,9 @@ def _abandon(f: Any) -> None:
             f.closed = True  # a discarded buffered file must not flush on garbage collection
         else:
             f.close()
-    except Exception:  # best effort: the caller removes the file and re-raises the real error
-        pass
+    except Exception as e:  # noqa: BLE001 - the caller deletes the object and re-raises
+        log.warning("gockpt: could not discard the partial upload of %s: %s: %s",
+                    path, type(e).__name__, e)
 
 
 _AT_FDCWD = -100

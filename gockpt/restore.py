@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .format import CheckpointCorruptError
+from .errors import CheckpointCorruptError
 from .load import read_checkpoint
+from .snapshot import resolve
 
 
 @dataclass
@@ -64,21 +65,53 @@ def load_checkpoint(
         CheckpointCorruptError: a corrupt or inconsistent file, naming the file and key.
     """
     ck = read_checkpoint(path, storage_options=storage_options, verify=verify, allow_pickle=allow_pickle)
-    meta = ck.manifest.get("meta", {})
+    meta = ck.manifest["meta"]
+    extra_file = ck.manifest["extra_file"]
+
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{path}/{extra_file}: {what}", path=path)
+
     blob = ck.extra if isinstance(ck.extra, dict) else {}
+    if "model" in blob:  # state trees with references to the shards (see gockpt.snapshot)
+        return _from_trees(path, ck, blob, bad)
     if "optimizers" not in blob or "model_extra" not in blob:
-        raise CheckpointCorruptError(f"{path}: non-tensor state lacks 'optimizers'/'model_extra'")
+        raise bad("non-tensor state lacks 'optimizers'/'model_extra'")
+    if not isinstance(blob["model_extra"], dict):
+        raise bad(f"'model_extra' is a {type(blob['model_extra']).__name__}, not a dict")
+    if not isinstance(blob["optimizers"], list):
+        raise bad(f"'optimizers' is a {type(blob['optimizers']).__name__}, not a list")
+    model_keys = meta.get("model_keys", [])
+    if not (isinstance(model_keys, list) and all(isinstance(k, str) for k in model_keys)):
+        raise CheckpointCorruptError(
+            f"{path}/manifest.json: meta key 'model_keys' is not a list of strings", path=path
+        )
     model_sd: dict[str, Any] = {}
-    for k in meta.get("model_keys", []):
+    for k in model_keys:
         key = f"model.{k}"
         if key not in ck.tensors:
-            raise CheckpointCorruptError(f"{path}: tensor {key!r} listed in the manifest is missing")
+            raise CheckpointCorruptError(
+                f"{path}: tensor {key!r} listed in the manifest is missing", path=path
+            )
         model_sd[k] = ck.tensors[key]
     model_sd.update(blob["model_extra"])
     opt_sds: list[dict[str, Any]] = []
     opt_params: dict[tuple[int, int], torch.Tensor] = {}
     for i, stripped in enumerate(blob["optimizers"]):
-        state: dict[int, dict[str, Any]] = {int(idx): dict(st) for idx, st in stripped["state"].items()}
+        where = f"optimizers[{i}]"
+        if not (
+            isinstance(stripped, dict)
+            and isinstance(stripped.get("state"), dict)
+            and isinstance(stripped.get("param_groups"), list)
+        ):
+            raise bad(f"{where} is not a dict with a 'state' dict and a 'param_groups' list")
+        state: dict[int, dict[str, Any]] = {}
+        for idx, st in stripped["state"].items():
+            if isinstance(idx, bool) or not isinstance(idx, (int, str)) or not isinstance(st, dict):
+                raise bad(f"{where}: state entry {idx!r} is malformed")
+            try:
+                state[int(idx)] = dict(st)
+            except ValueError:
+                raise bad(f"{where}: state key {idx!r} is not a parameter index") from None
         prefix = f"optim.{i}."
         for key, t in ck.tensors.items():
             if not key.startswith(prefix):
@@ -87,13 +120,35 @@ def load_checkpoint(
             try:
                 idx = int(idx_s)
             except ValueError:
-                raise CheckpointCorruptError(f"{path}: malformed optimizer key {key!r}") from None
+                raise CheckpointCorruptError(
+                    f"{path}: malformed optimizer key {key!r}", path=path
+                ) from None
             if name == "__param__":
                 opt_params[(i, idx)] = t
             else:
                 state.setdefault(idx, {})[name] = t
         opt_sds.append({"state": dict(sorted(state.items())), "param_groups": stripped["param_groups"]})
     return LoadedState(model_sd, opt_sds, blob.get("user"), ck.manifest, opt_params)
+
+
+def _from_trees(path: str, ck: Any, blob: dict[str, Any], bad: Any) -> LoadedState:
+    if not isinstance(blob["model"], dict):
+        raise bad(f"'model' is a {type(blob['model']).__name__}, not a dict")
+    if not isinstance(blob.get("optimizers"), list):
+        raise bad(f"'optimizers' is a {type(blob.get('optimizers')).__name__}, not a list")
+    model_sd = resolve(blob["model"], ck.tensors, path)
+    opt_sds = [resolve(sd, ck.tensors, path) for sd in blob["optimizers"]]
+    for i, sd in enumerate(opt_sds):
+        if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or "param_groups" not in sd:
+            raise bad(f"optimizer {i}'s state is not an optimizer state_dict")
+    opt_params: dict[tuple[int, int], torch.Tensor] = {}
+    for key, t in ck.tensors.items():
+        parts = key.split(".")
+        if len(parts) == 4 and parts[0] == "optim" and parts[3] == "__param__" \
+                and parts[1].isdigit() and parts[2].isdigit():
+            opt_params[(int(parts[1]), int(parts[2]))] = t
+    return LoadedState(dict(model_sd), opt_sds, resolve(blob.get("user"), ck.tensors, path),
+                       ck.manifest, opt_params)
 
 
 def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedState) -> None:

@@ -17,6 +17,12 @@ one-ulp difference in the update's square root or division shows in the paramete
 The live optimizer, its parameters and its state are only read (group 0's hyperparameters and
 the parameters' device and dtype); results are cached per optimizer class, hyperparameters
 that matter, device and dtype, so engines do not probe again.
+
+Which variant of the native kernel is exact differs between CPUs (see :mod:`gockpt._native`:
+torch's CPU square root is MKL's, whose code path depends on the CPU's vendor and instruction
+sets; ATen's fused multiply-adds depend on ``ATEN_CPU_CAPABILITY``), which is why it is probed
+rather than assumed. Each probe logs once which backend was chosen and why (INFO; WARNING when
+no backend is bit-exact).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import platform
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -62,12 +69,14 @@ class BackendChoice:
         max_abs_error: largest absolute difference on the probe; 0.0 when exact.
         candidates: backend name -> its max absolute error on the probe (``inf`` when it
             raised), for the checkpoint manifest.
+        reason: one sentence saying why this backend was chosen (logged once per probe).
     """
 
     backend: ReplayBackend
     exact: bool
     max_abs_error: float
     candidates: dict[str, float]
+    reason: str = ""
 
 
 def select_backend(optimizer: Optimizer, preference: str = "auto") -> BackendChoice:
@@ -103,13 +112,20 @@ def select_backend(optimizer: Optimizer, preference: str = "auto") -> BackendCho
         return hit
     candidates = _candidates(cls, hparams, dtype, preference, native_ok)
     choice = _probe(cls, group, device, dtype, hparams, candidates)
-    logger.info(
-        "gockpt: replay backend for %s on %s: %s (exact=%s, max_abs_error=%g; candidates %s)",
+    if preference == "auto" and not native_ok:
+        choice = replace(choice, reason=choice.reason + "; the native kernel is not built")
+    logger.log(
+        logging.INFO if choice.exact else logging.WARNING,
+        "gockpt: CPU replay of %s (%s on %s) uses %s: %s (CPU %s, torch capability %s, "
+        "native kernels %s; max abs error per candidate %s)",
         cls.__name__,
+        dtype,
         device,
         choice.backend.name,
-        choice.exact,
-        choice.max_abs_error,
+        choice.reason,
+        _cpu_name(),
+        torch.backends.cpu.get_cpu_capability(),
+        _native.isas()[0] if native_ok else "not built",
         choice.candidates,
     )
     with _cache_lock:
@@ -203,15 +219,58 @@ def _probe(
 
     best_err = min(errors.values())
     finalists = [b for b in candidates if errors[b.name] == best_err]
+    seconds: dict[str, float] = {}
     if len(finalists) > 1 and math.isfinite(best_err):
         seconds = {b.name: _time_step(b, cls, hparams, dtype, lrs[0]) for b in finalists}
         finalists.sort(key=lambda b: seconds[b.name])
+    chosen = finalists[0]
     return BackendChoice(
-        backend=finalists[0],
+        backend=chosen,
         exact=best_err == 0.0,
         max_abs_error=best_err,
         candidates=errors,
+        reason=_reason(chosen, best_err, errors, seconds),
     )
+
+
+def _reason(
+    chosen: ReplayBackend, best_err: float, errors: dict[str, float], seconds: dict[str, float]
+) -> str:
+    """Why ``chosen`` won, in one sentence for the log."""
+    if best_err != 0.0:
+        return (
+            f"no candidate reproduces the live optimizer bit for bit; it is the closest (max abs "
+            f"error {best_err:g}), so multi-step checkpoints may differ from a blocking save"
+        )
+    if len(seconds) > 1:
+        others = ", ".join(
+            f"{name} {seconds[name] / seconds[chosen.name]:.1f}x slower"
+            for name in seconds
+            if name != chosen.name
+        )
+        return f"bit-exact on the probe and the fastest of {len(seconds)} exact candidates ({others})"
+    natives = {name: err for name, err in errors.items() if name.startswith("native:")}
+    if chosen.name == "torch" and natives:
+        closest = min(natives, key=lambda n: natives[n])
+        return (
+            "bit-exact on the probe; no native kernel variant is on this CPU (closest "
+            f"{closest}, max abs error {natives[closest]:g})"
+        )
+    if len(errors) == 1:
+        return "bit-exact on the probe, the only backend that replays this optimizer and dtype"
+    return "bit-exact on the probe, the only exact candidate"
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _time_step(

@@ -22,12 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .errors import CheckpointTornError
+
 PRIORITY_GRAD = 0
 PRIORITY_STATE = 1
-
-
-class CheckpointTornError(RuntimeError):
-    """A tensor changed while it was being copied: the checkpoint would not be consistent."""
 
 
 class CopyTicket:
@@ -262,12 +260,15 @@ class SlotPool:
         self._bytes = 0
         self._cv = threading.Condition()
 
-    def acquire(self, slot_bytes: int, grad_bytes: int, block: bool) -> Slot | None:
-        """A slot with at least the given sizes, or None when none is free and ``block`` is False.
+    def acquire(self, slot_bytes: int, grad_bytes: int, block: bool,
+                timeout: float | None = None) -> Slot | None:
+        """A slot with at least the given sizes, or None when none is free and ``block`` is False
+        or none was freed within ``timeout`` seconds (None: wait without bound).
 
         Slots too small for a grown layout are dropped and reallocated.
         """
         need = slot_bytes + 2 * grad_bytes
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
                 while self._free:
@@ -281,9 +282,10 @@ class SlotPool:
                     self._count += 1
                     self._bytes += need
                     break
-                if not block:
+                left = None if deadline is None else deadline - time.monotonic()
+                if not block or (left is not None and left <= 0):
                     return None
-                self._cv.wait()
+                self._cv.wait(left)
         try:
             return Slot(slot_bytes, grad_bytes, self._pin)
         except BaseException:

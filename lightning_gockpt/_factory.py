@@ -1,13 +1,73 @@
-"""Entry point of the group ``lightning.pytorch.callbacks_factory``: one inert callback per Trainer."""
+"""Entry point of the group ``lightning.pytorch.callbacks_factory``.
+
+Lightning calls every factory of this group while a ``Trainer`` is being constructed, after its
+plugins and strategy are set up and before the run starts (and before ``fit(ckpt_path="last")``
+looks for ``last*.ckpt``). A factory takes no arguments, so the Trainer is found on the call
+stack; Trainers without a ``GoCkptIO`` get nothing, and nothing is logged for them.
+"""
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 
 def callbacks_factory() -> list:
-    """Returns the callback half of :class:`lightning_gockpt.GoCkptIO` for every new ``Trainer``.
+    """The callback half of :class:`lightning_gockpt.GoCkptIO` for a Trainer that uses it.
 
-    It stays inert unless the Trainer's ``strategy.checkpoint_io`` is a ``GoCkptIO``.
+    Also clears, in the folders of the Trainer's ModelCheckpoints, the placeholders and scratch
+    files that a run killed before its checkpoints were durable left (so that
+    ``ckpt_path="last"`` finds the newest complete checkpoint, or, like stock Lightning, none).
+
+    Returns:
+        ``[GoCkptCallback()]`` when the Trainer under construction has a ``GoCkptIO`` (and no
+        ``GoCkptCallback`` of its own), else ``[]``. When no Trainer is found on the stack, an
+        inert callback (it links itself in ``setup`` only if the plugin is there).
     """
-    from .callback import GoCkptCallback
+    trainer = _trainer_under_construction()
+    if trainer is None:
+        from .callback import GoCkptCallback
 
+        return [GoCkptCallback(_from_factory=True)]
+    io = _checkpoint_io(trainer)
+    if io is None:
+        return []
+    from .callback import GoCkptCallback
+    from .io import tidy_placeholders
+
+    from gockpt.storage import cleanup_staging
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for cb in getattr(trainer, "callbacks", []):
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            cleanup_staging(str(cb.dirpath), io.config.storage_options)
+            tidy_placeholders(str(cb.dirpath), io.config.storage_options)
+    if any(isinstance(cb, GoCkptCallback) for cb in getattr(trainer, "callbacks", [])):
+        return []
     return [GoCkptCallback(_from_factory=True)]
+
+
+def _trainer_under_construction() -> Any:
+    from lightning.pytorch import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and hasattr(candidate, "_accelerator_connector"):
+            return candidate
+        trainer = getattr(candidate, "trainer", None)
+        if isinstance(trainer, Trainer) and hasattr(trainer, "_accelerator_connector"):
+            return trainer
+        frame = frame.f_back
+    return None
+
+
+def _checkpoint_io(trainer: Any) -> Any:
+    from .io import GoCkptIO
+
+    strategy = trainer._accelerator_connector.strategy
+    io = getattr(strategy, "_checkpoint_io", None)
+    io = getattr(io, "checkpoint_io", io)  # inside a wrapping CheckpointIO
+    return io if isinstance(io, GoCkptIO) else None

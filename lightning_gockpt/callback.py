@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-import queue
-from dataclasses import replace
+import threading
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 
 import gockpt
 from gockpt import MODES, Engine, SaveHandle
@@ -21,43 +19,67 @@ log = logging.getLogger("lightning_gockpt")
 
 # Strategies that write sharded checkpoints themselves and never call CheckpointIO.
 _UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
-# Entries of Lightning's dict whose tensors the engine copies from the live model and optimizers.
-_ENGINE_KEYS = ("state_dict", "optimizer_states")
 
 
 class GoCkptCallback(Callback):
     """Drives the :class:`gockpt.Engine` of a :class:`~lightning_gockpt.GoCkptIO` from Lightning's hooks.
 
-    Added to every Trainer by the ``lightning.pytorch.callbacks_factory`` entry point; inert
-    unless ``trainer.strategy.checkpoint_io`` is a ``GoCkptIO``. Passing one in ``callbacks``
-    works too (the explicit one links, the factory's stays inert). Only global rank 0 runs an
-    engine, since Lightning's CheckpointIO saves there.
+    Added by the ``lightning.pytorch.callbacks_factory`` entry point to every Trainer whose
+    plugins hold a ``GoCkptIO`` (other Trainers get nothing); passing one in ``callbacks``
+    works too. Only global rank 0 runs an engine, since Lightning's CheckpointIO saves there.
+    In ``setup`` it moves itself to the front of ``trainer.callbacks``, so that its hooks run
+    before any other callback's.
 
     Call sequence (training thread, rank 0):
 
     1. ``setup``: link to the ``GoCkptIO``; refuse strategies that bypass CheckpointIO.
     2. ``on_train_start``: build the engine over ``trainer.lightning_module`` and the raw torch
        optimizers, with ``explicit_before_update`` (Lightning runs forward and backward inside
-       ``optimizer.step(closure)``, so the step pre-hook fires before the forward).
+       ``optimizer.step(closure)``, so the step pre-hook fires before the forward). It runs
+       before other callbacks' ``on_train_start`` (a ``Timer`` does not count its start-up).
     3. ``on_before_optimizer_step``: ``engine.before_update()``, the end of a copy window.
-    4. ``on_train_batch_end``: ``engine.step_end()``, then log finished checkpoints. This callback
-       runs before ``ModelCheckpoint`` (Lightning puts checkpoint callbacks last).
-    5. ``on_train_end``: ``engine.wait()`` while model and optimizers are still on their device;
-       later requests (``ModelCheckpoint.on_train_end``) snapshot at once (mode ``async``).
-    6. ``on_exception``, ``teardown``, ``GoCkptIO.teardown``: wait and close (backstops).
+    4. ``on_train_batch_end``, by a companion callback placed right before the checkpoint
+       callbacks (where ``ModelCheckpoint`` saves): ``engine.step_end()`` (the step boundary where
+       checkpoints take Lightning's dict), then log finished checkpoints.
+    5. ``on_train_epoch_start/end``, ``on_validation_start``: ``engine.flush()``, so that no copy
+       is pending while other callbacks may change weights outside ``optimizer.step()``
+       (weight averaging swaps weights in through ``.data``, which no version counter sees).
+    6. ``on_train_end``: ``engine.wait()`` before other callbacks' ``on_train_end`` (EMA copies
+       its average into the model there); later requests snapshot at once (mode ``async``).
+    7. ``on_exception``, ``teardown``, ``GoCkptIO.teardown``: wait and close (backstops).
+
+    Where a checkpoint may be captured: a multi-step checkpoint (GoCkpt §4.2) holds the state
+    up to ``K - 1`` updates after its request, taken at a batch end. ``K`` is capped so that this
+    batch end comes no later than the end of the epoch, the next validation run and
+    ``max_steps`` (points from which a plain DataLoader or the loop cannot resume mid-way), and
+    ``K = 1`` under manual optimization (several ``optimizer.step()`` per batch).
     """
 
     def __init__(self, *, _from_factory: bool = False) -> None:
         self._from_factory = _from_factory
+        self._reset()
+
+    def _reset(self) -> None:
         self.io: GoCkptIO | None = None
         self.engine: Engine | None = None
         self._trainer: Trainer | None = None
-        self._finished: queue.SimpleQueue[tuple[SaveHandle, int]] = queue.SimpleQueue()
+        self._finished: list[SaveHandle] = []
+        self._finished_lock = threading.Lock()
         self._pending: list[SaveHandle] = []
         self._deferred: list[tuple[str, list[SaveHandle]]] = []  # removals waiting for newer saves
         self._num_batches = 0
         self._ended = False
         self._failed = False
+        self._logging = False
+
+    # A copy (``copy.deepcopy(trainer.callbacks)``, pickling for ``ddp_spawn``) is an unlinked
+    # callback: engines, threads and locks stay with the original.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_from_factory": self._from_factory}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._from_factory = state["_from_factory"]
+        self._reset()
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -76,29 +98,47 @@ class GoCkptCallback(Callback):
                 "strategy='ddp'; FSDP and DeepSpeed support is planned.")
         self.io, self._trainer = io, trainer
         io._callback = self
+        if trainer.callbacks and trainer.callbacks[0] is not self:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
+        # The step boundary is taken where ModelCheckpoint saves: after every other callback's
+        # on_train_batch_end (an EMA update of that step belongs to it), before the checkpoints.
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _BatchEnd)]
+        first_ckpt = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)),
+                          len(trainer.callbacks))
+        trainer.callbacks.insert(first_ckpt, _BatchEnd(self))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ended = self._failed = False
         if self.io is None or not trainer.is_global_zero:
             return
+        self._logging = True
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath:
                 cleanup_staging(str(cb.dirpath), self.io.config.storage_options)
                 tidy_placeholders(str(cb.dirpath), self.io.config.storage_options)
         if self.engine is None:
-            self.engine = self._build(trainer, self.io.config)
+            self.engine = self._build(trainer)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
             self.engine.before_update()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def _batch_end(self) -> None:
         self._num_batches += 1
         if self.engine is not None:
             self.engine.step_end()
             self._log_finished()
             self._remove_deferred()
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ended = True
@@ -106,6 +146,7 @@ class GoCkptCallback(Callback):
             self.engine.wait()
             self._log_finished()
             self._remove_deferred()
+        self._logging = False  # the loggers are finalized after this hook
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._ended = self._failed = True
@@ -114,11 +155,18 @@ class GoCkptCallback(Callback):
                 self.engine.wait()
             except Exception:  # the run's own exception is the one to raise
                 log.exception("gockpt: finishing checkpoints after %r failed", exception)
+            self._log_finished()
+        self._logging = False  # the loggers are finalized after this hook
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.close()
 
     # ------------------------------------------------------------------ used by GoCkptIO
+
+    @property
+    def active(self) -> bool:
+        """Whether an engine is running (between ``on_train_start`` and ``close``)."""
+        return self.engine is not None
 
     def is_monitored(self, path: str) -> bool:
         """Whether ``path`` is being saved as a ModelCheckpoint's metric-ranked (top-k) checkpoint."""
@@ -127,50 +175,58 @@ class GoCkptCallback(Callback):
             for cb in self._trainer.checkpoint_callbacks)
 
     def request(self, checkpoint: dict[str, Any], path: str, *, exact_step: bool) -> SaveHandle:
-        """Request a checkpoint of Lightning's ``checkpoint`` dict at ``path`` (training thread)."""
-        trainer = self._trainer
-        assert self.io is not None and trainer is not None
+        """Request a checkpoint of Lightning's ``checkpoint`` dict at ``path`` (training thread).
+
+        The dict is the source of truth: its tensors that are the live parameters and optimizer
+        state take the engine's overlapped path, any other tensor is copied when the dict is
+        taken (:mod:`gockpt.snapshot`).
+        """
+        trainer, engine = self._trainer, self.engine
+        assert self.io is not None and trainer is not None and engine is not None
         weights_only = "optimizer_states" not in checkpoint
-        taken = _without_engine_keys(checkpoint, deep_copy=True)
         at_batch = self._num_batches
 
         def state_fn() -> dict[str, Any]:
-            # The engine calls this at the captured step. Later than the request, Lightning's
-            # dict is taken again so loops, schedulers and callbacks match the tensors.
-            lightning = taken
-            if self._num_batches != at_batch:
-                dumped = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-                lightning = _without_engine_keys(dumped, deep_copy=False)  # the engine serializes it now
-            return {"lightning": lightning, "optimizer_states": not weights_only}
+            # Called at the captured step. Later than the request, Lightning's dict is taken
+            # again so that loops, schedulers, callbacks and hook edits match the tensors.
+            if self._num_batches == at_batch:
+                return {"lightning": checkpoint}
+            return {"lightning": trainer._checkpoint_connector.dump_checkpoint(weights_only)}
 
         self._deferred = [(p, hs) for p, hs in self._deferred if p != path]  # replaced, not removed
         make_placeholder(path, self.io.config.storage_options)
-        if self.engine is None:  # outside fit (e.g. Trainer.save_checkpoint afterwards): blocking save
-            with self._build(trainer, replace(self.io.config, mode="sync")) as engine:
-                return engine.save(path, state_fn=state_fn)
-        handle = self.engine.save(path, state_fn=state_fn, exact_step=exact_step,
-                                  mode="async" if self._ended else None)
-        if handle.skipped:  # when_full="skip": no checkpoint, so no placeholder either
-            remove_placeholder(path, self.io.config.storage_options)
-        step = trainer.global_step
-        handle.add_done_callback(lambda h: self._finished.put((h, step)))
+        cap = 1 if exact_step else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
+        handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap,
+                             mode="async" if self._ended else None)
+        options = self.io.config.storage_options
+        handle.add_done_callback(lambda h: self._on_done(h, options))
         self._pending = [h for h in self._pending if not h.done()] + [handle]
         return handle
 
     def remove(self, path: str) -> None:
-        """Remove the checkpoint at ``path`` (training thread).
+        """Remove the checkpoint at ``path`` (training thread), never the newest candidate too early.
 
-        An in-flight save of ``path`` is cancelled at once. A complete checkpoint is kept until
-        the saves requested before its removal are durable, so that a crash in between still
-        finds a complete checkpoint (``ModelCheckpoint(save_top_k=1)`` removes the previous one
-        right after requesting the next).
+        A save of ``path`` still in flight is cancelled only when a checkpoint requested after
+        it is already durable; otherwise it runs to completion and is removed afterwards, so
+        that storage slower than the checkpoint interval still completes checkpoints. A complete
+        checkpoint is kept until the saves requested before its removal are durable, so that a
+        crash in between still finds a complete checkpoint (``ModelCheckpoint(save_top_k=1)``
+        removes the previous one right after requesting the next; PCcheck §4.1).
         """
         assert self.io is not None
         if self.engine is None:
             gockpt.remove_checkpoint(path, self.io.config.storage_options)
             return
+        own = [h for h in self._pending if h.path == path and not h.done()]
+        if own:
+            later = self._pending[self._pending.index(own[-1]) + 1:]
+            if any(h.done() and _durable(h) for h in later):
+                self.engine.remove(path)
+                return
+            self._deferred.append((path, [h for h in self._pending if not h.done()]))
+            return
         newer = [h for h in self._pending if not h.done()]
-        if newer and all(h.path != path for h in newer):
+        if newer:
             self._deferred.append((path, newer))
         else:
             self.engine.remove(path)
@@ -189,25 +245,42 @@ class GoCkptCallback(Callback):
                 self._failed = True
                 raise
         finally:
-            self._log_finished()
             if self._failed:  # a newer save may be missing: keep what was to be removed
                 self._deferred = []
             self._remove_deferred()
 
+    # ------------------------------------------------------------------ helpers
+
+    def _flush(self) -> None:
+        if self.engine is not None:
+            self.engine.flush()
+
+    def _on_done(self, handle: SaveHandle, storage_options: Any) -> None:
+        # Runs on an engine thread. A save that left no checkpoint leaves no placeholder either.
+        if not _durable(handle):
+            try:
+                remove_placeholder(handle.path, storage_options)
+            except OSError:
+                log.warning("gockpt: could not remove the placeholder of %s", handle.path, exc_info=True)
+        with self._finished_lock:
+            self._finished.append(handle)
+
     def _remove_deferred(self) -> None:
+        # A deferred path is removed once another checkpoint requested after the removal is
+        # durable; while one may still become durable it waits; otherwise it stays, being the
+        # newest complete checkpoint.
         assert self.io is not None
         keep, ready = [], []
         for path, newer in self._deferred:
-            if not all(h.done() for h in newer):
-                keep.append((path, newer))
-            elif any(_durable(h) for h in newer):
+            others = [h for h in newer if h.path != path]
+            if any(_durable(h) for h in others):
                 ready.append(path)
-            else:  # the newer saves were cancelled or failed: wait for the ones after them
-                later = [h for h in self._pending if not h.done()]
+            elif not all(h.done() for h in newer):
+                keep.append((path, newer))
+            else:
+                later = [h for h in self._pending if not h.done() and h.path != path]
                 if later:
                     keep.append((path, later))
-                else:
-                    ready.append(path)
         self._deferred = keep
         for path in ready:
             if self.engine is not None:
@@ -215,29 +288,25 @@ class GoCkptCallback(Callback):
             else:
                 gockpt.remove_checkpoint(path, self.io.config.storage_options)
 
-    # ------------------------------------------------------------------ helpers
-
-    def _build(self, trainer: Trainer, config: gockpt.GoCkptConfig) -> Engine:
+    def _build(self, trainer: Trainer) -> Engine:
+        assert self.io is not None
         # Steps in manifests and in the `latest` pointer are Lightning's global steps, so the
         # checkpoints of a resumed run rank above the ones it resumed from. Before any optimizer
         # holds state the engine counts from 0, as it must to plan multi-step copies safely.
         restored = trainer.global_step and all(opt.state for opt in trainer.optimizers)
-        return Engine(trainer.lightning_module, list(trainer.optimizers), config,
+        return Engine(trainer.lightning_module, list(trainer.optimizers), self.io.config,
                       explicit_before_update=True, start_step=trainer.global_step if restored else None)
 
     def _log_finished(self) -> None:
+        with self._finished_lock:
+            done, self._finished = self._finished, []
         trainer = self._trainer
-        while True:
-            try:
-                handle, step = self._finished.get_nowait()
-            except queue.Empty:
-                return
-            if handle.skipped or trainer is None:
+        if trainer is None or not self._logging:
+            return
+        for handle in done:
+            if not _durable(handle):
                 continue
-            try:
-                m = handle.result(0)
-            except Exception:  # cancelled by removal; a failure is raised by the engine's next hook
-                continue
+            m = handle.result(0)
             metrics = {
                 "gockpt/stall_s": m.stall_s,
                 "gockpt/bytes": float(m.persist_bytes),
@@ -245,16 +314,73 @@ class GoCkptCallback(Callback):
                 "gockpt/time_to_durable_s": m.time_to_durable_s,
                 "gockpt/num_overlap_steps": float(m.num_overlap_steps),
                 "gockpt/mode": float(MODES.index(m.mode)),
+                "gockpt/requested_step": float(m.requested_step),
                 "gockpt/captured_step": float(m.captured_step or 0),
             }
+            # At the current step: loggers expect non-decreasing steps.
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class _BatchEnd(Callback):
+    """The batch-end half of :class:`GoCkptCallback`, placed right before the checkpoint callbacks."""
+
+    def __init__(self, owner: GoCkptCallback | None) -> None:
+        self.owner = owner
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy is inert, like its owner's
+        return {"owner": None}
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self.owner is not None:
+            self.owner._batch_end()
+
+
+def _updates_left(trainer: Trainer, limit: int) -> int:
+    """Optimizer updates the loop may still run before a point a checkpoint must not cross.
+
+    Those points are the end of the epoch (a plain DataLoader cannot resume mid-epoch where
+    stock resumes the next one), the next validation run (its hooks may change weights and it
+    counts in the loop state) and ``max_steps``. Counted up to ``limit``; 0 under manual
+    optimization (several ``optimizer.step()`` per batch) or when the horizon is unknown.
+    """
+    if not trainer.lightning_module.automatic_optimization or not trainer.training:
+        return 0
+    loop = trainer.fit_loop.epoch_loop
+    n = trainer.num_training_batches
+    ready = loop.batch_progress.current.ready  # batches of this epoch started so far
+    if n == float("inf") or ready >= n:
+        return 0
+    n = int(n)
+    last = n - 1  # last batch index the capture may land on
+    if trainer.enable_validation and loop._should_check_val_epoch():
+        if trainer._val_check_time_interval is not None:
+            return 0
+        vcb = trainer.val_check_batch
+        if vcb is not None and vcb != float("inf"):
+            vcb = int(vcb)
+            cur = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx
+            ahead = (-(cur + 1)) % vcb  # batches until one that runs validation after it
+            last = min(last, ready - 1 + ahead)
+    acc = trainer.accumulate_grad_batches
+    count = 0
+    for b in range(ready, last + 1):
+        if (b + 1) % acc == 0 or b == n - 1:
+            count += 1
+            if count >= limit:
+                break
+    if trainer.max_steps is not None and trainer.max_steps >= 0:
+        count = min(count, max(0, trainer.max_steps - trainer.global_step))
+    return count
 
 
 def _durable(handle: SaveHandle) -> bool:
+    if not handle.done():
+        return False
     try:
         handle.result(0)
-    except Exception:  # cancelled or failed
+    except BaseException:  # cancelled or failed
         return False
     return not handle.skipped
 
@@ -263,8 +389,3 @@ def _linking_callback(trainer: Trainer) -> GoCkptCallback:
     ours = [cb for cb in trainer.callbacks if isinstance(cb, GoCkptCallback)]  # type: ignore[attr-defined]
     explicit = [cb for cb in ours if not cb._from_factory]
     return (explicit or ours)[0]
-
-
-def _without_engine_keys(checkpoint: dict[str, Any], *, deep_copy: bool) -> dict[str, Any]:
-    out = {k: v for k, v in checkpoint.items() if k not in _ENGINE_KEYS}
-    return copy.deepcopy(out) if deep_copy else out

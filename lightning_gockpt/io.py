@@ -3,18 +3,24 @@
 Call sequence of one checkpoint under ``Trainer(plugins=[GoCkptIO()])`` (global rank 0):
 
 1. (training thread, ModelCheckpoint hook) ``Trainer.save_checkpoint`` dumps Lightning's dict and
-   calls :meth:`GoCkptIO.save_checkpoint`; the callback half deep-copies its non-tensor parts and
-   requests ``engine.save``: the model and optimizer tensors are not copied here.
+   calls :meth:`GoCkptIO.save_checkpoint`; the callback half requests ``engine.save`` with the
+   dict as the state tree: its tensors that are the live parameters and optimizer state are not
+   copied here, any other tensor (a hook's edit, e.g. averaged weights) is.
 2. (training thread, the callback's hooks) ``on_before_optimizer_step`` ends each copy window,
    ``on_train_batch_end`` marks each step boundary (GoCkpt §4.2).
-3. (training thread, the captured step) the non-tensor state is taken: the request's copy when the
-   checkpoint holds the requested step, else Lightning's dict dumped again at the captured step.
+3. (training thread, the captured step) the dict is taken: the request's when the checkpoint holds
+   the requested step, else Lightning's dict dumped again at the captured step (its
+   ``on_save_checkpoint`` hooks run again there, so their edits match the tensors).
 4. (engine threads) replay, shards, manifest, publish; then the metrics reach the loggers at the
    next batch end.
+
+Outside ``fit`` (``trainer.save_checkpoint`` before or after it) the save is blocking
+(:func:`gockpt.snapshot.save_tree`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import uuid
 import warnings
@@ -25,6 +31,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 import gockpt
 from gockpt import GoCkptConfig
+from gockpt.snapshot import save_tree
 from gockpt.storage import is_complete, is_local, url_to_fs
 
 if TYPE_CHECKING:
@@ -53,8 +60,12 @@ class GoCkptIO(CheckpointIO):
     run that died are cleared. ``fit`` returns once every requested checkpoint is durable.
 
     Per checkpoint the loggers get ``gockpt/stall_s``, ``gockpt/bytes``, ``gockpt/gbps``,
-    ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps`` (K), ``gockpt/captured_step``
-    and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), at the step of the request.
+    ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps`` (K), ``gockpt/requested_step``,
+    ``gockpt/captured_step`` and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), at the
+    global step when it became durable (loggers need non-decreasing steps).
+
+    The ``latest`` pointer of the engine is off by default here (``update_latest=False``):
+    ModelCheckpoint's folder holds only checkpoints, and Lightning has ``last.ckpt``.
 
     Strategies: one device and DDP (global rank 0 saves). FSDP, DeepSpeed and ModelParallel
     write their own sharded checkpoints, bypassing CheckpointIO; they are refused in ``setup``.
@@ -74,6 +85,7 @@ class GoCkptIO(CheckpointIO):
             to 4 here, room for two triggers of ``ModelCheckpoint(save_last=True)``).
         exact_monitored: checkpoints of a ModelCheckpoint with ``monitor`` hold exactly the
             requested step (copied over one step, "lazy"); others may be delivered later.
+        exact_step: every checkpoint holds exactly the requested step (K = 1).
         allow_pickle: unpickle arbitrary objects in the non-tensor state when loading.
 
     Raises:
@@ -86,6 +98,7 @@ class GoCkptIO(CheckpointIO):
         config: GoCkptConfig | None = None,
         *,
         exact_monitored: bool = True,
+        exact_step: bool = False,
         allow_pickle: bool = False,
         **options: Any,
     ) -> None:
@@ -94,8 +107,10 @@ class GoCkptIO(CheckpointIO):
         # ModelCheckpoint(save_last=True) requests two checkpoints per trigger: room for two
         # triggers in flight keeps multi-step copies from being finished early for want of a slot.
         options.setdefault("max_inflight", 4)
+        options.setdefault("update_latest", False)
         self.config = config if config is not None else GoCkptConfig(**options)
         self.exact_monitored = exact_monitored
+        self.exact_step = exact_step
         self.allow_pickle = allow_pickle
         self._callback: GoCkptCallback | None = None
 
@@ -104,25 +119,30 @@ class GoCkptIO(CheckpointIO):
     ) -> None:
         """Request a checkpoint of the live model and optimizers at ``path`` (a directory).
 
-        Returns after the request's stall; the checkpoint becomes durable in the background and
-        at the latest when ``fit`` returns.
+        During ``fit`` it returns after the request's stall; the checkpoint becomes durable in the
+        background and at the latest when ``fit`` returns. Outside ``fit`` (no engine running:
+        ``trainer.save_checkpoint`` before or after it) it writes the dict and returns once it
+        is durable.
 
         Raises:
             TypeError: ``storage_options`` given (set them on ``GoCkptIO(storage_options=...)``).
-            RuntimeError: no linked callback (the entry point is not installed and no
-                ``GoCkptCallback`` was passed), or a background error of an earlier checkpoint.
+            gockpt.CheckpointError, OSError: a background error of an earlier checkpoint, or
+                (outside ``fit``) this save's storage error.
         """
         if storage_options is not None:
             raise TypeError(
                 "GoCkptIO takes fsspec options once, as GoCkptIO(storage_options=...), "
                 "not per Trainer.save_checkpoint call")
-        if self._callback is None:
-            raise RuntimeError(
-                "GoCkptIO has no linked GoCkptCallback: install the package (`pip install -e .`) "
-                "so Lightning loads its entry point, or pass callbacks=[GoCkptCallback()]")
         path = os.fspath(path)
-        exact = self.exact_monitored and self._callback.is_monitored(path)
-        self._callback.request(checkpoint, path, exact_step=exact)
+        cb = self._callback
+        if cb is None or not cb.active:
+            cfg = self.config
+            save_tree(path, {"lightning": checkpoint}, step=int(checkpoint.get("global_step", 0)),
+                      storage_options=cfg.storage_options, max_shard_bytes=cfg.max_shard_bytes,
+                      num_io_threads=cfg.num_io_threads, update_latest=cfg.update_latest)
+            return
+        exact = self.exact_step or (self.exact_monitored and cb.is_monitored(path))
+        cb.request(checkpoint, path, exact_step=exact)
 
     def load_checkpoint(
         self, path: str | os.PathLike, map_location: Any | None = None, weights_only: bool | None = None
@@ -152,6 +172,9 @@ class GoCkptIO(CheckpointIO):
         path = os.fspath(path)
         if os.path.isfile(path):
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
+        fs, local = url_to_fs(path, self.config.storage_options)
+        if not fs.exists(local):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
         state = gockpt.load_checkpoint(
             self._resolve(path), storage_options=self.config.storage_options,
             verify=self.config.verify_on_load, allow_pickle=self.allow_pickle or weights_only is False)
@@ -159,8 +182,11 @@ class GoCkptIO(CheckpointIO):
         if not isinstance(extra, dict) or "lightning" not in extra:
             raise gockpt.CheckpointCorruptError(f"{path}: a GoCkpt checkpoint not written by GoCkptIO")
         checkpoint = dict(extra["lightning"])
+        if "state_dict" in checkpoint:  # the whole dict, as Lightning and its hooks wrote it
+            return _to(checkpoint, map_location)
+        # Written by 0.1.0: the tensors of the live model and optimizers were stored apart.
         checkpoint["state_dict"] = _to(state.model_state_dict, map_location)
-        if extra["optimizer_states"]:
+        if extra.get("optimizer_states"):
             checkpoint["optimizer_states"] = [_to(sd, map_location) for sd in state.optimizer_state_dicts]
         return checkpoint
 
@@ -250,6 +276,9 @@ def tidy_placeholders(directory: str, storage_options: Any) -> None:
         tmp = os.path.join(local, f".{entry.name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
         os.symlink(os.path.relpath(newest, local), tmp)
         os.replace(tmp, entry.path)
+        warnings.warn(
+            f"{entry.path} named a checkpoint its run did not finish; it now names {newest}, the "
+            "newest complete checkpoint (resuming from it with ckpt_path='last')", stacklevel=2)
 
 
 def _to(tree: Any, map_location: Any) -> Any:
@@ -260,7 +289,10 @@ def _to(tree: Any, map_location: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.to(map_location)
     if isinstance(tree, dict):
-        return {k: _to(v, map_location) for k, v in tree.items()}
+        out = copy.copy(tree)  # keeps dict subclasses and a state_dict's ``_metadata``
+        for k, v in tree.items():
+            out[k] = _to(v, map_location)
+        return out
     if isinstance(tree, list):
         return [_to(v, map_location) for v in tree]
     return tree

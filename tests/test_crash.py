@@ -1,9 +1,11 @@
-"""Crash safety: SIGKILL a training process at many moments during saves (PCcheck §4.1)."""
+"""Crash safety: SIGKILL a training process at many moments during saves (PCcheck §4.1), and a\nprocess deleting a checkpoint at many moments during the deletion."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import gockpt
-from gockpt.storage import is_complete
+from gockpt.load import read_checkpoint
+from gockpt.persist import persist
+from gockpt.storage import cleanup_staging, is_complete, remove_checkpoint
 
 HERE = Path(__file__).parent
 
@@ -57,3 +62,65 @@ def test_sigkill_never_leaves_latest_incomplete(tmp_path, mode):
             elif d.name.startswith("ckpt-"):
                 pytest.fail(f"round {round_}: {d.name} is visible without a manifest")
         last_step = max(last_step, state.captured_step)
+
+
+def _delete_in_a_child(path: str, delay_s: float) -> None:
+    """Fork a child that deletes ``path``; SIGKILL it ``delay_s`` after it starts."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only storage calls, then _exit (no pytest teardown in the child)
+        try:
+            os.close(r)
+            os.write(w, b"go")
+            remove_checkpoint(path)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 2) == b"go"
+        time.sleep(delay_s)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+
+
+def test_sigkill_during_deletion_never_leaves_a_torn_checkpoint(tmp_path, make_request):
+    # Many small shards: deleting them takes long enough to be killed in the middle of it.
+    tensors = {f"t{i:03d}": torch.full((16,), float(i)) for i in range(200)}
+    template = tmp_path / "template"
+    persist(make_request(str(template / "old"), tensors, step=1, max_shard_bytes=64))
+    persist(make_request(str(template / "new"), tensors, step=2, max_shard_bytes=64))
+    assert len(os.listdir(template / "new")) == 202
+    probe = tmp_path / "probe"
+    shutil.copytree(template, probe, copy_function=os.link)
+    t0 = time.perf_counter()
+    remove_checkpoint(str(probe / "new"))
+    duration = time.perf_counter() - t0
+
+    rng = random.Random(20240610)
+    outcomes = {"intact": 0, "interrupted": 0, "deleted": 0}
+    for trial in range(24):
+        root = tmp_path / f"trial{trial}"
+        shutil.copytree(template, root, copy_function=os.link)  # hard links: fast, same bytes
+        _delete_in_a_child(str(root / "new"), rng.uniform(0, 1.5 * duration))
+
+        scratch = [n for n in os.listdir(root) if n.startswith(".")]
+        outcomes["interrupted" if scratch else "intact" if (root / "new").exists() else "deleted"] += 1
+        # Torn = a visible directory with a manifest (or one is_complete accepts) missing a
+        # file it names; 'latest' never names one.
+        for entry in os.listdir(root):
+            path = root / entry
+            if entry.startswith(".") or not path.is_dir():
+                continue
+            if is_complete(str(path)) or (path / "manifest.json").exists():
+                files = json.loads((path / "manifest.json").read_text())["files"]
+                missing = [n for n in files if not (path / n).is_file()]
+                assert not missing, f"trial {trial}: {entry} is torn ({len(missing)} missing)"
+        latest = gockpt.latest_checkpoint(str(root))
+        assert latest in (str(root / "new"), str(root / "old")), f"trial {trial}: latest {latest}"
+        read_checkpoint(latest)
+        # The dead deleter's scratch is provably stale: the next writer removes it.
+        cleanup_staging(str(root))
+        assert [n for n in os.listdir(root) if n.startswith(".")] == []
+    assert outcomes["interrupted"] >= 1, f"no kill landed mid-deletion: {outcomes}"

@@ -7,13 +7,31 @@ import json
 import os
 import threading
 
+import faultfs
 import pytest
 import torch
+from conftest import Store
 
 from gockpt import persist as persist_mod
+from gockpt.errors import CheckpointStorageError
 from gockpt.load import read_checkpoint
 from gockpt.persist import CheckpointCancelledError, persist
 from gockpt.storage import is_complete, latest_checkpoint
+
+
+@pytest.fixture(params=["local", "memory"])
+def faulty_store(request, tmp_path, monkeypatch):
+    """(store, fault): a local directory or an object store behind a fault-injecting fsspec
+    filesystem (tests/faultfs.py), with a disarmed fault on checkpoint writes."""
+    fault = faultfs.Fault()
+    if request.param == "local":
+        monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
+        yield Store(faultfs.local_url(tmp_path / "store"), kind="local"), fault
+        return
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    root = faultfs.memory_root()
+    yield Store(root, kind="memory"), fault
+    faultfs.clear_memory(root)
 
 
 def assert_loads_as(path, tensors, step, storage_options=None):
@@ -128,9 +146,12 @@ def test_failed_write_leaves_no_manifest_and_keeps_previous(
     with pytest.raises(type(error)) as info:
         persist(req)
 
+    # The original error, typed, with the checkpoint and the file named and the cause kept.
+    assert isinstance(info.value, CheckpointStorageError) and info.value.__cause__ is error
+    assert req.path in str(info.value) and ".safetensors" in str(info.value.filename)
+    assert info.value.path == req.path
     if isinstance(error, OSError):
         assert info.value.errno == errno.ENOSPC
-        assert req.path in str(info.value)
     assert snapshot(store) == before
     assert_loads_as(store.path("ckpt"), old, 1)
     assert latest_checkpoint(store.root) == store.path("ckpt")

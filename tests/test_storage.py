@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import logging
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
+import faultfs
 import pytest
+from conftest import Store
 
 from gockpt import storage
+from gockpt.errors import CheckpointError, CheckpointStorageError
 from gockpt.format import CheckpointCorruptError
 from gockpt.load import read_checkpoint
 from gockpt.persist import persist
 from gockpt.storage import (
     advance_latest,
+    claim_directory,
     cleanup_staging,
     is_complete,
     is_local,
@@ -21,6 +35,14 @@ from gockpt.storage import (
     remove_checkpoint,
     url_to_fs,
 )
+
+
+@pytest.fixture
+def faulty_local(tmp_path, monkeypatch):
+    """(store, fault): a local directory behind the fault-injecting filesystem (tests/faultfs.py)."""
+    fault = faultfs.Fault()
+    monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
+    return Store(faultfs.local_url(tmp_path / "store"), kind="local"), fault
 
 
 def pointer(store):
@@ -159,3 +181,243 @@ def test_is_complete_needs_the_manifest(store, make_request, make_tensors):
     store.fs.rm_file(store.fs_path("ckpt", storage.MANIFEST_NAME))
     assert not is_complete(store.path("ckpt"))
     assert latest_checkpoint(store.root) is None
+
+
+# --- complete means every file, with its size --------------------------------------------------
+
+
+def _shard_names(store, name):
+    manifest = json.loads(store.fs.cat_file(store.fs_path(name, storage.MANIFEST_NAME)))
+    return sorted(n for n in manifest["files"] if n.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_torn_checkpoint_is_not_complete_and_latest_skips_it(store, make_request, make_tensors, damage):
+    persist(make_request(store.path("s1"), make_tensors(1), step=1))
+    persist(make_request(store.path("s2"), make_tensors(2), step=2))
+    shard = store.fs_path("s2", _shard_names(store, "s2")[-1])
+    if damage == "missing":
+        store.fs.rm_file(shard)
+    else:
+        store.fs.pipe_file(shard, store.fs.cat_file(shard)[:-1])
+    assert pointer(store)["name"] == "s2"  # the pointer names it, but it is torn
+
+    assert not is_complete(store.path("s2")) and is_complete(store.path("s1"))
+    assert latest_checkpoint(store.root) == store.path("s1")
+    # A rotation never points 'latest' at it either.
+    persist(make_request(store.path("s0"), make_tensors(1), step=0))
+    remove_checkpoint(store.path("s1"))
+    assert pointer(store)["name"] == "s0"
+
+
+def test_latest_checkpoint_scans_manifests_without_a_pointer(store, make_request, make_tensors):
+    assert latest_checkpoint(store.root) is None
+    for name, step in (("b", 7), ("a", 9), ("c", 3)):
+        persist(make_request(store.path(name), make_tensors(1), step=step, update_latest=False))
+    store.fs.makedirs(store.fs_path(".hidden-scratch"), exist_ok=True)
+    assert "latest" not in store.listing()
+    assert latest_checkpoint(store.root) == store.path("a")
+
+
+def test_object_store_removal_deletes_the_manifest_first(make_request, make_tensors, monkeypatch):
+    fault = faultfs.Fault()
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    store = Store(faultfs.memory_root(), kind="memory")
+    persist(make_request(store.path("s1"), make_tensors(1), step=1))
+    persist(make_request(store.path("s2"), make_tensors(2), step=2))
+    root = store.fs_path("s2")
+
+    def crash_after_the_manifest(op, path):
+        if op == "rm" and path.rstrip("/").endswith("/s2"):
+            raise ConnectionResetError(errno.ECONNRESET, "connection lost", path)
+
+    fault.op_hook = crash_after_the_manifest
+    with pytest.raises(CheckpointStorageError, match="s2") as info:
+        remove_checkpoint(store.path("s2"))
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    fault.op_hook = None
+    # What is left is not a checkpoint: no manifest, not complete, not named by 'latest'.
+    assert storage.MANIFEST_NAME not in store.listing("s2") and store.fs.exists(root)
+    assert not is_complete(store.path("s2"))
+    assert latest_checkpoint(store.root) == store.path("s1")
+
+
+# --- scratch clean-up that trusts locks, not PIDs ------------------------------------------------
+
+HOLD_LOCK = (
+    "import fcntl, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "os.write(fd, sys.argv[2].encode())\n"
+    "print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(path, content=""):
+    """A process (any PID namespace would do) holding ``flock`` on ``path``; killed on exit."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path), content],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cleanup_staging_keeps_a_locked_staging_whatever_pid_its_name_has(tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    # A dead PID in the name, but its writer (e.g. in another container) holds the lock.
+    live = root / f".ckpt.gockpt-tmp-{_dead_pid()}-ab12"
+    live.mkdir()
+    (live / "shard.safetensors").write_bytes(b"in flight")
+    # This process's PID in the name (another namespace reuses numbers), lock free: stale.
+    stale = root / f".ckpt.gockpt-tmp-{os.getpid()}-cd34"
+    stale.mkdir()
+    (stale / storage.STAGING_LOCK_NAME).write_bytes(b"")
+
+    with lock_held_by_another_process(live / storage.STAGING_LOCK_NAME):
+        assert cleanup_staging(str(root)) == 1
+        assert sorted(os.listdir(root)) == [live.name]
+        assert (live / "shard.safetensors").read_bytes() == b"in flight"
+    # Its writer died: the kernel dropped the lock, the staging goes.
+    assert cleanup_staging(str(root)) == 1
+    assert os.listdir(root) == []
+
+
+def test_cleanup_staging_keeps_unlocked_entries_while_another_writer_owns_the_directory(tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    entry = root / f".latest.gockpt-tmp-{_dead_pid()}-ef56"
+    entry.write_bytes(b"{}")
+    with lock_held_by_another_process(root / storage.WRITER_LOCK_NAME, '{"host": "h", "pid": 1}'):
+        assert cleanup_staging(str(root)) == 0
+        assert entry.exists()
+    assert cleanup_staging(str(root)) == 1
+    assert os.listdir(root) == []  # the dead writer's lock file went with the clean-up's claim
+
+
+def test_a_staging_directory_is_locked_while_it_is_written(faulty_local, make_request, make_tensors):
+    store, fault = faulty_local
+    seen = []
+    once = threading.Lock()
+
+    def cleanup_from_another_writer(name, nbytes):
+        # Mid-write (io threads call this concurrently: the first one checks).
+        if once.acquire(blocking=False):
+            parent = store.fs_path()
+            seen.append(cleanup_staging(parent))
+            seen.append(sorted(os.listdir(parent)))
+            lock = os.path.join(parent, seen[-1][0], storage.STAGING_LOCK_NAME)
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):  # held: any process sees a live writer
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+
+    fault.hook = cleanup_from_another_writer
+    persist(make_request(store.path("ckpt"), make_tensors(1), step=1))
+    removed, listing = seen
+    assert removed == 0 and len(listing) == 1 and ".gockpt-tmp-" in listing[0]
+    assert sorted(os.listdir(store.fs_path())) == ["ckpt", "latest"]
+    assert storage.STAGING_LOCK_NAME not in os.listdir(store.fs_path("ckpt"))
+
+
+# --- one writer per directory ------------------------------------------------------------------
+
+
+CLAIM_AND_WAIT = (
+    "import sys\n"
+    "from gockpt.storage import claim_directory\n"
+    "claim = claim_directory(sys.argv[1])\n"
+    "print('claimed', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_second_writer_process_is_refused_and_a_killed_one_does_not_block(tmp_path):
+    directory = tmp_path / "ckpts"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", CLAIM_AND_WAIT, str(directory)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "claimed"
+        with pytest.raises(CheckpointError) as info:
+            claim_directory(str(directory))
+        message = str(info.value)
+        assert str(directory) in message and f"pid {proc.pid}" in message
+        assert repr(socket.gethostname()) in message and info.value.path == str(directory)
+        # The engine claims the directory of each checkpoint it saves.
+        import torch
+
+        import gockpt
+
+        model = torch.nn.Linear(2, 2)
+        engine = gockpt.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               gockpt.GoCkptConfig(mode="sync"))
+        try:
+            with pytest.raises(CheckpointError, match=f"pid {proc.pid}"):
+                engine.save(str(directory / "ckpt"))
+        finally:
+            engine.close()
+    finally:
+        proc.kill()  # SIGKILL: no chance to release anything
+        proc.wait()
+    # The kernel released the dead writer's lock: a restarted run claims at once.
+    claim = claim_directory(str(directory))
+    claim.release()
+    assert not (directory / storage.WRITER_LOCK_NAME).exists()
+
+
+def test_claims_are_per_process_and_reference_counted(tmp_path):
+    directory = tmp_path / "ckpts"
+    first = claim_directory(str(directory))
+    second = claim_directory(str(directory) + "/")  # the same directory, another spelling
+    lock = directory / storage.WRITER_LOCK_NAME
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    first.release()
+    first.release()  # idempotent: does not drop the other engine's claim
+    assert lock.exists()
+    with second:
+        pass
+    assert not lock.exists()
+
+
+def test_object_store_claim_refuses_a_renewing_owner_and_takes_over_a_silent_one(caplog):
+    root = f"memory://gockpt-claim-{uuid.uuid4().hex}"
+    fs, path = url_to_fs(root, None)
+    owner_path = f"{path}/{storage.OWNER_OBJECT_NAME}"
+    other = {"host": "elsewhere", "pid": 4242, "token": "other", "seq": 0}
+    stop = threading.Event()
+
+    def renew():
+        while not stop.is_set():
+            other["seq"] += 1
+            fs.pipe_file(owner_path, json.dumps(other).encode())
+            stop.wait(0.02)
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        with pytest.raises(CheckpointError, match=r"host 'elsewhere', pid 4242"):
+            claim_directory(root, lease_s=0.3)
+    finally:
+        stop.set()
+        renewer.join()
+    # It stopped renewing (its process died): taken over after one lease, with a warning.
+    with caplog.at_level(logging.WARNING, logger="gockpt"):
+        claim = claim_directory(root, lease_s=0.3)
+    assert any("taking over" in r.getMessage() for r in caplog.records)
+    mine = json.loads(fs.cat_file(owner_path))
+    assert mine["token"] == claim.owner["token"] and mine["pid"] == os.getpid()
+    deadline = time.monotonic() + 10
+    while json.loads(fs.cat_file(owner_path))["seq"] == mine["seq"]:
+        assert time.monotonic() < deadline, "the claim is never renewed"
+        time.sleep(0.02)
+    claim.release()
+    assert not fs.exists(owner_path)

@@ -1,0 +1,131 @@
+"""Bounded reads of files in an untrusted checkpoint directory.
+
+Locally only a regular file is opened, never through a symlink (in or out of the directory),
+never a device, FIFO, socket or directory, and its size is checked before it is read; remotely
+at most the allowed number of bytes is requested. Used for ``manifest.json``, ``latest``, owner
+files and every file a manifest names.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from gockpt.errors import CheckpointCorruptError
+
+
+def open_regular(path: str) -> int:
+    """Open a local file for reading only if it is a regular file and not a symlink.
+
+    ``O_NOFOLLOW`` refuses a symlink (inside or out of the directory), ``O_NONBLOCK`` keeps a
+    FIFO from blocking the open, and ``lstat`` before / ``fstat`` after refuse devices, FIFOs
+    and directories and anything swapped in between.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointCorruptError: a symlink, FIFO, device, socket or directory.
+    """
+    try:
+        before = os.stat(path, follow_symlinks=False)
+    except NotADirectoryError:
+        raise FileNotFoundError(errno.ENOENT, "not found", path) from None
+    if not stat.S_ISREG(before.st_mode):
+        raise CheckpointCorruptError(f"{path}: {_kind(before.st_mode)}, not a regular file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"{path}: a symbolic link, not a regular file") from None
+        raise
+    after = os.fstat(fd)
+    if not (stat.S_ISREG(after.st_mode) and os.path.samestat(before, after)):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path}: replaced while being opened")
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_local_regular(path: str, expected_bytes: int | None = None) -> tuple[int, int]:
+    """Open a local checkpoint file safely (see :func:`read_bounded`) for memory mapping.
+
+    Args:
+        path: the file.
+        expected_bytes: the size the manifest records; None: any size.
+
+    Returns:
+        (file descriptor, size in bytes); the caller closes the descriptor.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointCorruptError: not a regular file, or not ``expected_bytes`` long.
+    """
+    fd = open_regular(path)
+    size = os.fstat(fd).st_size
+    if expected_bytes is not None and size != expected_bytes:
+        os.close(fd)
+        raise CheckpointCorruptError(
+            f"{path}: {size} bytes but the manifest says {expected_bytes} (truncated or "
+            "overwritten)", path=path,
+        )
+    return fd, size
+
+
+def read_bounded(
+    fs: AbstractFileSystem, path: str, *, max_bytes: int, exact_bytes: int | None = None
+) -> bytes:
+    """Read a whole file of an untrusted directory with its size bounded before reading.
+
+    Locally only a regular file that is not a symlink is opened (no device, FIFO or link out
+    of the directory). Remotely at most ``max_bytes + 1`` bytes are requested.
+
+    Args:
+        fs: the filesystem.
+        path: the file, inside ``fs``.
+        max_bytes: the largest size accepted, in bytes.
+        exact_bytes: the size the file must have (the manifest's record), or None.
+
+    Returns:
+        The file's bytes.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointCorruptError: not a regular file, over ``max_bytes``, or not ``exact_bytes``.
+    """
+    limit = max_bytes if exact_bytes is None else min(max_bytes, exact_bytes)
+    if isinstance(fs, LocalFileSystem):
+        with os.fdopen(open_regular(path), "rb") as f:
+            _check_read_size(path, os.fstat(f.fileno()).st_size, max_bytes, exact_bytes)
+            data = f.read(limit + 1)  # bounded even if the file grows meanwhile
+    else:
+        data = fs.cat_file(path, start=0, end=limit + 1)
+    _check_read_size(path, len(data), max_bytes, exact_bytes)
+    return data
+
+
+def _check_read_size(path: str, size: int, max_bytes: int, exact_bytes: int | None) -> None:
+    if exact_bytes is not None and size != exact_bytes:
+        raise CheckpointCorruptError(
+            f"{path}: {size} bytes but the manifest says {exact_bytes} (truncated or "
+            "overwritten)", path=path,
+        )
+    if size > max_bytes:
+        raise CheckpointCorruptError(
+            f"{path}: larger than {max_bytes} bytes; not a GoCkpt metadata file", path=path
+        )

@@ -1,0 +1,193 @@
+"""Read-only checks of stored checkpoints: what one holds (``gockpt inspect``), whether every
+file is intact (``gockpt verify``).
+
+:func:`gockpt.load_checkpoint` checks the same sizes and checksums, but it stops at the first
+bad file and brings everything into memory. :func:`verify_checkpoint` streams each file once
+(for a progress bar), reports every bad file, and only then loads the checkpoint through the
+loader, so "verified" means "loads".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from . import storage
+from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, dtype_itemsize
+from .manifest import validate_manifest
+
+__all__ = ["Problem", "describe_checkpoint", "read_manifest", "verify_checkpoint"]
+
+_READ_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    Attributes:
+        file: the file at fault (its path), or the checkpoint directory.
+        message: what is wrong.
+    """
+
+    file: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.message}"
+
+
+def read_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """The validated manifest of the checkpoint at ``path``.
+
+    Raises:
+        FileNotFoundError: no ``manifest.json`` (no checkpoint, or an incomplete one).
+        gockpt.CheckpointCorruptError: a malformed manifest (names the file and field).
+    """
+    fs, root = storage.url_to_fs(path, storage_options)
+    manifest_path = storage._join(root, storage.MANIFEST_NAME)
+    try:
+        raw = fs.cat_file(manifest_path)
+    except (FileNotFoundError, NotADirectoryError):
+        what = "does not exist" if not fs.exists(root) else "is not a complete checkpoint"
+        raise FileNotFoundError(f"{path} {what} (no {storage.MANIFEST_NAME})") from None
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        from .format import CheckpointCorruptError
+
+        raise CheckpointCorruptError(f"{manifest_path}: not valid JSON ({e})") from None
+    return validate_manifest(obj, manifest_path)
+
+
+def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """What the manifest of the checkpoint at ``path`` says, without reading any other file.
+
+    Returns:
+        A JSON-able dict: ``path``, ``complete``, ``format_version``, ``requested_step``,
+        ``captured_step``, ``mode``, ``num_overlap_steps``, ``created_unix_s``, ``replay``
+        (backend, exact, max_abs_error), ``files`` (name -> bytes), ``total_bytes``,
+        ``tensors`` (key -> dtype, shape, bytes, file), ``tensor_bytes``, ``aliases``, ``meta``.
+
+    Raises:
+        FileNotFoundError, gockpt.CheckpointCorruptError: as :func:`read_manifest`.
+    """
+    manifest = read_manifest(path, storage_options)
+    meta = manifest["meta"]
+    tensors = {}
+    for key, entry in manifest["tensors"].items():
+        numel = 1
+        for s in entry["shape"]:
+            numel *= s
+        tensors[key] = {"dtype": entry["dtype"], "shape": entry["shape"], "file": entry["file"],
+                        "bytes": numel * dtype_itemsize(CODE_TO_DTYPE[entry["dtype"]])}
+    files = {name: f["bytes"] for name, f in manifest["files"].items()}
+    return {
+        "path": path,
+        "complete": True,
+        "format_version": manifest["format_version"],
+        "requested_step": meta.get("requested_step"),
+        "captured_step": meta.get("captured_step"),
+        "mode": meta.get("mode"),
+        "num_overlap_steps": meta.get("num_overlap_steps"),
+        "created_unix_s": meta.get("created_unix_s"),
+        "replay": meta.get("replay") or {},
+        "files": files,
+        "total_bytes": sum(files.values()) + len(json.dumps(manifest)),
+        "extra_file": manifest["extra_file"],
+        "tensors": tensors,
+        "tensor_bytes": sum(t["bytes"] for t in tensors.values()),
+        "aliases": manifest["aliases"],
+        "meta": meta,
+    }
+
+
+def verify_checkpoint(
+    path: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+    load: bool = True,
+) -> list[Problem]:
+    """Check every file of the checkpoint at ``path`` against its manifest.
+
+    Per file: present, size, xxh3-64 checksum, and for shards the safetensors header against
+    the manifest's tensor index. When all files pass and ``load`` is set, the checkpoint is
+    loaded by :func:`gockpt.load_checkpoint` (without checksums again) to prove it decodes.
+
+    Args:
+        path: checkpoint directory (local path or fsspec URL).
+        storage_options: fsspec options.
+        progress: called with the number of bytes read, as they are read.
+        load: load the checkpoint once the files pass.
+
+    Returns:
+        The problems found, empty when the checkpoint is intact.
+
+    Raises:
+        FileNotFoundError: no checkpoint, or no manifest (an incomplete checkpoint).
+        gockpt.CheckpointCorruptError: the manifest itself is malformed.
+    """
+    manifest = read_manifest(path, storage_options)
+    fs, root = storage.url_to_fs(path, storage_options)
+    by_file: dict[str, dict[str, dict]] = {}
+    for key, entry in manifest["tensors"].items():
+        by_file.setdefault(entry["file"], {})[key] = entry
+    problems = []
+    for name, entry in manifest["files"].items():
+        file_path = storage._join(root, name)
+        problem = _check_file(fs, file_path, entry, by_file.get(name, {}),
+                              name != manifest["extra_file"], progress)
+        if problem is not None:
+            problems.append(Problem(file_path, problem))
+    if not problems and load:
+        from .restore import load_checkpoint
+
+        try:
+            load_checkpoint(path, storage_options=storage_options, verify=False)
+        except Exception as e:  # noqa: BLE001 - reported as a problem of this checkpoint
+            problems.append(Problem(path, f"does not load: {type(e).__name__}: {e}"))
+    return problems
+
+
+def _check_file(
+    fs: Any, file_path: str, entry: dict, index: dict[str, dict], is_shard: bool,
+    progress: Callable[[int], None] | None,
+) -> str | None:
+    try:
+        size = fs.size(file_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing (listed in the manifest)"
+    if size != entry["bytes"]:
+        return f"{size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
+    hasher = xxhash.xxh3_64()
+    head = b""
+    with fs.open(file_path, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            if len(head) < 8 + MAX_HEADER_BYTES and is_shard:
+                head += chunk[: 8 + MAX_HEADER_BYTES - len(head)]
+            hasher.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    if hasher.hexdigest() != entry["xxh3_64"]:
+        return f"xxh3-64 checksum {hasher.hexdigest()} does not match the manifest ({entry['xxh3_64']})"
+    if not is_shard:
+        return None
+    try:
+        header, _ = decode_header(head, size, file_path)
+    except ValueError as e:
+        return str(e).removeprefix(f"{file_path}: ")
+    for key in sorted(header.keys() | index.keys()):
+        got, want = header.get(key), index.get(key)
+        if got is None:
+            return f"tensor {key!r} of the manifest is not in the header"
+        if want is None:
+            return f"tensor {key!r} is in the header, not in the manifest"
+        for field in ("dtype", "shape", "data_offsets"):
+            if got[field] != want[field]:
+                return f"tensor {key!r}: header {field} {got[field]!r} != manifest {want[field]!r}"
+    return None

@@ -1,0 +1,455 @@
+"""Convert checkpoints between GoCkpt and the formats other tools read.
+
+Sources (:func:`open_source` tells them apart):
+
+- a GoCkpt checkpoint directory (it has ``manifest.json``), or a directory of them (the newest
+  complete one is read, see :func:`gockpt.latest_checkpoint`); written by ``GoCkptIO`` it is read through
+  :meth:`lightning_gockpt.GoCkptIO.load_checkpoint`, so the dict is exactly the one a Trainer
+  with the plugin resumes from;
+- a single ``torch.save`` file: a stock Lightning ``.ckpt`` (or a bare state_dict);
+- an Accelerate ``save_state`` folder (``model.safetensors`` / ``pytorch_model.bin``,
+  ``optimizer.bin``, ``scheduler.bin``, ...).
+
+Targets: ``hf`` (:func:`to_hf`: safetensors weights with a key prefix stripped, sharded with
+Hugging Face's index layout), ``dcp`` (:func:`to_dcp`: a ``torch.distributed.checkpoint``
+directory), ``gockpt`` (:func:`to_gockpt`), and ``lightning`` (one ``.ckpt`` file:
+:func:`lightning_gockpt.convert.to_lightning_file`). Paths are local paths or fsspec URLs.
+Every writer is the library's own: ``safetensors``, ``huggingface_hub``'s shard planner,
+``torch.distributed.checkpoint.save``, GoCkpt's persist stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import storage
+from .format import TensorSpec, plan_shards
+from .persist import PersistRequest, persist
+from .restore import load_checkpoint
+
+__all__ = ["Source", "open_source", "to_dcp", "to_gockpt", "to_hf", "write_state_dicts"]
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("lightning", "hf", "dcp", "gockpt")
+_ALIGN = 64
+# Accelerate's save_state file names (accelerate.utils.constants), read without importing it.
+_ACC_MODEL = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
+_ACC_OPTIMIZER = re.compile(r"^optimizer(_(\d+))?\.bin$")
+_ACC_RNG = re.compile(r"^random_states_\d+\.pkl$")
+
+
+@dataclass
+class Source:
+    """A checkpoint opened for conversion; every tensor on the CPU.
+
+    Attributes:
+        path: the checkpoint read (a ``latest`` pointer resolved).
+        kind: ``"gockpt-lightning"`` (written by ``GoCkptIO``), ``"gockpt"`` (by
+            :class:`gockpt.Engine`), ``"torch-file"`` (a ``torch.save`` file such as a stock
+            Lightning ``.ckpt``) or ``"accelerate"`` (a ``save_state`` folder).
+        model_state_dict: the model's tensors by ``state_dict()`` key.
+        state: everything the checkpoint holds, as nested dicts and lists (Lightning's dict
+            for Lightning checkpoints; ``{"model", "optimizers", "extra"}`` otherwise).
+        step: the optimizer step the checkpoint holds (``global_step`` for Lightning).
+        lightning: Lightning's checkpoint dict when the source is one, else None.
+        notes: what was left out, for the user (files that need ``allow_pickle``).
+    """
+
+    path: str
+    kind: str
+    model_state_dict: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    step: int
+    lightning: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def open_source(
+    path: str, *, storage_options: Mapping[str, Any] | None = None, allow_pickle: bool = False
+) -> Source:
+    """Open the checkpoint at ``path`` (see the module docstring for the kinds recognised).
+
+    Args:
+        path: local path or fsspec URL.
+        storage_options: fsspec options.
+        allow_pickle: unpickle arbitrary objects (trusted files only); by default only
+            tensors, containers and primitives load.
+
+    Returns:
+        A :class:`Source`.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a directory holding no checkpoint.
+        gockpt.CheckpointCorruptError: a corrupt GoCkpt checkpoint (names the file).
+        ModuleNotFoundError: a ``GoCkptIO`` checkpoint without the ``lightning`` extra.
+        pickle.UnpicklingError: a file that needs ``allow_pickle``.
+    """
+    options = dict(storage_options or {})
+    fs, root = storage.url_to_fs(path, options)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if fs.isfile(root):
+        with fs.open(root, "rb") as f:
+            obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
+        return _torch_file_source(path, obj)
+    if not storage.is_complete(path, options):
+        newest = storage.latest_checkpoint(path, options)
+        if newest is not None:
+            logger.info("gockpt: %s: using %s, the newest complete checkpoint there", path, newest)
+            path = newest
+        elif any(_ACC_MODEL.match(_base(p)) for p in fs.ls(root, detail=False)):
+            return _accelerate_source(path, fs, root, allow_pickle)
+        else:
+            raise FileNotFoundError(
+                f"{path}: not a checkpoint (no manifest.json, no complete checkpoint inside, "
+                "no Accelerate model file)")
+    state = load_checkpoint(path, storage_options=options, allow_pickle=allow_pickle)
+    step = int(state.manifest["meta"].get("captured_step", 0))
+    if isinstance(state.extra, dict) and "lightning" in state.extra:
+        from lightning_gockpt.convert import load_gockpt_lightning
+
+        # Verified above; the dict comes from the very code a resuming Trainer runs.
+        lightning = load_gockpt_lightning(path, storage_options=options, allow_pickle=allow_pickle,
+                                          verify=False)
+        return Source(path, "gockpt-lightning", _tensors(lightning.get("state_dict", {})),
+                      lightning, int(lightning.get("global_step", step)), lightning)
+    everything = {"model": state.model_state_dict, "optimizers": state.optimizer_state_dicts,
+                  "extra": state.extra}
+    return Source(path, "gockpt", _tensors(state.model_state_dict), everything, step)
+
+
+def to_hf(
+    source: Source,
+    dst: str,
+    *,
+    prefix: str = "",
+    max_shard_size: int | str = "5GB",
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write the model's weights as Hugging Face safetensors in the directory ``dst``.
+
+    One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_size`` (planned by
+    ``huggingface_hub.split_torch_state_dict_into_shards``). Tied weights are written under
+    every name. Files carry the metadata ``{"format": "pt"}`` that ``transformers`` expects.
+
+    Args:
+        source: from :func:`open_source`.
+        dst: output directory (local path or fsspec URL).
+        prefix: only keys starting with it are written, with it removed (``"model."`` turns
+            Lightning's ``model.embed_tokens.weight`` into ``embed_tokens.weight``).
+        max_shard_size: bytes per file, an int or a string such as ``"5GB"``.
+        storage_options: fsspec options.
+        progress: called with the bytes of each file written.
+
+    Returns:
+        The names of the files written, the index last.
+
+    Raises:
+        ValueError: no key starts with ``prefix``.
+        ModuleNotFoundError: ``huggingface_hub`` is not installed (``pip install gockpt[hf]``).
+    """
+    import json
+
+    import safetensors.torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    weights = {k[len(prefix):]: t for k, t in source.model_state_dict.items() if k.startswith(prefix)}
+    if not weights:
+        some = ", ".join(sorted(source.model_state_dict)[:3])
+        raise ValueError(f"no model key starts with {prefix!r} (keys look like: {some})")
+    # Own storage per tensor: tensors loaded from one GoCkpt shard are views of one memory map,
+    # which the shard planner would keep in one file and safetensors refuses to write.
+    weights = own_storage(weights)
+    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
+    fs, root = storage.url_to_fs(dst, storage_options)
+    fs.makedirs(root, exist_ok=True)
+    written = []
+    for name, keys in split.filename_to_tensors.items():
+        shard = {k: weights[k] for k in keys}
+        data = safetensors.torch.save(shard, metadata={"format": "pt"})
+        write_file(fs, storage._join(root, name), lambda f, data=data: f.write(data))
+        written.append(name)
+        if progress is not None:
+            progress(len(data))
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, "gockpt_source": source.path, "step": source.step},
+                 "weight_map": split.tensor_to_filename}
+        text = json.dumps(index, indent=2, sort_keys=True).encode()
+        write_file(fs, storage._join(root, "model.safetensors.index.json"), lambda f: f.write(text))
+        written.append("model.safetensors.index.json")
+    return written
+
+
+def to_dcp(source: Source, dst: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write everything the checkpoint holds as a ``torch.distributed.checkpoint`` directory.
+
+    ``dcp.load(state_dict, checkpoint_id=dst)`` then fills any subset of it, on any number of
+    ranks (resharding is DCP's), and
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns it into one file.
+    Non-tensor values are stored pickled by DCP; DCP turns integer dict keys (optimizer
+    state indices) into strings.
+
+    Args:
+        source: from :func:`open_source`.
+        dst: output directory (local path or fsspec URL).
+        storage_options: fsspec options (URLs only).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    if "://" in dst:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        writer = FsspecWriter(dst, **dict(storage_options or {}))
+        dcp.save(source.state, storage_writer=writer, no_dist=no_dist)
+    else:
+        dcp.save(source.state, checkpoint_id=dst, no_dist=no_dist)
+
+
+def to_gockpt(
+    source: Source,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = 1 << 30,
+) -> None:
+    """Write ``source`` as a GoCkpt checkpoint directory.
+
+    A Lightning ``.ckpt`` is saved by ``GoCkptIO.save_checkpoint`` itself (its blocking path
+    outside ``fit``), so ``Trainer(plugins=[GoCkptIO()]).fit(model, ckpt_path=dst)`` resumes
+    from it as from the original file. An Accelerate folder becomes an engine checkpoint
+    (:func:`write_state_dicts`): model, optimizers, and the folder's other files under
+    ``extra["accelerate"]``, for :meth:`gockpt.Engine.restore` / :func:`gockpt.load_checkpoint`.
+
+    Raises:
+        ValueError: the source is already a GoCkpt checkpoint, or a ``torch.save`` file that is
+            not a Lightning checkpoint.
+    """
+    if source.kind.startswith("gockpt"):
+        raise ValueError(f"{source.path} is already a GoCkpt checkpoint (copy the directory)")
+    if source.kind == "torch-file":
+        if source.lightning is None:
+            raise ValueError(f"{source.path}: not a Lightning checkpoint (no 'state_dict' and "
+                             "'pytorch-lightning_version'); convert a state_dict with --to hf")
+        from lightning_gockpt.convert import save_gockpt_lightning
+
+        save_gockpt_lightning(source.lightning, dst, storage_options=storage_options,
+                              max_shard_bytes=max_shard_bytes)
+        return
+    write_state_dicts(dst, source.model_state_dict, source.state["optimizers"],
+                      user={"accelerate": source.state["extra"]}, step=source.step,
+                      storage_options=storage_options, max_shard_bytes=max_shard_bytes,
+                      meta={"converted_from": source.path})
+
+
+def write_state_dicts(
+    path: str,
+    model_state_dict: Mapping[str, Any],
+    optimizer_state_dicts: Sequence[Mapping[str, Any]] = (),
+    *,
+    user: Any = None,
+    step: int = 0,
+    storage_options: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = 1 << 30,
+    num_io_threads: int = 4,
+    update_latest: bool = True,
+    meta: Mapping[str, Any] | None = None,
+) -> int:
+    """Write state dicts as the checkpoint a :class:`gockpt.Engine` writes, blocking.
+
+    The layout is the engine's (format version 1): ``model.<key>`` and
+    ``optim.<i>.<param index>.<state name>`` tensors in safetensors shards, the non-tensor rest
+    in the state file, ``manifest.json`` last; :func:`gockpt.load_checkpoint` returns the
+    same dicts (tensors that are one object in ``model_state_dict`` stay one, as aliases).
+
+    Args:
+        path: checkpoint directory (local path or fsspec URL).
+        model_state_dict: ``model.state_dict()``-shaped.
+        optimizer_state_dicts: ``optimizer.state_dict()``-shaped, one per optimizer.
+        user: what ``state_fn`` would return (``LoadedState.extra``).
+        step: recorded as the requested and captured step.
+        storage_options: fsspec options.
+        max_shard_bytes: tensor bytes per shard file.
+        num_io_threads: threads writing files.
+        update_latest: move the ``latest`` pointer beside ``path``.
+        meta: more JSON-able manifest metadata.
+
+    Returns:
+        Bytes written.
+
+    Raises:
+        TypeError: a dtype safetensors cannot store.
+        OSError: the storage failed (no partial checkpoint is left).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_key: dict[int, str] = {}
+    model_keys, model_extra = [], {}
+    for k, v in model_state_dict.items():
+        if not isinstance(v, torch.Tensor):
+            model_extra[k] = v
+            continue
+        model_keys.append(k)
+        if id(v) in first_key:
+            aliases[f"model.{k}"] = first_key[id(v)]
+        else:
+            first_key[id(v)] = f"model.{k}"
+            tensors[f"model.{k}"] = v.detach()
+    stripped = []
+    for i, sd in enumerate(optimizer_state_dicts):
+        state = {}
+        for idx, st in sd["state"].items():
+            state[idx] = {n: x for n, x in st.items() if not isinstance(x, torch.Tensor)}
+            tensors.update({f"optim.{i}.{idx}.{n}": x.detach() for n, x in st.items()
+                            if isinstance(x, torch.Tensor)})
+        stripped.append({"state": state, "param_groups": sd["param_groups"]})
+    blob = io.BytesIO()
+    torch.save({"user": user, "optimizers": stripped, "model_extra": model_extra}, blob)
+
+    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    shards = plan_shards(specs, max_shard_bytes, f"shard-{uuid.uuid4().hex[:8]}")
+    bases, size = [], 0
+    for shard in shards:
+        bases.append(size)
+        size = (size + shard.data_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    slot = torch.empty(max(size, _ALIGN), dtype=torch.uint8)
+    for shard, base in zip(shards, bases, strict=True):
+        for key, (begin, end) in shard.offsets.items():
+            t = tensors[key]
+            slot[base + begin: base + end].view(t.dtype).view(t.shape).copy_(t)
+    record = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",
+              "num_overlap_steps": 1, "model_keys": model_keys,
+              "num_optimizers": len(optimizer_state_dicts), "replay": {},
+              "created_unix_s": time.time(), **dict(meta or {})}
+    req = PersistRequest(path=path.rstrip("/") or path, shards=shards, slot=slot, shard_bases=bases,
+                         extra=blob.getvalue(), aliases=aliases, meta=record,
+                         storage_options=dict(storage_options or {}), num_io_threads=num_io_threads,
+                         update_latest=update_latest)
+    return persist(req).bytes_written
+
+
+# --- sources -----------------------------------------------------------------------------
+
+
+def _torch_file_source(path: str, obj: Any) -> Source:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: holds a {type(obj).__name__}, not a checkpoint dict")
+    if isinstance(obj.get("state_dict"), dict):
+        lightning = obj if "pytorch-lightning_version" in obj else None
+        return Source(path, "torch-file", _tensors(obj["state_dict"]), obj,
+                      int(obj.get("global_step", 0)), lightning)
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):  # a bare state_dict
+        return Source(path, "torch-file", dict(obj), {"model": obj}, 0)
+    raise ValueError(f"{path}: a dict without 'state_dict' and not a state_dict of tensors")
+
+
+def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Source:
+    import safetensors.torch
+
+    names = sorted(_base(p) for p in fs.ls(root, detail=False))
+    models = [n for n in names if _ACC_MODEL.match(n)]
+    if len(models) > 1:
+        raise ValueError(f"{path}: {len(models)} model files ({models}); GoCkpt converts one model")
+    with fs.open(storage._join(root, models[0]), "rb") as f:
+        raw = f.read()
+    model = safetensors.torch.load(raw) if models[0].endswith(".safetensors") else \
+        torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    optimizers: dict[int, Any] = {}
+    extra: dict[str, Any] = {}
+    notes = []
+    for name in names:
+        if name in models or fs.isdir(storage._join(root, name)):
+            continue
+        if _ACC_RNG.match(name) and not allow_pickle:
+            notes.append(f"{name}: RNG states (numpy objects) left out; --allow-pickle keeps them")
+            continue
+        try:
+            with fs.open(storage._join(root, name), "rb") as f:
+                obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
+        except Exception as e:  # noqa: BLE001 - reported, the rest converts
+            notes.append(f"{name}: left out ({type(e).__name__}: {str(e).splitlines()[0]})")
+            continue
+        m = _ACC_OPTIMIZER.match(name)
+        if m:
+            optimizers[int(m.group(2) or 0)] = obj
+        else:
+            extra[name.rpartition(".")[0]] = obj
+    opt_list = [optimizers[i] for i in sorted(optimizers)]
+    step = max((int(s["step"]) for sd in opt_list for s in sd.get("state", {}).values()
+                if isinstance(s, dict) and "step" in s), default=0)
+    state = {"model": model, "optimizers": opt_list, "extra": extra}
+    return Source(path, "accelerate", model, state, step, None, notes)
+
+
+def own_storage(tree: Any) -> Any:
+    """``tree`` with every tensor copied into a storage of its own (contiguous, detached).
+
+    Tensors loaded from a GoCkpt shard are views of one memory-mapped buffer, some of
+    different dtypes; ``torch.save`` and safetensors refuse such tensors. One tensor object
+    met twice (tied weights) stays one object.
+    """
+    memo: dict[int, torch.Tensor] = {}
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in memo:
+                memo[id(x)] = x.detach().contiguous().clone()
+            return memo[id(x)]
+        if isinstance(x, dict):
+            out = copy.copy(x)  # keeps dict subclasses and a state_dict's ``_metadata``
+            for k, v in x.items():
+                out[k] = conv(v)
+            return out
+        if isinstance(x, list):
+            return [conv(v) for v in x]
+        if isinstance(x, tuple):
+            items = [conv(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x
+
+    return conv(tree)
+
+
+def _tensors(sd: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _base(p: str) -> str:
+    return p.rstrip("/").rpartition("/")[2]
+
+
+def write_file(fs: Any, path: str, fill: Callable[[Any], Any]) -> None:
+    """Create the file ``path`` and have ``fill(f)`` write it (``f.write``, ``torch.save``).
+
+    Locally through a scratch name and an atomic rename, so a reader never sees half a file;
+    on an object store the upload completes when the file closes.
+    """
+    if not storage.is_local(fs):
+        with fs.open(path, "wb") as f:
+            fill(f)
+        return
+    parent, name = os.path.split(path)
+    # A scratch name gockpt.storage.cleanup_staging removes should this process die here.
+    tmp = os.path.join(parent, f".{name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            fill(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

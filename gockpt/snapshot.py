@@ -1,0 +1,268 @@
+"""Host snapshot layout and state trees.
+
+A checkpoint stores two kinds of tensors:
+
+- *tracked* tensors (parameters, optimizer state, buffers) that the engine copies into a host
+  slot, possibly across several steps, and writes as safetensors shards;
+- the caller's *state tree* (e.g. Lightning's checkpoint dict), serialized whole at the captured
+  step. Inside it, a tensor that **is** a tracked tensor (same storage, offset, shape, stride and
+  dtype) is replaced by a reference to its shard entry; any other tensor (an averaged copy of
+  the weights that a hook put there, optimizer state created after the request, ...) is copied
+  to the CPU at that moment. The tree is therefore the source of truth: what the caller's hooks
+  wrote is what loads, and only tensors that are the live state take the overlapped path.
+
+:func:`save_tree` writes a tree with no live model at all (every tensor stored in shards); it is
+the blocking path for saves outside training and for converters.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .format import CheckpointCorruptError, ShardLayout, TensorSpec, plan_shards
+
+REF = "__gockpt_tensor__"
+"""Key of a reference marker in a serialized state tree: ``{REF: key, "stride": [...] | None}``."""
+
+_ALIGN = 64
+
+StorageKey = tuple
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """Identity of a tensor's memory as a view: device, storage address, offset, shape, stride, dtype.
+
+    Two tensors with the same key read the same elements in the same order (``param`` and the
+    ``param.detach()`` that ``state_dict()`` returns have equal keys).
+    """
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+            tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+
+def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
+    """A copy of ``tree`` safe to serialize later: live tensors become references, others CPU copies.
+
+    Args:
+        tree: nested dicts (any ``dict`` subclass, instance attributes such as a state_dict's
+            ``_metadata`` kept), lists and tuples (named tuples kept) with tensors and other
+            leaves.
+        live: :func:`storage_key` of each tracked tensor -> its shard key.
+
+    Returns:
+        The same structure; a tensor whose key is in ``live`` is ``{REF: key, "stride": s}``
+        (``s`` the strides when the tensor is not contiguous, else None); any other tensor is
+        detached and copied to the CPU (strides kept); other leaves are deep-copied.
+    """
+    memo: dict[int, Any] = {}
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            found = memo.get(id(x))
+            if found is not None:
+                return found
+            key = live.get(storage_key(x)) if x.layout == torch.strided else None
+            if key is not None:
+                out: Any = {REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
+            else:
+                out = x.detach().to("cpu", copy=True)
+            memo[id(x)] = out
+            return out
+        if isinstance(x, dict):
+            d = copy.copy(x)
+            if hasattr(d, "__dict__") and vars(d):
+                d.__dict__.update(copy.deepcopy(vars(x)))
+            for k in list(d):
+                d[k] = conv(x[k])
+            return d
+        if isinstance(x, list) and type(x) is list:
+            return [conv(v) for v in x]
+        if isinstance(x, tuple):
+            items = [conv(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return copy.deepcopy(x)
+
+    return conv(tree)
+
+
+def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> Any:
+    """Replace the reference markers of a loaded state tree by the stored tensors.
+
+    Args:
+        tree: what :func:`to_skeleton` produced, after a round trip through ``torch.save``.
+        tensors: shard key -> tensor as loaded (contiguous).
+        where: the checkpoint's path, for error messages.
+
+    Returns:
+        The tree with tensors; a tensor saved non-contiguous gets its strides back.
+
+    Raises:
+        CheckpointCorruptError: a reference names a key that is not stored, or is malformed.
+    """
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, dict):
+            if REF in x and set(x) == {REF, "stride"}:
+                key, stride = x[REF], x["stride"]
+                if not isinstance(key, str) or key not in tensors:
+                    raise CheckpointCorruptError(f"{where}: state refers to tensor {key!r}, which is not stored")
+                ck = (key, tuple(stride) if isinstance(stride, list) else None)
+                if ck not in cache:
+                    t = tensors[key]
+                    if stride is not None:
+                        if not (isinstance(stride, list) and len(stride) == t.dim()
+                                and all(isinstance(s, int) and s >= 0 for s in stride)):
+                            raise CheckpointCorruptError(f"{where}: malformed strides for tensor {key!r}")
+                        t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+                    cache[ck] = t
+                return cache[ck]
+            for k in list(x):
+                x[k] = conv(x[k])
+            return x
+        if isinstance(x, list):
+            return [conv(v) for v in x]
+        if isinstance(x, tuple):
+            items = [conv(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x
+
+    return conv(tree)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each stored tensor lives in a host slot and in the shard files.
+
+    Attributes:
+        shards: shard layouts (file names with the prefix ``"shard"``).
+        bases: byte offset in the slot of each shard's data section (64-byte aligned).
+        offsets: tensor key -> byte offset in the slot.
+        nbytes: slot size in bytes (>= 64).
+    """
+
+    shards: list[ShardLayout]
+    bases: list[int]
+    offsets: dict[str, int]
+    nbytes: int
+
+    def with_prefix(self, prefix: str) -> list[ShardLayout]:
+        """The shard layouts with file names unique to one save (``shard`` -> ``prefix``)."""
+        return [ShardLayout(s.file.replace("shard", prefix, 1), s.header, s.offsets, s.data_bytes)
+                for s in self.shards]
+
+
+def plan_slot(specs: list[TensorSpec], max_shard_bytes: int) -> SlotLayout:
+    """Lay out tensors in shards of at most ``max_shard_bytes`` and the shards in one host slot.
+
+    Raises:
+        ValueError, TypeError: from :func:`gockpt.format.plan_shards`.
+    """
+    shards = plan_shards(specs, max_shard_bytes, "shard")
+    bases, off = [], 0
+    offsets: dict[str, int] = {}
+    for sh in shards:
+        bases.append(off)
+        for k, (b, _) in sh.offsets.items():
+            offsets[k] = off + b
+        off = (off + sh.data_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return SlotLayout(shards, bases, offsets, max(off, _ALIGN))
+
+
+def host_view(buf: torch.Tensor, offset: int, like: torch.Tensor | TensorSpec) -> torch.Tensor:
+    """A contiguous view of ``like``'s dtype and shape into the uint8 buffer ``buf`` at ``offset`` bytes."""
+    dtype, shape = (like.dtype, like.shape)
+    n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    return buf[offset: offset + n].view(dtype).view(shape)
+
+
+def collect_tensors(tree: Any) -> dict[str, torch.Tensor]:
+    """Every distinct tensor of ``tree`` (by :func:`storage_key`), keyed by its dotted path."""
+    found: dict[StorageKey, str] = {}
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            sk = storage_key(x)
+            if sk not in found:
+                key = path or "tensor"
+                while key in out:
+                    key += "_"
+                found[sk] = key
+                out[key] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(tree, "")
+    return out
+
+
+def save_tree(
+    path: str,
+    tree: Any,
+    *,
+    step: int = 0,
+    storage_options: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = 1 << 30,
+    num_io_threads: int = 4,
+    update_latest: bool = True,
+    meta: Mapping[str, Any] | None = None,
+    on_published: Callable[[], None] | None = None,
+) -> int:
+    """Write ``tree`` as a complete GoCkpt checkpoint, blocking (no live model needed).
+
+    Every tensor of the tree (any device) is copied to a host slot and stored in safetensors
+    shards; the tree itself is stored with references to them, so
+    :func:`gockpt.load_checkpoint` returns it as ``extra``. Used for saves outside training and
+    by converters.
+
+    Args:
+        path: checkpoint directory (local path or fsspec URL).
+        tree: nested containers with tensors (e.g. Lightning's checkpoint dict).
+        step: recorded as requested and captured step (orders the ``latest`` pointer).
+        storage_options: fsspec options.
+        max_shard_bytes: upper bound on tensor bytes per shard file.
+        num_io_threads: threads writing files.
+        update_latest: move the ``latest`` pointer in the parent directory.
+        meta: extra JSON-able metadata for the manifest.
+        on_published: called right after the publish.
+
+    Returns:
+        Bytes written.
+
+    Raises:
+        TypeError: a tensor dtype safetensors cannot store.
+        OSError, CheckpointError: from the storage (the previous checkpoint at ``path`` is intact).
+    """
+    from .persist import PersistRequest, persist
+
+    tensors = {k: t.detach() for k, t in collect_tensors(tree).items()}
+    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    slot_layout = plan_slot(specs, max_shard_bytes)
+    slot = torch.empty(slot_layout.nbytes, dtype=torch.uint8)
+    for k, t in tensors.items():
+        host_view(slot, slot_layout.offsets[k], t).copy_(t)
+    live = {storage_key(t): k for k, t in tensors.items()}
+    buf = io.BytesIO()
+    torch.save({"user": to_skeleton(tree, live), "optimizers": [], "model": {}, "model_extra": {}}, buf)
+    m = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",
+         "num_overlap_steps": 1, "model_keys": [], "num_optimizers": 0, "tree": True,
+         "created_unix_s": time.time(), **dict(meta or {})}
+    req = PersistRequest(
+        path=path.rstrip("/") or path, shards=slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}"),
+        slot=slot, shard_bases=slot_layout.bases, extra=buf.getvalue(), aliases={}, meta=m,
+        storage_options=dict(storage_options or {}), num_io_threads=num_io_threads,
+        update_latest=update_latest, on_published=on_published or (lambda: None))
+    return persist(req).bytes_written

@@ -1,0 +1,222 @@
+"""Resume equivalence for Lightning features, one at a time (issue: Lightning fidelity).
+
+Each case trains once without interruption with stock Lightning, and once with ``GoCkptIO``
+stopped early and resumed from a GoCkpt checkpoint; the final weights and optimizer state must
+be equal bit for bit. The multi-step modes run with K forced to 3, so that the features' own
+events (an unfreeze, a new param group, an epoch end, weights swapped by a callback) fall inside
+a checkpoint's copy windows.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _lightning_train import assert_bitwise_equal
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gockpt
+from lightning_gockpt import GoCkptIO
+
+MODES = ("lazy", "gockpt", "gockpt_o")
+BATCHES = 8  # per epoch
+
+
+class Net(pl.LightningModule):
+    """A small regression net; ``feature`` switches on one Lightning feature."""
+
+    def __init__(self, feature: str = "plain") -> None:
+        super().__init__()
+        self.feature = feature
+        if feature == "channels_last":
+            self.conv = nn.Conv2d(2, 4, 3, padding=1)
+            self.conv.to(memory_format=torch.channels_last)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.extra = nn.Linear(8, 8)  # frozen until step 5, or in a param group added at step 5
+        if feature in ("unfreeze", "add_param_group"):
+            self.extra.requires_grad_(False)
+        self.automatic_optimization = feature != "manual"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        if self.feature == "channels_last":
+            img = x[:, :8].reshape(-1, 2, 2, 2).contiguous(memory_format=torch.channels_last)
+            y = y + self.conv(img).mean()
+        return y + self.extra(x)
+
+    def training_step(self, batch, batch_idx):
+        x, t = batch
+        loss = (self(x) - t).pow(2).mean()
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        for _ in range(2):  # two updates per batch
+            opt.zero_grad()
+            self.manual_backward((self(x) - t).pow(2).mean())
+            opt.step()
+        return None
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step >= 5 and not self.extra.weight.requires_grad:
+            self.extra.requires_grad_(True)
+            if self.feature == "add_param_group":
+                self.optimizers().optimizer.add_param_group({"params": list(self.extra.parameters()), "lr": 0.02})
+
+    def configure_optimizers(self):
+        params = [p for n, p in self.named_parameters()
+                  if not (self.feature == "add_param_group" and n.startswith("extra."))]
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(BATCHES * 4, 8, generator=g)
+        if self.feature == "plain":  # a DataLoader that cannot resume mid-epoch
+            return DataLoader(TensorDataset(x, x.flip(1)), batch_size=4, shuffle=False)
+        return _Resumable(x)
+
+
+class _Resumable:
+    """Batches of 4 in a fixed order, with a position Lightning checkpoints (resumes mid-epoch)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x, self.pos = x, 0
+
+    def __len__(self) -> int:
+        return BATCHES
+
+    def __iter__(self):
+        if self.pos >= BATCHES:
+            self.pos = 0
+        while self.pos < BATCHES:
+            b = self.x[self.pos * 4:(self.pos + 1) * 4]
+            self.pos += 1
+            yield b, b.flip(1)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def _state(trainer: pl.Trainer, model: Net) -> dict:
+    opt = trainer.optimizers[0]
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optim": opt.state_dict(), "step": trainer.global_step}
+
+
+def _run(root, feature, *, io=None, ckpt_path=None, max_steps=-1, max_epochs=None, callbacks=(),
+         ckpt_every_steps=None, every_epoch=False, precision="32-true"):
+    pl.seed_everything(0, verbose=False)
+    model = Net(feature)
+    cbs = [*callbacks]
+    if ckpt_every_steps or every_epoch:
+        cbs.append(ModelCheckpoint(dirpath=str(root), filename="{step}", save_top_k=-1,
+                                   every_n_train_steps=ckpt_every_steps,
+                                   every_n_epochs=1 if every_epoch else None))
+    trainer = pl.Trainer(default_root_dir=str(root), max_steps=max_steps, max_epochs=max_epochs,
+                         accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=bool(cbs),
+                         precision=precision, callbacks=cbs, plugins=[io] if io else None,
+                         num_sanity_val_steps=0)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _io(mode: str) -> GoCkptIO:
+    k = 1 if mode == "lazy" else 3
+    return GoCkptIO(mode=mode, min_overlap_steps=k, max_overlap_steps=k)
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert_bitwise_equal(a["model"], b["model"], "model")
+    assert_bitwise_equal(a["optim"]["state"], b["optim"]["state"], "optimizer state")
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+
+
+def _callbacks(feature: str) -> tuple:
+    return (EMAWeightAveraging(decay=0.9),) if feature == "ema" else ()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("feature", ["ema", "channels_last", "unfreeze", "manual"])
+def test_mid_epoch_checkpoint_resumes_exactly(tmp_path, mode, feature):
+    """Checkpoint requested at step 4 (captured at 4..6), stopped at 8, resumed to 20."""
+    total = 20
+    ref = _state(*_run(tmp_path / "ref", feature, max_steps=total, callbacks=_callbacks(feature)))
+    _run(tmp_path / "a", feature, io=_io(mode), max_steps=8, ckpt_every_steps=4,
+         callbacks=_callbacks(feature))
+    path = str(tmp_path / "a" / "step=4.ckpt")
+    captured = gockpt.load_checkpoint(path, allow_pickle=True).captured_step
+    if feature != "manual":  # manual optimization always holds the requested step
+        assert captured == 4 + (0 if mode == "lazy" else 2)
+    resumed = _state(*_run(tmp_path / "b", feature, io=_io(mode), max_steps=total, ckpt_path=path,
+                           callbacks=_callbacks(feature)))
+    _same(resumed, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_end_of_epoch_checkpoint_with_a_plain_dataloader_resumes_exactly(tmp_path, mode, precision):
+    """ModelCheckpoint's default trigger (epoch end) with a DataLoader that cannot resume mid-epoch."""
+    ref = _state(*_run(tmp_path / "ref", "plain", max_epochs=3, precision=precision))
+    _run(tmp_path / "a", "plain", io=_io(mode), max_epochs=2, every_epoch=True, precision=precision)
+    path = str(tmp_path / "a" / f"step={BATCHES}.ckpt")
+    assert gockpt.load_checkpoint(path, allow_pickle=True).captured_step == BATCHES  # not in epoch 2
+    resumed = _state(*_run(tmp_path / "b", "plain", io=_io(mode), max_epochs=3, ckpt_path=path,
+                           precision=precision))
+    _same(resumed, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("feature", ["add_param_group", "unfreeze", "ema"])
+def test_checkpoint_equals_stock_at_the_captured_step(tmp_path, mode, feature):
+    """A param group added (or a parameter unfrozen) inside the copy windows is in the checkpoint.
+
+    A checkpoint holding the added group cannot be resumed by this module (its optimizer gets the
+    group at step 5 only, stock alike), so the checkpoint itself is compared with stock's.
+    """
+    _run(tmp_path / "g", feature, io=_io(mode), max_steps=8, ckpt_every_steps=4, callbacks=_callbacks(feature))
+    ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)
+    step = ours["global_step"]
+    assert step == 4 + (0 if mode == "lazy" else 2)
+    _run(tmp_path / "s", feature, max_steps=8, ckpt_every_steps=step, callbacks=_callbacks(feature))
+    stock = torch.load(tmp_path / "s" / f"step={step}.ckpt", weights_only=False)
+    for key in ("state_dict", "current_model_state"):
+        if key in stock:
+            assert_bitwise_equal(ours[key], stock[key], key)
+    assert_bitwise_equal(ours["optimizer_states"][0]["state"], stock["optimizer_states"][0]["state"], "state")
+    assert ours["optimizer_states"][0]["param_groups"] == stock["optimizer_states"][0]["param_groups"]
+    assert ours["loops"] == stock["loops"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_run_stopped_by_max_steps_resumes_with_more_epochs(tmp_path, mode):
+    """A save in flight when training ends carries the loop state of its captured step.
+
+    (Step 12 is mid-epoch: the data must be resumable there, as for stock.)
+    """
+    ref = _state(*_run(tmp_path / "ref", "resumable", max_epochs=3))
+    _run(tmp_path / "a", "resumable", io=_io(mode), max_steps=12, ckpt_every_steps=12)
+    path = str(tmp_path / "a" / "step=12.ckpt")
+    loaded = GoCkptIO().load_checkpoint(path)
+    assert loaded["global_step"] == 12
+    resumed = _state(*_run(tmp_path / "b", "resumable", io=_io(mode), max_epochs=3, ckpt_path=path))
+    _same(resumed, ref)
+
+
+def test_ema_checkpoint_holds_what_the_callback_wrote(tmp_path):
+    """The averaged weights EMAWeightAveraging puts in ``state_dict`` are what is stored."""
+    ema = EMAWeightAveraging(decay=0.9)
+    trainer, model = _run(tmp_path / "a", "ema", io=_io("gockpt_o"), max_steps=7, ckpt_every_steps=4,
+                          callbacks=(ema,))
+    loaded = GoCkptIO().load_checkpoint(str(tmp_path / "a" / "step=4.ckpt"))
+    assert set(loaded["current_model_state"]) == set(loaded["state_dict"])
+    differs = [k for k in loaded["state_dict"]
+               if not torch.equal(loaded["state_dict"][k], loaded["current_model_state"][k])]
+    assert differs  # the average is not the live model
+
+

@@ -1,0 +1,252 @@
+"""The ``gockpt`` command line, run as a subprocess on the checkpoints of real Lightning runs.
+
+A 12-step run of the adapter tests' TinyNet with ``GoCkptIO`` (mode ``gockpt``, K = 2) and the
+same run without GoCkpt (stock ``.ckpt`` files, and the reference end state) give the
+checkpoints; an Accelerate ``save_state`` folder gives a third kind. The CLI commands run
+concurrently (each start imports torch and Lightning), then each test checks one result:
+round trips are bit for bit, and the stock checkpoint converted to GoCkpt resumes exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "adapters"))  # the adapter tests' job
+
+from _lightning_train import TinyNet, assert_bitwise_equal, fit, results  # noqa: E402
+
+import gockpt  # noqa: E402
+from gockpt import cli  # noqa: E402
+from lightning_gockpt import GoCkptIO  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 12, 4
+
+
+def _gockpt_io() -> GoCkptIO:
+    return GoCkptIO(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Checkpoints of the three kinds, the reference end state, and every CLI result."""
+    root = tmp_path_factory.mktemp("cli")
+    fit(str(root / "gockpt"), io=_gockpt_io(), max_steps=STEPS, ckpt_every=EVERY)
+    reference = results(*fit(str(root / "stock"), max_steps=STEPS, ckpt_every=EVERY))
+    ours, stock = root / "gockpt" / "step=8.ckpt", root / "stock" / "step=8.ckpt"
+    flipped = root / "flipped.ckpt"
+    shutil.copytree(ours, flipped)
+    shard = next(flipped.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01  # a bit of the last tensor's data: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    accelerate_dir, accelerate_state = _accelerate_folder(root / "accelerate")
+    (root / "incomplete.ckpt").mkdir()  # a save cut short: no manifest
+    out = root / "out"
+    # Subprocesses for the first run of each command; variants run in-process (cli.main), as
+    # every start costs seconds of imports on a 2-core machine.
+    commands = {
+        "inspect": ["inspect", str(ours)],
+        "verify_flipped": ["verify", str(flipped)],
+        "lightning": ["convert", str(ours), str(out / "model.ckpt"), "--to", "lightning"],
+        "dcp": ["convert", str(ours), str(out / "dcp"), "--to", "dcp"],
+        "hf_sharded": ["convert", str(ours), str(out / "hf_sharded"), "--to", "hf", "--prefix",
+                       "net.", "--max-shard-size", "2KB"],
+        "from_stock": ["convert", str(stock), str(out / "converted.ckpt"), "--to", "gockpt"],
+        "from_accelerate": ["convert", str(accelerate_dir), str(out / "from_accelerate"),
+                            "--to", "gockpt"],
+    }
+    procs = {name: _start(["-m", "gockpt", *argv]) for name, argv in commands.items()}
+    done = {"from_stock": _finish(procs.pop("from_stock"))}
+    # The resumed run goes in a process of its own too: a crash there must fail this test only.
+    config = root / "resume.json"
+    config.write_text(json.dumps([{
+        "root": str(root / "resumed"), "io": {"mode": "gockpt", "min_overlap_steps": 2,
+                                              "max_overlap_steps": 2},
+        "max_steps": STEPS, "ckpt_path": str(out / "converted.ckpt"),
+        "results_path": str(root / "resumed.pt")}]))
+    procs["resume"] = _start([str(REPO / "tests" / "adapters" / "_lightning_train.py"), str(config)])
+    done.update({name: _finish(proc) for name, proc in procs.items()})
+    return {"root": root, "ours": ours, "stock": stock, "flipped_shard": shard, "out": out,
+            "reference": reference, "accelerate_state": accelerate_state, "cli": done}
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _ok(runs, name: str) -> subprocess.CompletedProcess:
+    res = runs["cli"][name]
+    assert res.returncode == 0, f"gockpt {name} failed:\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+def _accelerate_folder(path: Path):
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    acc = accelerate.Accelerator(cpu=True)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    for _ in range(3):
+        acc.backward(model(torch.randn(5, 4)).pow(2).mean())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    acc.save_state(str(path))
+    state = {"model": {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+             "optimizer": opt.optimizer.state_dict(), "scheduler": sched.scheduler.state_dict()}
+    return path, state
+
+
+def _in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_shows_steps_mode_k_sizes_backend_and_completeness(runs, capsys):
+    text = _ok(runs, "inspect").stdout
+    for field in ("requested_step  8", "captured_step   9", "mode            gockpt (K=2)",
+                  "complete        yes", "replay", "files", "tensors"):
+        assert field in text, text
+    code, out, _ = _in_process(capsys, "inspect", str(runs["ours"]), "--json", "--tensors")
+    info = json.loads(out)
+    manifest = json.loads((runs["ours"] / "manifest.json").read_text())
+    assert (info["requested_step"], info["captured_step"], info["num_overlap_steps"]) == (8, 9, 2)
+    assert info["replay"]["backend"] == manifest["meta"]["replay"]["backend"]
+    assert info["replay"]["backend"] in text
+    assert set(info["tensors"]) == set(manifest["tensors"])
+    assert info["files"] == {n: f["bytes"] for n, f in manifest["files"].items()}
+    code, _, err = _in_process(capsys, "inspect", str(runs["root"] / "incomplete.ckpt"))
+    assert code == 1 and "not a complete checkpoint" in err
+
+
+def test_verify_passes_and_a_flipped_byte_fails_naming_the_file(runs, capsys):
+    code, out, _ = _in_process(capsys, "verify", str(runs["ours"]))
+    assert code == 0 and out.startswith("OK ")
+    res = runs["cli"]["verify_flipped"]
+    assert res.returncode == 1
+    assert f"FAILED {runs['flipped_shard']}: xxh3-64 checksum" in res.stdout
+
+
+def test_to_lightning_loads_with_stock_load_from_checkpoint(runs):
+    _ok(runs, "lightning")
+    path = runs["out"] / "model.ckpt"
+    want = GoCkptIO().load_checkpoint(runs["ours"])  # what a Trainer with the plugin resumes from
+    got = torch.load(path, weights_only=False)
+    assert_bitwise_equal(got, want, "torch.load")
+    model = TinyNet.load_from_checkpoint(path)  # stock Lightning, no GoCkpt involved
+    assert_bitwise_equal(model.state_dict(), want["state_dict"], "load_from_checkpoint")
+    assert model.hparams.lr == want["hyper_parameters"]["lr"]
+
+
+def test_to_dcp_loads_with_dcp_load(runs):
+    import torch.distributed.checkpoint as dcp
+
+    _ok(runs, "dcp")
+    want = GoCkptIO().load_checkpoint(runs["ours"])
+    template = {"state_dict": {k: torch.zeros_like(v) for k, v in want["state_dict"].items()},
+                "optimizer_states": [{"state": {i: {n: torch.zeros_like(t) for n, t in st.items()}
+                                                for i, st in want["optimizer_states"][0]["state"].items()}}]}
+    dcp.load(template, checkpoint_id=str(runs["out"] / "dcp"), no_dist=True)
+    assert_bitwise_equal(template["state_dict"], want["state_dict"], "state_dict")
+    assert_bitwise_equal(template["optimizer_states"][0]["state"],
+                         want["optimizer_states"][0]["state"], "optimizer state")
+
+
+def test_to_hf_strips_the_prefix_and_shards_with_an_index(runs, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(runs["out"] / "hf"),
+                               "--to", "hf", "--prefix", "net.")
+    assert code == 0, err
+    want = {k[len("net."):]: v for k, v in GoCkptIO().load_checkpoint(runs["ours"])["state_dict"].items()}
+    single = runs["out"] / "hf" / "model.safetensors"
+    assert_bitwise_equal(load_file(single), want, "model.safetensors")
+    with safe_open(single, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    _ok(runs, "hf_sharded")
+    index = json.loads((runs["out"] / "hf_sharded" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and set(index["weight_map"]) == set(want)
+    merged = {}
+    for name in files:
+        merged.update(load_file(runs["out"] / "hf_sharded" / name))
+    assert_bitwise_equal(merged, want, "sharded")
+
+
+def test_stock_ckpt_converted_to_gockpt_resumes_exactly(runs):
+    _ok(runs, "from_stock")
+    converted = runs["out"] / "converted.ckpt"
+    stock = torch.load(runs["stock"], weights_only=False)
+    assert_bitwise_equal(GoCkptIO().load_checkpoint(converted), stock, "converted")
+    res = runs["cli"]["resume"]  # fit(ckpt_path=converted) with GoCkptIO, in a subprocess
+    assert res.returncode == 0, f"the resumed run failed ({res.returncode}):\n{res.stderr[-3000:]}"
+    resumed = torch.load(runs["root"] / "resumed.pt", weights_only=False)
+    ref = runs["reference"]
+    assert sorted(resumed["losses"]) == list(range(8, STEPS))
+    for batch, loss in resumed["losses"].items():
+        assert loss == ref["losses"][batch], f"loss of batch {batch}"
+    assert_bitwise_equal(resumed["model"], ref["model"], "model")
+    assert_bitwise_equal(resumed["optim"], ref["optim"], "optimizer")
+
+
+def test_accelerate_folder_converted_to_gockpt_loads_as_engine_state(runs):
+    _ok(runs, "from_accelerate")
+    state = gockpt.load_checkpoint(str(runs["out"] / "from_accelerate"))
+    want = runs["accelerate_state"]
+    assert_bitwise_equal(state.model_state_dict, want["model"], "model")
+    assert_bitwise_equal(state.optimizer_state_dicts[0], want["optimizer"], "optimizer")
+    assert state.extra["accelerate"]["scheduler"] == want["scheduler"]
+    assert state.captured_step == 3
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    gockpt.load_into(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], state)
+
+
+def test_fsspec_urls_in_and_out(runs):
+    # In-process: memory:// is private to this process.
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"memory://cli-{os.getpid()}"
+    fs.put(str(runs["stock"]), f"{root}/stock.ckpt")
+    assert cli.main(["convert", f"{root}/stock.ckpt", f"{root}/run/g.ckpt", "--to", "gockpt"]) == 0
+    assert cli.main(["verify", f"{root}/run/g.ckpt"]) == 0
+    assert cli.main(["convert", f"{root}/run/g.ckpt", f"{root}/back/l.ckpt", "--to", "lightning"]) == 0
+    with fsspec.open(f"{root}/back/l.ckpt", "rb") as f:
+        back = torch.load(f, weights_only=False)
+    assert_bitwise_equal(back, torch.load(runs["stock"], weights_only=False), "round trip")
+
+
+def test_usage_errors_and_wrong_sources(runs, capsys):
+    assert cli.main(["convert", str(runs["ours"]), str(runs["root"] / "x"), "--to", "gockpt"]) == 1
+    assert "already a GoCkpt checkpoint" in capsys.readouterr().err
+    assert cli.main(["convert", str(runs["stock"]), str(runs["root"] / "y.ckpt"), "--to",
+                     "lightning"]) == 1
+    assert "not a GoCkpt checkpoint written by GoCkptIO" in capsys.readouterr().err
+    assert cli.main(["convert", str(runs["ours"]), str(runs["root"] / "z"), "--to", "hf",
+                     "--prefix", "nope."]) == 1
+    assert "no model key starts with 'nope.'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", "a", "b", "--to", "onnx"])
+    assert e.value.code == 2

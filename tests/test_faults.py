@@ -1,0 +1,387 @@
+"""Storage faults through public seams: an S3 endpoint behind a fault-injecting proxy, fsspec
+filesystems that fail or stall (tests/faultfs.py), and a small tmpfs that really fills up.
+
+What must hold: a failed save raises the original error, typed, naming the checkpoint and file,
+with its cause; it leaves no objects and no multipart uploads behind; the previous checkpoint is
+intact; waits are bounded; a checkpoint that was published is never reported as failed because
+moving ``latest`` failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import subprocess
+import time
+import uuid
+
+import faultfs
+import pytest
+import torch
+from conftest import Store
+from s3proxy import FaultProxy
+
+from gockpt.errors import CheckpointError, CheckpointStorageError, CheckpointTimeoutError
+from gockpt.load import read_checkpoint
+from gockpt.persist import persist
+from gockpt.storage import latest_checkpoint, url_to_fs
+
+# Generous upper bound on any failing save below (the defaults would take minutes).
+BOUND_S = 30.0
+
+
+def assert_loads_as(path, tensors, step, storage_options=None):
+    loaded = read_checkpoint(path, storage_options=storage_options)
+    assert loaded.manifest["meta"]["captured_step"] == step
+    for key, want in tensors.items():
+        assert torch.equal(loaded.tensors[key], want), key
+
+
+# --- S3 behind a fault-injecting proxy ----------------------------------------------------------
+
+
+@pytest.fixture
+def s3(_moto_endpoint, monkeypatch):
+    """(store, proxy, client): a fresh bucket reached through a :class:`FaultProxy`; ``client`` is
+    a boto3 client straight to moto (it sees what is really left in the bucket)."""
+    import boto3
+    import s3fs
+
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    bucket = f"gockpt-{uuid.uuid4().hex[:16]}"
+    s3fs.S3FileSystem(key="testing", secret="testing",
+                      client_kwargs={"endpoint_url": _moto_endpoint}).mkdir(bucket)
+    proxy = FaultProxy(_moto_endpoint)
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": proxy.url},
+        "default_block_size": 5 << 20,  # S3's smallest part: multipart uploads for big shards
+    }
+    client = boto3.client("s3", endpoint_url=_moto_endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    yield Store(f"s3://{bucket}/ckpts", storage_options=options, kind="s3"), proxy, client
+    proxy.close()
+
+
+def bucket_state(store, client):
+    """(object keys, keys of unfinished multipart uploads) of the store's bucket."""
+    bucket = store.root.removeprefix("s3://").partition("/")[0]
+    objects = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    return sorted(o["Key"] for o in objects), sorted(u["Key"] for u in uploads)
+
+
+def big_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    # 12 MiB in one shard: a multipart upload of three 5 MiB parts.
+    return {"big": torch.randn(3 << 20, generator=g), "small": torch.randn(7, generator=g)}
+
+
+def save_previous(store, make_request):
+    """A complete checkpoint ``ckpt`` at step 1, and what the bucket holds after it."""
+    old = {"w": torch.arange(12.0)}
+    persist(make_request(store.path("ckpt"), old, step=1, storage_options=store.storage_options))
+    return old
+
+
+def failing_save(store, make_request, timeout_s=None):
+    req = make_request(store.path("ckpt"), big_tensors(2), step=2,
+                       storage_options=store.storage_options, max_shard_bytes=64 << 20,
+                       chunk_bytes=1 << 20, num_io_threads=2)
+    if timeout_s is not None:
+        req.storage_timeout_s = timeout_s
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointStorageError) as info:
+        persist(req)
+    return info.value, time.monotonic() - t0
+
+
+def is_part(n):
+    return lambda method, path: "partNumber=" in path and f"partNumber={n}&" in path + "&"
+
+
+@pytest.mark.parametrize(
+    "action, target",
+    [
+        ("500", "part 2"),
+        ("503", "part 2"),
+        ("reset", "part 2"),
+        ("500", "small objects"),
+        ("reset", "small objects"),
+    ],
+)
+def test_s3_failed_save_leaves_nothing_and_reports_the_original_error(
+    s3, make_request, action, target
+):
+    store, proxy, client = s3
+    old = save_previous(store, make_request)
+    before = bucket_state(store, client)
+    if target == "part 2":
+        rule = is_part(2)
+    else:  # single-PUT objects: the non-tensor state blob and small shards
+        def rule(method, path):
+            return method == "PUT" and "state-" in path and "uploadId" not in path
+    proxy.rule = lambda method, path: action if rule(method, path) else None
+
+    error, elapsed = failing_save(store, make_request)
+
+    assert elapsed < BOUND_S
+    assert proxy.count(action) >= 1
+    assert not isinstance(error, CheckpointTimeoutError)
+    assert store.path("ckpt") in str(error) and error.path == store.path("ckpt")
+    assert error.__cause__ is not None
+    # The save's own objects and its multipart upload are gone; the previous checkpoint stays.
+    proxy.rule = None
+    assert bucket_state(store, client) == before
+    assert before[1] == []
+    assert_loads_as(store.path("ckpt"), old, 1, store.storage_options)
+    assert latest_checkpoint(store.root, store.storage_options) == store.path("ckpt")
+
+
+def test_s3_slowdown_is_retried_a_bounded_number_of_times(s3, make_request):
+    store, proxy, client = s3
+    save_previous(store, make_request)
+    seen = []
+
+    def two_slowdowns(method, path):
+        if "partNumber=1&" in path + "&":
+            seen.append(path)
+            return "503" if len(seen) <= 2 else None
+        return None
+
+    proxy.rule = two_slowdowns
+    tensors = big_tensors(3)
+    persist(make_request(store.path("ckpt"), tensors, step=3, storage_options=store.storage_options,
+                         max_shard_bytes=64 << 20, chunk_bytes=1 << 20))
+    assert proxy.count("503") == 2
+    assert_loads_as(store.path("ckpt"), tensors, 3, store.storage_options)
+
+    # Permanent SlowDown: each request is tried a bounded number of times, then the save fails.
+    proxy.requests.clear()
+    proxy.rule = lambda method, path: "503" if is_part(2)(method, path) else None
+    error, elapsed = failing_save(store, make_request)
+    assert elapsed < BOUND_S
+    assert 1 <= proxy.count("503") <= 3
+    assert "SlowDown" in str(error) or "503" in str(error) or "reduce" in str(error).lower()
+    proxy.rule = None
+    assert bucket_state(store, client)[1] == []
+
+
+def test_s3_hung_endpoint_fails_within_the_storage_deadline(s3, make_request):
+    store, proxy, client = s3
+    old = save_previous(store, make_request)
+    before = bucket_state(store, client)
+    proxy.rule = lambda method, path: "hang"
+
+    error, elapsed = failing_save(store, make_request, timeout_s=1.0)
+
+    # Writes, the abort and the clean-up each give up after about storage_timeout_s.
+    assert elapsed < BOUND_S
+    assert isinstance(error, CheckpointTimeoutError) and isinstance(error, TimeoutError)
+    assert store.path("ckpt") in str(error)
+    proxy.rule = None
+    assert bucket_state(store, client) == before
+    assert_loads_as(store.path("ckpt"), old, 1, store.storage_options)
+
+
+def test_s3_options_the_user_sets_win(_moto_endpoint):
+    fs, _ = url_to_fs("s3://b/x", {"key": "k", "secret": "s", "config_kwargs": {"read_timeout": 99},
+                                   "client_kwargs": {"endpoint_url": _moto_endpoint}}, 6.0)
+    assert fs.config_kwargs["read_timeout"] == 99
+    assert fs.config_kwargs["connect_timeout"] == 2.0
+    assert fs.config_kwargs["retries"]["total_max_attempts"] == 3 and fs.retries == 1
+    fs, _ = url_to_fs("s3://b/x", {"key": "k", "secret": "s",
+                                   "client_kwargs": {"endpoint_url": _moto_endpoint}}, None)
+    assert "retries" not in fs.config_kwargs
+
+
+# --- fault-injecting fsspec filesystems -------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "memory"])
+def faulty(request, tmp_path, monkeypatch):
+    fault = faultfs.Fault()
+    if request.param == "local":
+        monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
+        yield Store(faultfs.local_url(tmp_path / "store"), kind="local"), fault
+        return
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    root = faultfs.memory_root()
+    yield Store(root, kind="memory"), fault
+    faultfs.clear_memory(root)
+
+
+def test_a_stalled_object_store_write_fails_with_a_timeout(make_request, make_tensors, monkeypatch):
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", faultfs.Fault())
+    store = Store(faultfs.memory_root(), kind="memory")
+    fault = faultfs.FaultMemoryFileSystem.fault
+    old = make_tensors(1)
+    persist(make_request(store.path("ckpt"), old, step=1))
+    before = store.listing(), store.listing("ckpt")
+    fault.hook = lambda name, nbytes: time.sleep(0.3)
+    req = make_request(store.path("ckpt"), make_tensors(2), step=2, storage_timeout_s=0.1)
+
+    with pytest.raises(CheckpointTimeoutError, match="storage_timeout_s") as info:
+        persist(req)
+
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, CheckpointStorageError)
+    assert req.path in str(info.value)
+    fault.hook = None
+    assert (store.listing(), store.listing("ckpt")) == before
+    assert_loads_as(store.path("ckpt"), old, 1)
+
+
+def test_a_failing_cleanup_does_not_mask_the_write_error(
+    make_request, make_tensors, monkeypatch, caplog
+):
+    fault = faultfs.Fault()
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    store = Store(faultfs.memory_root(), kind="memory")
+    eio = OSError(errno.EIO, "injected I/O error")
+    fault.raise_after(eio, after_bytes=150)
+
+    def no_delete(op, path):
+        if op == "rm":
+            raise PermissionError(errno.EACCES, "DeleteObject denied", path)
+
+    fault.op_hook = no_delete
+    with caplog.at_level(logging.WARNING, logger="gockpt"), pytest.raises(CheckpointStorageError) as info:
+        persist(make_request(store.path("ckpt"), make_tensors(1), step=1))
+
+    assert info.value.errno == errno.EIO and info.value.__cause__ is eio
+    assert "DeleteObject" not in str(info.value)
+    assert any("could not delete" in r.getMessage() and "DeleteObject" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_enospc_on_the_pointer_does_not_fail_a_published_save(faulty, make_request, make_tensors):
+    store, fault = faulty
+    old, new = make_tensors(1), make_tensors(2)
+    persist(make_request(store.path("a"), old, step=1))
+
+    def full(op, path):
+        if os.path.basename(path).startswith((".latest.", "latest")) and op in ("open", "pipe"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    fault.op_hook = full
+    with pytest.warns(RuntimeWarning, match=r"latest.*ENOSPC|ENOSPC.*latest") as warned:
+        result = persist(make_request(store.path("b"), new, step=2))
+
+    assert result.published and "No space left" in result.latest_error
+    assert store.path("b") in str(warned[0].message)
+    # The stale pointer was removed: readers scan and find the new checkpoint.
+    assert "latest" not in store.listing()
+    assert latest_checkpoint(store.root) == store.path("b")
+    assert_loads_as(store.path("b"), new, 2)
+
+    # If even removing it fails, the pointer still names the previous, valid checkpoint.
+    def full_and_stuck(op, path):
+        if os.path.basename(path) == "latest" and op == "rm":
+            raise PermissionError(errno.EACCES, "denied", path)
+        full(op, path)
+
+    fault.op_hook = None
+    persist(make_request(store.path("c"), old, step=3))
+    fault.op_hook = full_and_stuck
+    with pytest.warns(RuntimeWarning, match="still names the older checkpoint 'c'"):
+        assert persist(make_request(store.path("d"), new, step=4)).published
+    fault.op_hook = None
+    assert latest_checkpoint(store.root) == store.path("c")
+
+
+def test_enospc_in_a_shard_names_the_file_and_keeps_the_previous(faulty, make_request, make_tensors):
+    store, fault = faulty
+    old = make_tensors(1)
+    persist(make_request(store.path("ckpt"), old, step=1))
+    before = store.listing(), store.listing("ckpt")
+    fault.raise_after(OSError(errno.ENOSPC, "No space left on device"), after_bytes=300)
+
+    with pytest.raises(CheckpointStorageError) as info:
+        persist(make_request(store.path("ckpt"), make_tensors(2), step=2))
+
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
+    assert store.path("ckpt") in str(info.value) and ".safetensors" in str(info.value)
+    fault.hook = None
+    assert (store.listing(), store.listing("ckpt")) == before
+    assert_loads_as(store.path("ckpt"), old, 1)
+
+
+# --- a real, small filesystem ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(options) -> directory``: a tmpfs mounted under ``tmp_path``; skipped (with the
+    reason) where mounting is not permitted."""
+    mounted = []
+
+    def mount(options: str):
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+        mounted.append(where)
+        return where
+
+    try:
+        yield mount
+    finally:
+        for where in mounted:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_enospc_on_a_full_tmpfs_fails_the_shard_write_cleanly(small_tmpfs, make_request):
+    root = small_tmpfs("size=256k")
+    old = {"w": torch.arange(64.0)}
+    persist(make_request(str(root / "ckpt"), old, step=1))
+    before = sorted(os.listdir(root)), sorted(os.listdir(root / "ckpt"))
+    big = {"big": torch.zeros(128 << 10)}  # 512 KiB: more than the filesystem holds
+
+    with pytest.raises(CheckpointStorageError) as info:
+        persist(make_request(str(root / "ckpt"), big, step=2, max_shard_bytes=1 << 20,
+                             chunk_bytes=64 << 10))
+
+    assert info.value.errno == errno.ENOSPC
+    assert str(root / "ckpt") in str(info.value) and ".safetensors" in info.value.filename
+    assert (sorted(os.listdir(root)), sorted(os.listdir(root / "ckpt"))) == before
+    assert_loads_as(str(root / "ckpt"), old, 1)
+
+
+def test_enospc_on_a_full_tmpfs_spares_a_published_checkpoint(small_tmpfs, make_request, make_tensors):
+    root = small_tmpfs("size=1m")
+    persist(make_request(str(root / "a"), make_tensors(1), step=1))
+    new = make_tensors(2)
+    req = make_request(str(root / "b"), new, step=2)
+    # Measure what this save needs, then leave exactly that: the pointer finds no page.
+    free = os.statvfs(root).f_bavail
+    persist(dataclasses.replace(req, path=str(root / "trial"), update_latest=False))
+    needed = free - os.statvfs(root).f_bavail
+    subprocess.run(["rm", "-rf", str(root / "trial")], check=True)
+    page = os.statvfs(root).f_frsize
+    with open(root / ".filler", "wb") as f:
+        f.write(b"\0" * (os.statvfs(root).f_bavail - needed) * page)
+    assert os.statvfs(root).f_bavail == needed
+
+    with pytest.warns(RuntimeWarning, match="ENOSPC") as warned:
+        result = persist(req)
+
+    assert result.published
+    assert str(root / "latest") in str(warned[0].message) or str(root) in str(warned[0].message)
+    assert latest_checkpoint(str(root)) == str(root / "b")
+    assert_loads_as(str(root / "b"), new, 2)
+    assert not [n for n in os.listdir(root) if ".gockpt-" in n]
+
+
+def test_errors_keep_their_builtin_bases():
+    assert issubclass(CheckpointStorageError, OSError) and issubclass(CheckpointStorageError, RuntimeError)
+    assert issubclass(CheckpointTimeoutError, TimeoutError)
+    assert issubclass(CheckpointStorageError, CheckpointError)
