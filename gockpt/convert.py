@@ -21,6 +21,7 @@ Every writer is the library's own: ``safetensors``, ``huggingface_hub``'s shard 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import logging
 import os
@@ -42,7 +43,6 @@ __all__ = ["Source", "open_source", "to_dcp", "to_gockpt", "to_hf", "write_state
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("lightning", "hf", "dcp", "gockpt")
 _ALIGN = 64
 # Accelerate's save_state file names (accelerate.utils.constants), read without importing it.
 _ACC_MODEL = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
@@ -181,7 +181,7 @@ def to_hf(
     for name, keys in split.filename_to_tensors.items():
         shard = {k: weights[k] for k in keys}
         data = safetensors.torch.save(shard, metadata={"format": "pt"})
-        write_file(fs, storage._join(root, name), lambda f, data=data: f.write(data))
+        write_file(fs, storage._join(root, name), functools.partial(_write_all, data=data))
         written.append(name)
         if progress is not None:
             progress(len(data))
@@ -189,7 +189,8 @@ def to_hf(
         index = {"metadata": {**split.metadata, "gockpt_source": source.path, "step": source.step},
                  "weight_map": split.tensor_to_filename}
         text = json.dumps(index, indent=2, sort_keys=True).encode()
-        write_file(fs, storage._join(root, "model.safetensors.index.json"), lambda f: f.write(text))
+        write_file(fs, storage._join(root, "model.safetensors.index.json"),
+                   functools.partial(_write_all, data=text))
         written.append("model.safetensors.index.json")
     return written
 
@@ -423,6 +424,10 @@ def own_storage(tree: Any) -> Any:
         return x
 
     return conv(tree)
+
+
+def _write_all(f: Any, *, data: bytes) -> None:
+    f.write(data)
 
 
 def _tensors(sd: Mapping[str, Any]) -> dict[str, torch.Tensor]:

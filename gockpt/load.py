@@ -6,7 +6,8 @@ manifest to 16 MiB, every other file to the size the manifest records, a shard h
 file); JSON is decoded strictly (no duplicate keys, bounded depth). Every file is size-checked
 and, with ``verify``, checksummed in the same pass that brings it into memory. Local shards are
 memory-mapped copy-on-write from the descriptor that was checked, so tensors share pages with
-the page cache and writing to them never changes the file; remote shards are fetched whole and
+the page cache and writing to them never changes the file (tensors under 64 KiB are copied into
+storage of their own); remote shards are fetched whole and
 decoded by the official ``safetensors`` reader.
 """
 
@@ -27,6 +28,9 @@ from fsspec import AbstractFileSystem
 from gockpt import storage
 from gockpt.errors import CheckpointCorruptError
 from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header
+
+#: Local tensors smaller than this (bytes) are copied out of the shard mapping.
+OWN_STORAGE_BYTES = 64 << 10
 
 
 @dataclass
@@ -191,6 +195,11 @@ def _load_local_shard(
         begin, end = want["data_offsets"]
         raw = buf[data_start + begin : data_start + end]
         dtype = CODE_TO_DTYPE[want["dtype"]]
+        if end - begin < OWN_STORAGE_BYTES:
+            # Small tensors (RNG states, counters) get their own storage: some torch entry
+            # points ignore a view's storage offset (torch.set_rng_state reads from the start
+            # of the storage: a wrong state, or a crash on a mapping).
+            raw = raw.clone()
         try:
             typed = raw.view(dtype)
         except RuntimeError:  # not aligned to the element size: give it its own storage

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.saving import (  # the stock method's own steps (Lightning 2.x)
@@ -72,26 +72,27 @@ def load_from_checkpoint(
         ValueError: ``hparams_file`` is not ``.yaml``, ``.yml`` or ``.csv``.
     """
     path = os.fspath(checkpoint_path)
+    hparams_path = None if hparams_file is None else str(os.fspath(hparams_file))
     fs, local = storage.url_to_fs(path, storage_options)
     if fs.isfile(local):
-        return cls.load_from_checkpoint(path, map_location=map_location, hparams_file=hparams_file,
+        return cls.load_from_checkpoint(path, map_location=map_location, hparams_file=hparams_path,
                                         strict=strict, weights_only=weights_only, **kwargs)
     checkpoint = load_gockpt_lightning(path, storage_options=storage_options,
                                        allow_pickle=weights_only is False, map_location=map_location)
     # From here on, what lightning.pytorch.core.saving._load_from_checkpoint does after torch.load.
     checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=None)
-    if hparams_file is not None:
-        extension = os.fspath(hparams_file).rpartition(".")[2].lower()
+    if hparams_path is not None:
+        extension = hparams_path.rpartition(".")[2].lower()
         if extension == "csv":
-            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_tags_csv(hparams_file)
+            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_tags_csv(hparams_path)
         elif extension in ("yml", "yaml"):
-            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_yaml(hparams_file)
+            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_yaml(hparams_path)
         else:
             raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     if issubclass(cls, pl.LightningDataModule):
-        return _load_state(cls, checkpoint, **kwargs)
-    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+        return cast(T, _load_state(cls, checkpoint, **kwargs))
+    model = cast(pl.LightningModule, _load_state(cls, checkpoint, strict=strict, **kwargs))
     tensors = [t for t in checkpoint.get("state_dict", {}).values() if hasattr(t, "device")]
-    return model.to(tensors[0].device) if tensors else model
+    return cast(T, model.to(tensors[0].device) if tensors else model)

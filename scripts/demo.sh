@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[lightning,examples]"
+.venv/bin/pip install -q -e ".[lightning,accelerate,examples]"
 exec .venv/bin/python examples/train_lightning.py --demo "$@"

@@ -274,3 +274,14 @@ def test_s3_checksum_mismatch_names_the_file(s3_store, make_request, make_tensor
     _rewrite(s3_store, "ckpt", shard, _flip_last)
     with pytest.raises(CheckpointCorruptError, match=f"{shard}: xxh3-64 checksum"):
         read_checkpoint(s3_store.path("ckpt"), storage_options=opts)
+
+
+def test_a_loaded_rng_state_restores_the_generator(store, make_request):
+    # torch.set_rng_state ignores a view's storage offset: small tensors get their own storage.
+    state = torch.get_rng_state()
+    want = torch.rand(4)
+    tensors = {"a.big": torch.ones(100), "rng": state, "z": torch.zeros(3)}
+    persist(make_request(store.path("ckpt"), tensors, max_shard_bytes=1 << 20, update_latest=False))
+    loaded = read_checkpoint(store.path("ckpt")).tensors
+    torch.set_rng_state(loaded["rng"])
+    assert torch.equal(torch.rand(4), want)
