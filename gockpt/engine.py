@@ -162,6 +162,7 @@ class Engine:
         self._guard_handles: list = []
         self._closed = False
         self._cleaned_dirs: set[str] = set()
+        self._claims: list = []  # one writer per checkpoint directory (gockpt.storage.claim_directory)
 
         device = self._device()
         self._copier = make_copier(device, self.config.chunk_bytes, self.config.host_link_bytes_per_s)
@@ -226,8 +227,9 @@ class Engine:
         if parent not in self._cleaned_dirs:
             # One writing process per directory (refuses a second one; a dead or closed one
             # does not block); then scratch files of writers killed mid-save.
-            claim = claim_directory(parent, self.config.storage_options)
-            self._claims = [*getattr(self, "_claims", []), claim]
+            claim = claim_directory(parent, self.config.storage_options,
+                                    timeout_s=self.config.storage_timeout_s)
+            self._claims.append(claim)
             cleanup_staging(parent, self.config.storage_options)
             self._cleaned_dirs.add(parent)
         layout = self._current_layout()
@@ -393,7 +395,7 @@ class Engine:
             except BaseException:  # noqa: BLE001 - the save was cancelled on purpose
                 pass
         self._all = [s for s in self._all if not (s.path == path and s.handle.done())]
-        remove_checkpoint(path, self.config.storage_options)
+        remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
 
     def restore(self, path: str, *, allow_pickle: bool = False) -> Any:
         """Load a checkpoint into the live model and optimizers; returns its non-tensor state.
@@ -433,7 +435,7 @@ class Engine:
             self._replay_thread.join()
             self._persist_pool.shutdown(wait=True)
             self._copier.close()
-            for claim in getattr(self, "_claims", []):
+            for claim in self._claims:
                 claim.release()
         self._raise_errors()
 
@@ -786,6 +788,7 @@ class Engine:
                 storage_options=self.config.storage_options, num_io_threads=self.config.num_io_threads,
                 chunk_bytes=self.config.chunk_bytes, update_latest=self.config.update_latest,
                 cancel=s.cancel, publish_lock=self._publish_lock,
+                storage_timeout_s=self.config.storage_timeout_s,
                 is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )

@@ -341,8 +341,8 @@ def test_publish_error_is_raised_on_the_training_thread(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="publishing a checkpoint failed"):
         run.acc.save_state()
     assert not path.exists()
+    ckpt.close()  # the writer lock beside the checkpoints lives until the engine closes
     assert list((tmp_path / "run" / ".gockpt-staging").iterdir()) == []
-    ckpt.close()
 
 
 def test_model_file_is_safetensors_with_accelerate_keys(tmp_path):
