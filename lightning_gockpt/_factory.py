@@ -39,7 +39,7 @@ def callbacks_factory() -> list:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     for cb in getattr(trainer, "callbacks", []):
-        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+        if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
             cleanup_staging(str(cb.dirpath), io.config.storage_options)
             tidy_placeholders(str(cb.dirpath), io.config.storage_options)
     if any(isinstance(cb, GoCkptCallback) for cb in getattr(trainer, "callbacks", [])):

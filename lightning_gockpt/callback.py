@@ -114,7 +114,7 @@ class GoCkptCallback(Callback):
             return
         self._logging = True
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
                 cleanup_staging(str(cb.dirpath), self.io.config.storage_options)
                 tidy_placeholders(str(cb.dirpath), self.io.config.storage_options)
         if self.engine is None:
@@ -245,8 +245,8 @@ class GoCkptCallback(Callback):
                 self._failed = True
                 raise
         finally:
-            if self._failed:  # a newer save may be missing: keep what was to be removed
-                self._deferred = []
+            # Every save has ended: a deferred removal happens only where a newer checkpoint is
+            # durable (also after a failed run), else the checkpoint stays as the newest one.
             self._remove_deferred()
 
     # ------------------------------------------------------------------ helpers
