@@ -20,7 +20,6 @@ Every writer is the library's own: ``safetensors``, ``huggingface_hub``'s shard 
 
 from __future__ import annotations
 
-import copy
 import functools
 import io
 import logging
@@ -38,6 +37,7 @@ from . import storage
 from .format import TensorSpec, plan_shards
 from .persist import PersistRequest, persist
 from .restore import load_checkpoint
+from .snapshot import map_tree
 
 __all__ = ["Source", "open_source", "to_dcp", "to_gockpt", "to_hf", "write_state_dicts"]
 
@@ -406,24 +406,14 @@ def own_storage(tree: Any) -> Any:
     """
     memo: dict[int, torch.Tensor] = {}
 
-    def conv(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if id(x) not in memo:
-                memo[id(x)] = x.detach().contiguous().clone()
-            return memo[id(x)]
-        if isinstance(x, dict):
-            out = copy.copy(x)  # keeps dict subclasses and a state_dict's ``_metadata``
-            for k, v in x.items():
-                out[k] = conv(v)
-            return out
-        if isinstance(x, list):
-            return [conv(v) for v in x]
-        if isinstance(x, tuple):
-            items = [conv(v) for v in x]
-            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-        return x
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in memo:
+            memo[id(x)] = x.detach().contiguous().clone()
+        return memo[id(x)]
 
-    return conv(tree)
+    return map_tree(tree, leaf)
 
 
 def _write_all(f: Any, *, data: bytes) -> None:

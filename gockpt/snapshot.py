@@ -48,6 +48,34 @@ def storage_key(t: torch.Tensor) -> StorageKey:
 
 
 
+def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = lambda x: False) -> Any:
+    """A copy of ``tree`` with ``fn`` applied to every leaf, containers rebuilt with their types.
+
+    Containers: ``dict`` and subclasses (copied with ``copy.copy``, instance attributes such as a
+    state_dict's ``_metadata`` deep-copied), plain lists, tuples and named tuples. Anything
+    else, or a value for which ``is_leaf`` is true, is a leaf.
+    """
+
+    def conv(x: Any) -> Any:
+        if is_leaf(x):
+            return fn(x)
+        if isinstance(x, dict):
+            d = copy.copy(x)
+            if vars(x) if hasattr(x, "__dict__") else False:
+                d.__dict__.update(copy.deepcopy(vars(x)))  # e.g. a state_dict's ``_metadata``
+            for k in list(d):
+                d[k] = conv(x[k])
+            return d
+        if type(x) is list:
+            return [conv(v) for v in x]
+        if isinstance(x, tuple):
+            items = [conv(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return fn(x)
+
+    return conv(tree)
+
+
 def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
     """A copy of ``tree`` safe to serialize later: live tensors become references, others CPU copies.
 
@@ -64,33 +92,16 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
     """
     memo: dict[int, Any] = {}
 
-    def conv(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            found = memo.get(id(x))
-            if found is not None:
-                return found
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return copy.deepcopy(x)
+        if id(x) not in memo:
             key = live.get(storage_key(x)) if x.layout == torch.strided else None
-            if key is not None:
-                out: Any = {REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
-            else:
-                out = x.detach().to("cpu", copy=True)
-            memo[id(x)] = out
-            return out
-        if isinstance(x, dict):
-            d = copy.copy(x)
-            if hasattr(d, "__dict__") and vars(d):
-                d.__dict__.update(copy.deepcopy(vars(x)))
-            for k in list(d):
-                d[k] = conv(x[k])
-            return d
-        if isinstance(x, list) and type(x) is list:
-            return [conv(v) for v in x]
-        if isinstance(x, tuple):
-            items = [conv(v) for v in x]
-            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-        return copy.deepcopy(x)
+            memo[id(x)] = ({REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
+                           if key is not None else x.detach().to("cpu", copy=True))
+        return memo[id(x)]
 
-    return conv(tree)
+    return map_tree(tree, leaf)
 
 
 def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> Any:
@@ -109,33 +120,27 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
     """
     cache: dict[tuple, torch.Tensor] = {}
 
-    def conv(x: Any) -> Any:
-        if isinstance(x, dict):
-            if REF in x and set(x) == {REF, "stride"}:
-                key, stride = x[REF], x["stride"]
-                if not isinstance(key, str) or key not in tensors:
-                    raise CheckpointCorruptError(f"{where}: state refers to tensor {key!r}, which is not stored")
-                ck = (key, tuple(stride) if isinstance(stride, list) else None)
-                if ck not in cache:
-                    t = tensors[key]
-                    if stride is not None:
-                        if not (isinstance(stride, list) and len(stride) == t.dim()
-                                and all(isinstance(s, int) and s >= 0 for s in stride)):
-                            raise CheckpointCorruptError(f"{where}: malformed strides for tensor {key!r}")
-                        t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
-                    cache[ck] = t
-                return cache[ck]
-            for k in list(x):
-                x[k] = conv(x[k])
-            return x
-        if isinstance(x, list):
-            return [conv(v) for v in x]
-        if isinstance(x, tuple):
-            items = [conv(v) for v in x]
-            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-        return x
+    def is_ref(x: Any) -> bool:
+        return isinstance(x, dict) and REF in x and set(x) == {REF, "stride"}
 
-    return conv(tree)
+    def leaf(x: Any) -> Any:
+        if not is_ref(x):
+            return x
+        key, stride = x[REF], x["stride"]
+        if not isinstance(key, str) or key not in tensors:
+            raise CheckpointCorruptError(f"{where}: state refers to tensor {key!r}, which is not stored")
+        ck = (key, tuple(stride) if isinstance(stride, list) else None)
+        if ck not in cache:
+            t = tensors[key]
+            if stride is not None:
+                if not (isinstance(stride, list) and len(stride) == t.dim()
+                        and all(isinstance(s, int) and s >= 0 for s in stride)):
+                    raise CheckpointCorruptError(f"{where}: malformed strides for tensor {key!r}")
+                t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+            cache[ck] = t
+        return cache[ck]
+
+    return map_tree(tree, leaf, is_ref)
 
 
 @dataclass(frozen=True)

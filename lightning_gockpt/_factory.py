@@ -32,11 +32,12 @@ def callbacks_factory() -> list:
     io = _checkpoint_io(trainer)
     if io is None:
         return []
-    from .callback import GoCkptCallback
-    from .io import tidy_placeholders
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gockpt.storage import cleanup_staging
-    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from .callback import GoCkptCallback
+    from .io import tidy_placeholders
 
     for cb in getattr(trainer, "callbacks", []):
         if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
@@ -50,7 +51,7 @@ def callbacks_factory() -> list:
 def _trainer_under_construction() -> Any:
     from lightning.pytorch import Trainer
 
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             return None

@@ -98,15 +98,15 @@ class GoCkptCallback(Callback):
                 "strategy='ddp'; FSDP and DeepSpeed support is planned.")
         self.io, self._trainer = io, trainer
         io._callback = self
-        if trainer.callbacks and trainer.callbacks[0] is not self:
-            trainer.callbacks.remove(self)
-            trainer.callbacks.insert(0, self)
+        cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if cbs and cbs[0] is not self:
+            cbs.remove(self)
+            cbs.insert(0, self)
         # The step boundary is taken where ModelCheckpoint saves: after every other callback's
         # on_train_batch_end (an EMA update of that step belongs to it), before the checkpoints.
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _BatchEnd)]
-        first_ckpt = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)),
-                          len(trainer.callbacks))
-        trainer.callbacks.insert(first_ckpt, _BatchEnd(self))
+        cbs[:] = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
+        first_ckpt = next((i for i, cb in enumerate(cbs) if isinstance(cb, Checkpoint)), len(cbs))
+        cbs.insert(first_ckpt, _BatchEnd(self))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ended = self._failed = False
@@ -355,7 +355,7 @@ def _updates_left(trainer: Trainer, limit: int) -> int:
     n = int(n)
     last = n - 1  # last batch index the capture may land on
     if trainer.enable_validation and loop._should_check_val_epoch():
-        if trainer._val_check_time_interval is not None:
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
             return 0
         vcb = trainer.val_check_batch
         if vcb is not None and vcb != float("inf"):

@@ -20,7 +20,6 @@ Outside ``fit`` (``trainer.save_checkpoint`` before or after it) the save is blo
 
 from __future__ import annotations
 
-import copy
 import os
 import uuid
 import warnings
@@ -31,7 +30,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 import gockpt
 from gockpt import GoCkptConfig
-from gockpt.snapshot import save_tree
+from gockpt.snapshot import map_tree, save_tree
 from gockpt.storage import is_complete, is_local, url_to_fs
 
 if TYPE_CHECKING:
@@ -286,13 +285,4 @@ def _to(tree: Any, map_location: Any) -> Any:
 
     if not isinstance(map_location, (str, torch.device)):
         return tree
-    if isinstance(tree, torch.Tensor):
-        return tree.to(map_location)
-    if isinstance(tree, dict):
-        out = copy.copy(tree)  # keeps dict subclasses and a state_dict's ``_metadata``
-        for k, v in tree.items():
-            out[k] = _to(v, map_location)
-        return out
-    if isinstance(tree, list):
-        return [_to(v, map_location) for v in tree]
-    return tree
+    return map_tree(tree, lambda x: x.to(map_location) if isinstance(x, torch.Tensor) else x)

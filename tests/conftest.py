@@ -1,9 +1,7 @@
 """Shared fixtures: stores for checkpoints (local, memory, S3 on loopback) and request builders.
 
 - ``store``: parametrized over a local ``tmp_path`` directory and a unique ``memory://`` root.
-- ``faulty_store``: the same two, with a :class:`Fault` whose hook runs before every write of
-  a checkpoint file (local: through ``gockpt.persist._open_local``; memory: through an fsspec
-  memory filesystem subclass), to inject errors, cancellation or barriers mid-shard.
+- Faults are injected through the fsspec filesystems of ``tests/faultfs.py``.
 - ``s3_store``: a fresh bucket on a moto S3 server on 127.0.0.1.
 - ``make_request`` / ``make_tensors``: build :class:`gockpt.persist.PersistRequest` objects
   whose slot holds the tensors at the planned offsets.
@@ -23,12 +21,9 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from gockpt import persist as persist_mod
 from gockpt import storage
 from gockpt.format import ShardLayout, TensorSpec, plan_shards
 from gockpt.persist import PersistRequest
-
-FAULTY_PROTOCOL = "gockptfaulty"
 
 
 @dataclass
@@ -66,80 +61,6 @@ class Store:
         return sorted(p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False))
 
 
-@dataclass
-class Fault:
-    """Runs ``hook(file_name, nbytes)`` before each write to a matching checkpoint file.
-
-    Attributes:
-        hook: None (disarmed) or a callable that may raise, block or set events.
-        match: substring of file names the hook applies to.
-        written: bytes written so far to matching files while armed.
-    """
-
-    hook: Callable[[str, int], None] | None = None
-    match: str = ".safetensors"
-    written: int = 0
-
-    def before_write(self, name: str, nbytes: int) -> None:
-        if self.hook is not None and self.match in name:
-            self.hook(name, nbytes)
-            self.written += nbytes
-
-    def raise_after(self, exc: BaseException, after_bytes: int) -> None:
-        """Arm: raise ``exc`` on the write that would pass ``after_bytes`` matching bytes."""
-
-        def hook(name: str, nbytes: int) -> None:
-            if self.written + nbytes > after_bytes:
-                raise exc
-
-        self.written = 0
-        self.hook = hook
-
-
-class _FaultyFile:
-    def __init__(self, f: Any, fault: Fault, name: str) -> None:
-        self._f = f
-        self._fault = fault
-        self._name = name
-
-    def write(self, data: Any) -> int:
-        self._fault.before_write(self._name, len(data))
-        return self._f.write(data)
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._f, attr)
-
-    def __enter__(self) -> _FaultyFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._f.close()
-
-
-class FaultyMemoryFileSystem(MemoryFileSystem):
-    """A memory filesystem of its own whose written files call :attr:`fault`."""
-
-    protocol = FAULTY_PROTOCOL
-    store: dict = {}
-    pseudo_dirs: list = [""]
-    fault = Fault()
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        if isinstance(path, str):
-            path = path.removeprefix(f"{FAULTY_PROTOCOL}://")
-        return super()._strip_protocol(path)
-
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        f = super()._open(path, mode=mode, **kwargs)
-        if "w" in mode:
-            return _FaultyFile(f, self.fault, path.rpartition("/")[2])
-        return f
-
-
-fsspec.register_implementation(FAULTY_PROTOCOL, FaultyMemoryFileSystem, clobber=True)
-
-
 def _clear_memory(fs: MemoryFileSystem, root: str) -> None:
     if fs.exists(root):
         fs.rm(root, recursive=True)
@@ -154,27 +75,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
     name = f"gockpt-test-{uuid.uuid4().hex}"
     yield Store(f"memory://{name}", kind="memory")
     _clear_memory(fsspec.filesystem("memory"), f"/{name}")
-
-
-@pytest.fixture(params=["local", "memory"])
-def faulty_store(
-    request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[Store, Fault]]:
-    """(store, fault): like ``store``, with a disarmed :class:`Fault` on checkpoint writes."""
-    fault = Fault()
-    if request.param == "local":
-        real_open = persist_mod._open_local
-
-        def faulty_open(path: str) -> _FaultyFile:
-            return _FaultyFile(real_open(path), fault, path.rpartition("/")[2])
-
-        monkeypatch.setattr(persist_mod, "_open_local", faulty_open)
-        yield Store(str(tmp_path / "store"), kind="local"), fault
-        return
-    monkeypatch.setattr(FaultyMemoryFileSystem, "fault", fault)
-    name = f"gockpt-test-{uuid.uuid4().hex}"
-    yield Store(f"{FAULTY_PROTOCOL}://{name}", kind="memory"), fault
-    _clear_memory(FaultyMemoryFileSystem(), f"/{name}")
 
 
 def _free_port() -> int:
