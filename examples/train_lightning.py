@@ -132,7 +132,15 @@ class PrintLosses(Callback):
 
 
 class PrintCheckpoints(Logger):
-    """A logger that prints GoCkpt's per-checkpoint metrics, one line per durable checkpoint."""
+    """A logger that prints GoCkpt's per-checkpoint metrics, one line per durable checkpoint.
+
+    GoCkpt logs them with the step's metrics (every ``log_every_n_steps``); a checkpoint's
+    values stand until the next one is durable, so each is printed the first time it is seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[int] = set()
 
     @property
     def name(self) -> str:
@@ -146,12 +154,14 @@ class PrintCheckpoints(Logger):
         pass
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if "gockpt/stall_s" not in metrics:
+        if "gockpt/stall_s" not in metrics or int(metrics["gockpt/requested_step"]) in self._seen:
             return
         from gockpt import MODES
 
+        requested = int(metrics["gockpt/requested_step"])
+        self._seen.add(requested)
         mode = MODES[int(metrics["gockpt/mode"])]
-        print(f"checkpoint of step {step} durable: holds step {int(metrics['gockpt/captured_step'])} "
+        print(f"checkpoint of step {requested} durable: holds step {int(metrics['gockpt/captured_step'])} "
               f"({mode}, K={int(metrics['gockpt/num_overlap_steps'])}), "
               f"stall {metrics['gockpt/stall_s'] * 1e3:.1f} ms, {metrics['gockpt/bytes'] / 1e6:.1f} MB, "
               f"durable after {metrics['gockpt/time_to_durable_s']:.2f} s "
@@ -172,7 +182,7 @@ def make_trainer(root: str, *, max_steps: int, ckpt_every: int, io: GoCkptIO,
         default_root_dir=root, max_steps=max_steps, accelerator="cpu", devices=1, precision=precision,
         gradient_clip_val=1.0, limit_val_batches=0, num_sanity_val_steps=0,
         callbacks=[checkpoint, *extra, *(callbacks or [])], logger=PrintCheckpoints(),
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         plugins=[io],  # GoCkpt
     )
 

@@ -1,8 +1,8 @@
 """Writer claims: one process writes checkpoints (and ``latest``) in a directory at a time.
 
-Local directories: an exclusive ``fcntl.flock`` on ``.gockpt-writer.lock`` beside the
-checkpoints, held for the writer's life; the kernel drops it when the process dies, in any PID
-namespace. Object stores: an owner object ``.gockpt-writer.json`` renewed by a daemon thread
+Local directories: an exclusive ``fcntl.flock`` on the checkpoint folder itself (on a lock
+file ``.gockpt-writer.lock`` in it where folders cannot be flock-ed), held for the writer's
+life; the kernel drops it when the process dies, in any PID namespace. Object stores: an owner object ``.gockpt-writer.json`` renewed by a daemon thread
 (best effort). Staging directories carry a lock of their own (``.gockpt-lock``) so a clean-up
 can tell a dead writer's staging from a live one's. See :func:`gockpt.storage.claim_directory`.
 
@@ -92,6 +92,8 @@ class _ClaimState:
 _CLAIMS: dict[str, _ClaimState] = {}
 _CLAIMS_LOCK = threading.Lock()
 _HEARTBEAT: threading.Thread | None = None
+#: Set to wake the heartbeat early (a claim released: it may be the last one).
+_HEARTBEAT_WAKE = threading.Event()
 
 
 def claim(
@@ -158,21 +160,48 @@ def _refusal(directory: str, other: dict[str, Any] | None, how: str) -> Checkpoi
 
 def _claim_local(directory: str, key: str, owner: dict[str, Any]) -> _ClaimState:
     os.makedirs(key, exist_ok=True)
-    lock_path = os.path.join(key, WRITER_LOCK_NAME)
+    # The folder itself is locked: nothing appears beside the checkpoints (tools and tests list
+    # that folder). Where a directory cannot be flock-ed (NFS emulates flock with byte-range
+    # locks, which need a file open for writing), a lock file does it; the choice depends only
+    # on the filesystem, so every writer of one folder makes the same one.
     try:
-        lock = FileLock.acquire(lock_path, create=True)
+        lock = FileLock.acquire_directory(key)
+        how = f"it holds the flock of {key}"
+        read_owner: Any = lambda: _read_owner_xattr(key)  # noqa: E731
     except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+        if e.errno not in _NO_FLOCK:
             raise
-        log.warning(
-            "gockpt: %s does not support flock (%s): a second writer in this directory "
-            "cannot be detected", directory, e,
-        )
-        return _ClaimState(count=1, owner=owner)
+        lock_path = os.path.join(key, WRITER_LOCK_NAME)
+        try:
+            lock = FileLock.acquire(lock_path, create=True)
+        except OSError as e2:
+            if e2.errno not in _NO_FLOCK:
+                raise
+            log.warning(
+                "gockpt: %s does not support flock (%s): a second writer in this directory "
+                "cannot be detected", directory, e2,
+            )
+            return _ClaimState(count=1, owner=owner)
+        how = f"it holds {lock_path}"
+        read_owner = lambda: _read_owner_file(lock_path)  # noqa: E731
     if lock is None:
-        raise _refusal(directory, _read_owner_file(lock_path), f"it holds {lock_path}")
+        raise _refusal(directory, read_owner(), how)
     lock.write(json.dumps(owner).encode())
     return _ClaimState(count=1, owner=owner, lock=lock)
+
+
+#: errno values of a filesystem (or an object) that cannot be flock-ed.
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF)
+#: Extended attribute of a locked folder naming its writer (best effort: for messages only).
+_OWNER_XATTR = "user.gockpt.writer"
+
+
+def _read_owner_xattr(path: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(os.getxattr(path, _OWNER_XATTR, follow_symlinks=False)[:4096])
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _read_owner_file(path: str) -> dict[str, Any] | None:
@@ -272,7 +301,22 @@ def _heartbeat_loop() -> None:
             except Exception as e:  # noqa: BLE001 - a missed renewal only shortens the lease
                 log.warning("gockpt: %s: renewing the writer claim failed: %s", key, e)
         wake = min(s.next_renew for _, s in remote) - time.monotonic()
-        time.sleep(min(max(wake, 0.01), 1.0))
+        _HEARTBEAT_WAKE.wait(min(max(wake, 0.01), 1.0))
+        _HEARTBEAT_WAKE.clear()
+
+
+def _stop_heartbeat_if_idle(timeout_s: float = 5.0) -> None:
+    """Wake the heartbeat so it exits when no object-store claim is left, and wait for it.
+
+    A process with no claims runs no GoCkpt thread (test harnesses check for leaked threads).
+    """
+    with _CLAIMS_LOCK:
+        thread = _HEARTBEAT
+        if thread is None or any(s.fs is not None for s in _CLAIMS.values()):
+            return
+    _HEARTBEAT_WAKE.set()
+    if thread is not threading.current_thread():
+        thread.join(timeout_s)
 
 
 def _release_claim(key: str) -> None:
@@ -297,6 +341,7 @@ def _release_claim(key: str) -> None:
                 state.fs.rm_file(state.owner_path)
         except Exception as e:  # noqa: BLE001 - the lease expires on its own
             log.warning("gockpt: %s: removing the writer claim failed: %s", key, e)
+    _stop_heartbeat_if_idle()
 
 
 class FileLock:
@@ -308,9 +353,34 @@ class FileLock:
 
     _held: set[FileLock] = set()
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, *, directory: bool = False) -> None:
         self.path = path
         self.fd = fd
+        self.directory = directory
+
+    @classmethod
+    def acquire_directory(cls, path: str) -> FileLock | None:
+        """``flock`` the directory ``path`` itself, without blocking.
+
+        Returns:
+            The lock, or None if another open file holds it.
+
+        Raises:
+            OSError: opening or locking failed (``EBADF`` / ``ENOLCK`` where directories
+                cannot be flock-ed).
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        lock = cls(path, fd, directory=True)
+        cls._held.add(lock)
+        return lock
 
     @classmethod
     def acquire(cls, path: str, *, create: bool) -> FileLock | None:
@@ -353,6 +423,13 @@ class FileLock:
         raise OSError(errno.EAGAIN, "lock file keeps being replaced", path)
 
     def write(self, data: bytes) -> None:
+        """Record ``data`` (the owner, for other writers' messages) with the lock."""
+        if self.directory:
+            try:
+                os.setxattr(self.fd, _OWNER_XATTR, data)
+            except OSError:
+                pass  # no user xattrs here: a refusal will say "owner unknown"
+            return
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
 
@@ -360,7 +437,12 @@ class FileLock:
         if self.fd < 0:
             return
         try:
-            if unlink:
+            if self.directory:
+                try:
+                    os.removexattr(self.fd, _OWNER_XATTR)
+                except OSError:
+                    pass
+            elif unlink:
                 try:
                     os.unlink(self.path)
                 except FileNotFoundError:

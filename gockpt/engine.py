@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from . import _exit
 from .config import GoCkptConfig
 from .format import ShardLayout
 from .handle import CheckpointMetrics, SaveHandle
@@ -91,6 +92,7 @@ class _Save:
     grad_tickets: list[CopyTicket] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     failed: BaseException | None = None
+    overtaken: bool = False  # a tracked tensor was edited outside an update before its copy
     finalized: bool = False
 
     @property
@@ -163,6 +165,9 @@ class Engine:
         self._closed = False
         self._cleaned_dirs: set[str] = set()
         self._claims: list = []  # one writer per checkpoint directory (gockpt.storage.claim_directory)
+        # Parameter versions after each optimizer's latest update: a save requested after an
+        # edit outside optimizer.step() (a weight swap, load_state_dict) is copied at once.
+        self._updated_versions = {i: self._param_versions(i) for i in range(len(self.optimizers))}
 
         device = self._device()
         self._copier = make_copier(device, self.config.chunk_bytes, self.config.host_link_bytes_per_s)
@@ -179,6 +184,7 @@ class Engine:
             self._hooks.append(o.register_step_post_hook(lambda *_a, _i=i: self._on_post_hook(_i)))
             self._wrap_zero_grad(o)
         self._hooks.append(model.register_forward_pre_hook(lambda *_a: self._on_forward()))
+        self._exit_token = _exit.register(self._close_at_exit)
         self._copy_bw = self._probe_copy_bandwidth(device)
         if self.config.mode in MULTI_STEP_MODES + ("auto",):
             for i, o in enumerate(self.optimizers):
@@ -235,8 +241,15 @@ class Engine:
         layout = self._current_layout()
         if max_overlap_steps is not None and max_overlap_steps < 1:
             raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
-        plan = self._plan(layout, mode or self.config.mode, exact_step or max_overlap_steps == 1,
-                          max_overlap_steps)
+        mode = mode or self.config.mode
+        if mode not in ("sync", "async") and self._edited_since_update():
+            # The parameters were edited outside optimizer.step() (a weight swap around this
+            # save): the code that edited them may change them back before a later copy would
+            # run, so this save copies at the request, as a blocking save would.
+            log.info("gockpt: %s: parameters changed outside optimizer.step(); copied at the "
+                     "request (async)", path)
+            mode = "async"
+        plan = self._plan(layout, mode, exact_step or max_overlap_steps == 1, max_overlap_steps)
         seq = next(self._seq)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version)
@@ -423,6 +436,7 @@ class Engine:
         """
         if self._closed:
             return
+        _exit.unregister(self._exit_token)
         try:
             self.wait()
         finally:
@@ -438,6 +452,17 @@ class Engine:
             for claim in self._claims:
                 claim.release()
         self._raise_errors()
+
+    def _close_at_exit(self) -> None:
+        # The process is ending without close(): finish what was requested (see gockpt._exit).
+        if self._closed:
+            return
+        log.warning("gockpt: the process is exiting with the engine open: finishing %d "
+                    "checkpoint(s) in flight", sum(not s.handle.done() for s in self._all))
+        try:
+            self.close()
+        except BaseException:  # noqa: BLE001 - nobody is left to raise to
+            log.exception("gockpt: a checkpoint failed while the process was exiting")
 
     def __enter__(self) -> Engine:
         return self
@@ -459,6 +484,7 @@ class Engine:
         now = time.perf_counter()
         self.version += 1
         self._t_update_end = now
+        self._updated_versions[opt_index] = self._param_versions(opt_index)
         for s in list(self._saves):
             if s.window_open:
                 self._fail(s, CheckpointTornError(
@@ -470,6 +496,13 @@ class Engine:
             self._capture_grads(s, opt_index)
             s.window += 1
             self._open_window(s)
+
+    def _param_versions(self, opt_index: int) -> list[tuple[torch.Tensor, int]]:
+        return [(p, p._version) for g in self.optimizers[opt_index].param_groups for p in g["params"]]
+
+    def _edited_since_update(self) -> bool:
+        """True if a parameter changed in place after its optimizer's latest update."""
+        return any(p._version != v for vs in self._updated_versions.values() for p, v in vs)
 
     def _on_forward(self) -> None:
         if self._saves and any(s.extra is None and s.target == self.version for s in self._saves):
@@ -566,7 +599,13 @@ class Engine:
     def _check_versions(self, s: _Save) -> None:
         for t, v in s.versions:
             if t._version != v:
-                raise CheckpointTornError(f"{s.path}: a tensor changed while it was copied")
+                # Not an engine fault: code outside optimizer.step() edited the state after the
+                # request. This save cannot hold the requested state; training goes on.
+                s.overtaken = True
+                raise CheckpointTornError(
+                    f"{s.path}: a tensor changed while it was copied (edited outside "
+                    "optimizer.step() after the save was requested); this checkpoint is not "
+                    "written. Call engine.flush() before such edits, or save with mode='async'")
 
     def _capture_grads(self, s: _Save, opt_index: int) -> None:
         """Copy the gradients of update ``self.version`` for blocks 0..window (GoCkpt §4.2.2)."""
@@ -800,7 +839,10 @@ class Engine:
             m.time_to_durable_s = time.perf_counter() - s.t_request
         except BaseException as e:  # noqa: BLE001 - handed to the handle and the training thread
             self._pool.release(s.slot)
-            if not isinstance(e, CheckpointCancelledError) or s.failed is not None:
+            if s.overtaken:
+                # Never a torn checkpoint, never a failed run: the previous checkpoints stand.
+                log.warning("gockpt: %s", e)
+            elif not isinstance(e, CheckpointCancelledError) or s.failed is not None:
                 with self._lock:
                     self._errors.append(e)
             s.handle._future.set_exception(e)

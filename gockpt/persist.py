@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -397,18 +398,45 @@ class _LocalTarget(_Target):
         # directory leaves it to its owner's PID (see storage.cleanup_staging).
         storage.unlock_staging(self.lock, unlink=True)
         self.lock = None
-        if not os.path.lexists(self.root):
-            os.rename(self.staging, self.root)
-        elif not _exchange(self.staging, self.root):
-            # No atomic exchange here: move the old checkpoint aside, then rename; a crash in
-            # between leaves it at the aside name, which cleanup_staging renames back.
-            os.rename(self.root, self.aside)
-            try:
+        try:
+            if not os.path.lexists(self.root):
                 os.rename(self.staging, self.root)
-            except BaseException:
-                os.rename(self.aside, self.root)
+            elif not _exchange(self.staging, self.root):
+                # No atomic exchange here: move the old checkpoint aside, then rename; a crash
+                # in between leaves it at the aside name, which cleanup_staging renames back.
+                os.rename(self.root, self.aside)
+                try:
+                    os.rename(self.staging, self.root)
+                except BaseException:
+                    os.rename(self.aside, self.root)
+                    raise
+        except OSError as e:
+            if e.errno != errno.EXDEV:
                 raise
+            self._publish_by_copy()
         storage.fsync_path(self.parent)
+
+    def _publish_by_copy(self) -> None:
+        """Publish across devices (the path is a mount point, ...): copy, manifest last.
+
+        Not atomic, but never taken for complete early: a copy without its manifest is not a
+        checkpoint (strict ``is_complete``). A previous checkpoint at the same path loses its
+        manifest first, so a crash in between leaves nothing that looks complete.
+        """
+        log.warning(
+            "gockpt: %s is on another device than its parent folder: publishing by copy "
+            "(not atomic; a crash during the copy leaves no checkpoint at this path)", self.root,
+        )
+        if os.path.lexists(self.root):
+            storage._remove_local_checkpoint(self.root)
+        os.makedirs(self.root, exist_ok=True)
+        names = sorted(n for n in os.listdir(self.staging) if n != storage.MANIFEST_NAME)
+        for batch in (names, [storage.MANIFEST_NAME]):
+            for name in batch:
+                dst = os.path.join(self.root, name)
+                shutil.copyfile(os.path.join(self.staging, name), dst)  # sendfile: GIL released
+                storage.fsync_path(dst)
+            storage.fsync_path(self.root)  # the shards' entries are durable before the manifest
 
     def cleanup(self, published: bool) -> None:
         # After an exchange the staging name holds the previous checkpoint.

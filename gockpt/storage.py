@@ -10,7 +10,7 @@ only forward, so a valid checkpoint can be found at every instant). When the poi
 or names a checkpoint that is not complete, :func:`latest_checkpoint` scans the manifests.
 
 One process writes a directory at a time: :func:`claim_directory` takes a lock beside the
-checkpoints (local: ``fcntl.flock`` on ``.gockpt-writer.lock``; object stores: an owner object,
+checkpoints (local: ``fcntl.flock`` on the folder; object stores: an owner object,
 best effort) and refuses a second writer. Within a process the pointer is updated under a lock.
 
 Scratch names (local only): ``.<name>.gockpt-tmp-<pid>-<hex>`` (staging directories, pointer
@@ -389,13 +389,15 @@ def claim_directory(
 ) -> DirectoryClaim:
     """Claim ``directory`` for this process's checkpoint writes; refuse if another writer has it.
 
-    Local directories (created if missing): an exclusive ``fcntl.flock`` on
-    ``<directory>/.gockpt-writer.lock``, held until the process's last claim on the directory
-    is released, or the process ends. The kernel drops the lock of a process that died or was
+    Local directories (created if missing): an exclusive ``fcntl.flock`` on the directory
+    itself (nothing is added to it; where a filesystem cannot flock a directory, e.g. NFS, on a
+    lock file ``<directory>/.gockpt-writer.lock``), held until the process's last claim on the
+    directory is released, or the process ends. The kernel drops the lock of a process that died or was
     killed, so a run restarted in the same directory (Lightning ``ckpt_path="last"``) claims it
     at once. The lock spans PID namespaces (containers) on one host and hosts on filesystems
-    whose ``flock`` is shared (NFSv4, CephFS, Lustre with ``flock``). The file records the owner
-    for error messages and is deleted on release.
+    whose ``flock`` is shared (NFSv4, CephFS, Lustre with ``flock``). The owner is recorded for
+    error messages (extended attribute ``user.gockpt.writer``, or the lock file's content; the
+    lock file is deleted on release).
 
     Object stores (best effort: the store has no lock): an owner object
     ``<directory>/.gockpt-writer.json`` with a random token, renewed every ``lease_s / 3``

@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 
 import gockpt
-from gockpt import MODES, Engine, SaveHandle
+from gockpt import MODES, Engine, SaveHandle, _exit
 from gockpt.storage import cleanup_staging
 
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
@@ -71,6 +71,7 @@ class GoCkptCallback(Callback):
         self._ended = False
         self._failed = False
         self._logging = False
+        self._exit_token = -1
 
     # A copy (``copy.deepcopy(trainer.callbacks)``, pickling for ``ddp_spawn``) is an unlinked
     # callback: engines, threads and locks stay with the original.
@@ -119,6 +120,9 @@ class GoCkptCallback(Callback):
                 tidy_placeholders(str(cb.dirpath), self.io.config.storage_options)
         if self.engine is None:
             self.engine = self._build(trainer)
+            # A run can end without teardown (an exception in a ddp_spawn worker runs no hook):
+            # the saves in flight and the top-k removals behind them are finished at exit.
+            self._exit_token = _exit.register(self._close_at_exit)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
@@ -128,7 +132,7 @@ class GoCkptCallback(Callback):
         self._num_batches += 1
         if self.engine is not None:
             self.engine.step_end()
-            self._log_finished()
+            self._log_finished(in_step=True)
             self._remove_deferred()
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -196,9 +200,13 @@ class GoCkptCallback(Callback):
         self._deferred = [(p, hs) for p, hs in self._deferred if p != path]  # replaced, not removed
         make_placeholder(path, self.io.config.storage_options)
         cap = 1 if exact_step else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
-        handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap,
-                             mode="async" if self._ended else None)
         options = self.io.config.storage_options
+        try:
+            handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap,
+                                 mode="async" if self._ended else None)
+        except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
+            remove_placeholder(path, options)
+            raise
         handle.add_done_callback(lambda h: self._on_done(h, options))
         self._pending = [h for h in self._pending if not h.done()] + [handle]
         return handle
@@ -231,11 +239,17 @@ class GoCkptCallback(Callback):
         else:
             self.engine.remove(path)
 
+    def _close_at_exit(self) -> None:
+        if self.engine is not None:
+            self._failed = True  # no teardown ran: the run did not end normally
+            self.close()
+
     def close(self) -> None:
         """Finish pending checkpoints and stop the engine; re-raises a background error."""
         engine, self.engine = self.engine, None
         if engine is None:
             return
+        _exit.unregister(self._exit_token)
         try:
             engine.close()
         except Exception:
@@ -297,11 +311,19 @@ class GoCkptCallback(Callback):
         return Engine(trainer.lightning_module, list(trainer.optimizers), self.io.config,
                       explicit_before_update=True, start_step=trainer.global_step if restored else None)
 
-    def _log_finished(self) -> None:
+    def _log_finished(self, *, in_step: bool = False) -> None:
+        """Log the metrics of saves that became durable since the last call.
+
+        In a batch (``in_step``) they go through ``LightningModule.log`` (``on_step=True``):
+        Lightning writes them with the step's own metrics, every ``log_every_n_steps``, in one
+        logger call; the last finished save's values stand until the next one finishes. At the
+        end of a run (logging is closed there) they go to the loggers directly, once, at the
+        last step.
+        """
         with self._finished_lock:
             done, self._finished = self._finished, []
         trainer = self._trainer
-        if trainer is None or not self._logging:
+        if trainer is None or not self._logging or not trainer.loggers:
             return
         for handle in done:
             if not _durable(handle):
@@ -317,9 +339,15 @@ class GoCkptCallback(Callback):
                 "gockpt/requested_step": float(m.requested_step),
                 "gockpt/captured_step": float(m.captured_step or 0),
             }
+            module = trainer.lightning_module
+            if in_step and module is not None:
+                for name, value in metrics.items():
+                    module.log(name, float(value), on_step=True, on_epoch=False, logger=True,
+                               prog_bar=False, batch_size=1)
+                continue
             # At the current step: loggers expect non-decreasing steps.
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics=metrics, step=trainer.global_step)
 
 
 class _BatchEnd(Callback):

@@ -138,22 +138,20 @@ def test_flush_finishes_pending_checkpoint_at_current_step(tmp_path):
 
 def test_training_proceeds_while_copy_and_persist_run(tmp_path, monkeypatch):
     """Overlap without sleeps: persist is held at a barrier while the training thread steps."""
-    import gockpt.engine as engine_mod
+    from faultfs import Fault, FaultLocalFileSystem, local_url
 
     gate = threading.Event()
     entered = threading.Event()
-    real = engine_mod.persist
 
-    def held(req):
+    def held(name, nbytes):  # the storage holds the first write until the gate opens
         entered.set()
         assert gate.wait(30)
-        return real(req)
 
-    monkeypatch.setattr(engine_mod, "persist", held)
+    monkeypatch.setattr(FaultLocalFileSystem, "fault", Fault(hook=held))
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode="async"))
     train(model, opt, sched, scaler, 2)
-    h = eng.save(str(tmp_path / "d"))
+    h = eng.save(local_url(tmp_path / "d"))
     assert entered.wait(30)
     v0 = eng.version
     train(model, opt, sched, scaler, 6, start_iter=2)  # the training thread is not blocked
@@ -164,20 +162,20 @@ def test_training_proceeds_while_copy_and_persist_run(tmp_path, monkeypatch):
 
 
 def test_background_error_is_raised_on_training_thread(tmp_path, monkeypatch):
-    import gockpt.engine as engine_mod
+    from faultfs import Fault, FaultLocalFileSystem, local_url
 
-    def broken(req):
-        raise OSError(28, "No space left on device", req.path)
+    def broken(name, nbytes):  # a full disk
+        raise OSError(28, "No space left on device", name)
 
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode="async"))
     train(model, opt, sched, scaler, 2)
-    monkeypatch.setattr(engine_mod, "persist", broken)
-    h = eng.save(str(tmp_path / "e"))
+    monkeypatch.setattr(FaultLocalFileSystem, "fault", Fault(hook=broken))
+    h = eng.save(local_url(tmp_path / "e"))
     with pytest.raises(OSError):
         h.result(30)
     with pytest.raises(OSError, match="No space left") as raised:  # its own type, not a wrapper
-        eng.save(str(tmp_path / "f"))
+        eng.save(local_url(tmp_path / "f"))
     assert raised.value.errno == 28
     eng.close()
 
@@ -458,3 +456,99 @@ def test_optimizer_parameter_outside_the_model_round_trips(tmp_path):
         temperature.fill_(5.0)
     gockpt.load_into(model, [opt], gockpt.load_checkpoint(str(tmp_path / "t")))
     assert torch.equal(temperature.detach(), want)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt", "gockpt_o"])
+def test_weights_swapped_around_a_request_are_saved_as_a_blocking_save_would(tmp_path, mode):
+    # A callback swaps other weights in, saves, and swaps the live ones back (what Lightning's
+    # ModelCheckpoint does for manual optimization, and EMA/SWA evaluations): the checkpoint
+    # holds the swapped-in weights, and training is not disturbed.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    live = copy_sd(model)
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in live.items()}
+    model.load_state_dict(other)
+    want = snapshot(model, opt)
+    h = eng.save(str(tmp_path / "swapped"))
+    model.load_state_dict(live)
+    train(model, opt, sched, scaler, 8, start_iter=3)
+    eng.wait()
+    m = h.result()
+    assert m.mode == "async" and m.captured_step == m.requested_step
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.model_state_dict, want["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
+    # A later request, with no edit in between, takes the configured path again.
+    assert eng.save(str(tmp_path / "later")).metrics.mode == mode
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt"])
+def test_an_edit_after_the_request_fails_that_save_only(tmp_path, mode, caplog):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    eng.save(str(tmp_path / "before")).result()
+    h = eng.save(str(tmp_path / "edited"))
+    with torch.no_grad():
+        for p in model.parameters():  # in place, outside optimizer.step(), before any copy ends
+            p.add_(1.0)
+    live = {}
+    # No exception reaches the training loop.
+    train(model, opt, sched, scaler, 8, start_iter=3,
+          on_step_end=lambda it: live.setdefault(eng.version, snapshot(model, opt)))
+    with caplog.at_level("WARNING", logger="gockpt"):
+        eng.wait()
+    try:
+        m = h.result()
+    except gockpt.CheckpointTornError as e:
+        assert "outside optimizer.step" in str(e)
+        assert any("edited" in r.getMessage() for r in caplog.records)
+        assert not (tmp_path / "edited").exists()
+    else:
+        # Blocks copied after the edit hold it, and so does the live state at the captured
+        # step: such a save is exact and stands (only a block copied before the edit tears).
+        assert mode == "gockpt"
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+    if mode == "lazy":  # its only block's copy started at the request: overtaken
+        with pytest.raises(gockpt.CheckpointTornError):
+            h.result()
+    assert gockpt.is_complete(str(tmp_path / "before"))
+    after = eng.save(str(tmp_path / "after"))  # the engine goes on
+    eng.wait()
+    assert after.result().mode == mode and gockpt.is_complete(str(tmp_path / "after"))
+    eng.close()
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, torch, gockpt
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=sys.argv[2]))
+for _ in range(3):
+    model(torch.randn(4, 64)).sum().backward(); opt.step(); opt.zero_grad()
+eng.save(sys.argv[1] + "/ckpt")
+torch.save(model.state_dict(), sys.argv[1] + "/want.pt")
+if sys.argv[3] == "raise":
+    raise RuntimeError("the script dies here")
+"""
+
+
+@pytest.mark.parametrize("mode", ["lazy", "async"])
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_a_save_requested_just_before_the_process_exits_is_finished(tmp_path, mode, how):
+    """A script whose last call is a save (or that dies right after one) still gets it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path), mode, how],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode != 0) == (how == "raise"), proc.stderr
+    assert gockpt.is_complete(str(tmp_path / "ckpt")), proc.stderr
+    state = gockpt.load_checkpoint(str(tmp_path / "ckpt"))
+    assert_state_equal(state.model_state_dict, torch.load(tmp_path / "want.pt"))
+    assert not [n for n in (tmp_path).iterdir() if ".gockpt-" in n.name]
