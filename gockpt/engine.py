@@ -184,6 +184,12 @@ class Engine:
             self._hooks.append(o.register_step_post_hook(lambda *_a, _i=i: self._on_post_hook(_i)))
             self._wrap_zero_grad(o)
         self._hooks.append(model.register_forward_pre_hook(lambda *_a: self._on_forward()))
+        # load_state_dict overwrites live tensors in place: pending copies finish first, so a
+        # checkpoint requested before it holds the state it was requested at.
+        for m in model.modules():
+            self._hooks.append(m.register_load_state_dict_pre_hook(self._before_load))
+        for o in self.optimizers:
+            self._hooks.append(o.register_load_state_dict_pre_hook(self._before_load))
         self._exit_token = _exit.register(self._close_at_exit)
         self._copy_bw = self._probe_copy_bandwidth(device)
         if self.config.mode in MULTI_STEP_MODES + ("auto",):
@@ -350,8 +356,9 @@ class Engine:
         """Finish the copy windows of every pending checkpoint now, at the current step.
 
         Call at a step boundary before code that changes parameters, buffers or optimizer state
-        outside ``optimizer.step()`` (weight averaging swapping weights in through ``.data``,
-        ``load_state_dict``): afterwards no pending checkpoint reads the live tensors. A
+        outside ``optimizer.step()`` (weight averaging swapping weights in through ``.data``, an
+        in-place ``copy_``; ``load_state_dict`` of the model, any of its submodules or the
+        optimizers does it by itself): afterwards no pending checkpoint reads the live tensors. A
         checkpoint whose captured step was not reached yet is captured at the current step
         (``state_fn`` is called now). Persisting goes on in the background.
 
@@ -503,6 +510,10 @@ class Engine:
     def _edited_since_update(self) -> bool:
         """True if a parameter changed in place after its optimizer's latest update."""
         return any(p._version != v for vs in self._updated_versions.values() for p, v in vs)
+
+    def _before_load(self, *_a: Any, **_k: Any) -> None:
+        if any(not s.finalized for s in self._saves):
+            self._flush_windows()
 
     def _on_forward(self) -> None:
         if self._saves and any(s.extra is None and s.target == self.version for s in self._saves):

@@ -552,3 +552,30 @@ def test_a_save_requested_just_before_the_process_exits_is_finished(tmp_path, mo
     state = gockpt.load_checkpoint(str(tmp_path / "ckpt"))
     assert_state_equal(state.model_state_dict, torch.load(tmp_path / "want.pt"))
     assert not [n for n in (tmp_path).iterdir() if ".gockpt-" in n.name]
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt", "gockpt_o"])
+@pytest.mark.parametrize("what", ["model", "submodule", "optimizer"])
+def test_load_state_dict_after_a_request_finishes_its_copies_first(tmp_path, mode, what):
+    # Accelerate's save_state -> model.load_state_dict(...) -> load_state pattern, with no step
+    # in between: the checkpoint holds the state at the request, and nothing fails.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    want = snapshot(model, opt)
+    h = eng.save(str(tmp_path / "c"))
+    other_model, other_opt = make("adamw", seed=1)[:2]
+    if what == "model":
+        model.load_state_dict(other_model.state_dict())
+    elif what == "submodule":
+        model.out.load_state_dict(other_model.out.state_dict())
+    else:
+        opt.load_state_dict(copy_sd(opt) | {"state": {}})
+    train(model, opt, sched, scaler, 6, start_iter=3)
+    eng.wait()
+    m = h.result()
+    assert m.captured_step == m.requested_step
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.model_state_dict, want["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
+    eng.close()
