@@ -23,7 +23,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import safetensors.torch
@@ -68,6 +68,9 @@ class PublishJob:
         rotate_root / total_limit: with automatic naming, where the numbered checkpoints are
             and how many to keep (None: keep all).
         timeout_s: how long to wait for the other processes' files.
+        pre_hooks: ``register_save_state_pre_hook`` hooks, called as Accelerate calls them:
+            ``hook(models, weights, output_dir)`` with the staging folder as ``output_dir``.
+        models: the accelerator's prepared models, passed to ``pre_hooks``.
     """
 
     final: str
@@ -81,6 +84,8 @@ class PublishJob:
     rotate_root: str | None
     total_limit: int | None
     timeout_s: float
+    pre_hooks: list[Callable[..., Any]] = field(default_factory=list)
+    models: list[Any] = field(default_factory=list)
 
 
 def publish(job: PublishJob, metrics: gockpt.CheckpointMetrics, stopped: Callable[[], bool]) -> None:
@@ -144,7 +149,7 @@ def numbered(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     pairs = [(number, name) for name in os.listdir(root)
-             if (number := checkpoint_number(name)) is not None]
+             if not name.startswith(".") and (number := checkpoint_number(name)) is not None]
     return [name for _, name in sorted(pairs)]
 
 
@@ -181,6 +186,8 @@ def _write_files(job: PublishJob, state: gockpt.LoadedState, metrics: gockpt.Che
     for key, value in state.model_state_dict.items():
         index, name = job.key_map[key]
         models[index][name] = value
+    for hook in job.pre_hooks:  # as Accelerator.save_state does, before the weights are written
+        hook(job.models, models, d)
     for i, sd in enumerate(models):
         base = SAFE_WEIGHTS_NAME if job.safe_serialization else WEIGHTS_NAME
         name = base if i == 0 else base.replace(".", f"_{i}.")

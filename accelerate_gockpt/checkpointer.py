@@ -17,7 +17,6 @@ Call sequence of one ``accelerator.save_state()`` once attached:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
@@ -33,6 +32,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from torch import nn
 
 import gockpt
+from gockpt import _exit
 from gockpt.storage import cleanup_staging
 
 from . import _host_state, _publish
@@ -43,8 +43,11 @@ from .plugin import GoCkptPlugin
 log = logging.getLogger("accelerate_gockpt")
 
 STAGING_NAME = ".gockpt-staging"
-"""Folder beside the checkpoints (``project_dir`` with automatic naming) holding unfinished ones;
-outside ``checkpoints/`` so that Accelerate's numbering and ``total_limit`` never see them."""
+"""Folder beside an explicit ``output_dir`` holding its unfinished checkpoint; removed when empty.
+
+With automatic naming the unfinished ones are hidden entries of ``checkpoints/`` itself, named
+``.0-<name>...``: Accelerate orders that folder by the first run of digits in each name, so a
+leftover of a killed process sorts first and plain ``load_state()`` never picks it."""
 
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM,
                 DistributedType.XLA)
@@ -124,13 +127,17 @@ class GoCkptCheckpointer:
         self._closed = False
         self._stopping = False
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="gockpt-accelerate-publish")
+        self._staging_lock = threading.Lock()
+        self._logged = 0  # self.metrics[:_logged] went to the trackers
         self._start()
         self._originals = {name: getattr(accelerator, name) for name in _PATCHED}
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
         accelerator.accumulate = self._accumulate
         accelerator.end_training = self._end_training
-        atexit.register(self._at_exit)
+        # Stock save_state is done when it returns: a script whose last call is save_state()
+        # (no end_training) still gets its checkpoint, finished when the process exits.
+        self._exit_token = _exit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ public API
 
@@ -159,14 +166,10 @@ class GoCkptCheckpointer:
         Raises:
             ValueError: the automatically named folder exists or is being written; no
                 ``output_dir`` without automatic naming.
-            NotImplementedError: ``register_save_state_pre_hook`` hooks are registered (they
-                edit live weights, which an asynchronous save does not hold).
             RuntimeError: an earlier checkpoint failed in the background; closed.
         """
         self._check_open()
-        if self.accelerator._save_model_state_pre_hook:
-            raise NotImplementedError("GoCkpt cannot run register_save_state_pre_hook hooks; "
-                                      "detach GoCkpt (close()) to use them")
+        self._follow_prepared()
         final, root = self._resolve_dir(output_dir)
         if self._main:
             desc, record = self._request(final, root, safe_serialization)
@@ -194,6 +197,7 @@ class GoCkptCheckpointer:
             self.saves.append(record)
             record.handle.add_done_callback(lambda _h: self._submit(record))
         self.accelerator.project_configuration.iteration += 1
+        self._log_published()
         return Path(final)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
@@ -259,8 +263,22 @@ class GoCkptCheckpointer:
             self.saves = [s for s in self.saves if not s.done()]
         if self._ranks is not None:
             self._ranks.wait(timeout_s)
+        self._log_published()
         self._raise_errors()
         return out
+
+    def _log_published(self) -> None:
+        # Training thread: trackers are not thread-safe. One entry per published checkpoint.
+        acc = self.accelerator
+        new, self._logged = self.metrics[self._logged:], len(self.metrics)
+        if not acc.trackers:
+            return
+        for m in new:
+            acc.log({"gockpt/stall_s": m.stall_s, "gockpt/bytes": float(m.persist_bytes),
+                     "gockpt/time_to_durable_s": m.time_to_durable_s,
+                     "gockpt/num_overlap_steps": float(m.num_overlap_steps),
+                     "gockpt/requested_step": float(m.requested_step),
+                     "gockpt/captured_step": float(m.captured_step or 0)}, step=acc.step)
 
     def close(self) -> None:
         """:meth:`wait`, then detach: the accelerator's own methods are back, hooks removed.
@@ -279,7 +297,7 @@ class GoCkptCheckpointer:
             self._publisher.shutdown(wait=True)
             for name in _PATCHED:
                 self.accelerator.__dict__.pop(name, None)
-            atexit.unregister(self._at_exit)
+            _exit.unregister(self._exit_token)
         self._raise_errors()
 
     # ------------------------------------------------------------------ lifecycle
@@ -308,13 +326,30 @@ class GoCkptCheckpointer:
                 h.remove()
             self._model_hooks = []
 
-    def _at_exit(self) -> None:
-        # Interpreter shutdown has already stopped the engine's thread pools, so nothing can
-        # be finished here; say what is lost instead of hanging.
-        pending = [s.path for s in self.saves if not s.done()]
-        if pending and not self._closed:
-            log.warning("gockpt: exiting with unfinished checkpoints %s; call "
-                        "accelerator.end_training() or close() at the end of training", pending)
+    def _close_at_exit(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.close()
+        except BaseException:  # noqa: BLE001 - nobody is left to raise to
+            log.exception("gockpt: finishing checkpoints at exit failed")
+
+    def _follow_prepared(self) -> None:
+        # After free_memory() and a new prepare(), the accelerator holds other objects: save those.
+        acc = self.accelerator
+        models = [acc.unwrap_model(m) for m in acc._models]
+        optimizers = [o.optimizer for o in acc._optimizers]
+        if (list(map(id, models)) == list(map(id, self._models))
+                and list(map(id, optimizers)) == list(map(id, self._optimizers))):
+            return
+        if not models or not optimizers:
+            raise ValueError("save_state with GoCkpt needs a prepared model and optimizer "
+                             "(free_memory() released them)")
+        self.wait()
+        self._stop()
+        self._models, self._optimizers = models, optimizers
+        self._engine_model, self._key_map = engine_model(acc._models, self._models)
+        self._start()
 
     def _end_training(self) -> None:
         original = self._originals["end_training"]
@@ -364,18 +399,16 @@ class GoCkptCheckpointer:
                     f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
                     "exists. Please manually override `self.save_iteration` with what iteration "
                     "to start with.")
-            staging_root = os.path.join(os.path.dirname(root) if root else os.path.dirname(final),
-                                        STAGING_NAME)
-            if staging_root not in self._cleaned:
-                os.makedirs(staging_root, exist_ok=True)
-                cleanup_staging(staging_root)  # left by processes that died mid-save
-                self._cleaned.add(staging_root)
-            if root is not None:
-                os.makedirs(root, exist_ok=True)
-            name = os.path.basename(final)
+            staging_root = root if root is not None else _staging_root(final)
+            name = f"0-{os.path.basename(final)}"  # see STAGING_NAME
             tag = f"{os.getpid()}-{uuid.uuid4().hex}"
-            staging = os.path.join(staging_root, f".{name}.gockpt-tmp-{tag}")
-            os.mkdir(staging)
+            with self._staging_lock:  # the publisher removes an empty staging folder
+                os.makedirs(staging_root, exist_ok=True)
+                if staging_root not in self._cleaned:
+                    cleanup_staging(staging_root)  # left by processes that died mid-save
+                    self._cleaned.add(staging_root)
+                staging = os.path.join(staging_root, f".{name}.gockpt-tmp-{tag}")
+                os.mkdir(staging)
             engine_root = self.plugin.gockpt_dir or staging_root
             sep = "" if engine_root.endswith("/") else "/"
             engine_path = f"{engine_root}{sep}.{name}-engine.gockpt-tmp-{tag}"
@@ -395,6 +428,8 @@ class GoCkptCheckpointer:
             num_processes=self.accelerator.num_processes, rotate_root=root,
             total_limit=self.accelerator.project_configuration.total_limit if root else None,
             timeout_s=float(self.plugin.publish_timeout_s or 600.0),
+            pre_hooks=list(self.accelerator._save_model_state_pre_hook.values()),
+            models=list(self.accelerator._models),
         )
         now = [s._seq for s in waiting if s.handle.captured_step is not None]
         if handle.captured_step is not None:
@@ -409,6 +444,13 @@ class GoCkptCheckpointer:
 
     def _publish(self, record: AccelerateSave) -> None:
         """Publisher thread: Accelerate's layout from the durable engine checkpoint."""
+        try:
+            self._publish_one(record)
+        finally:
+            with self._staging_lock:
+                _remove_if_empty(_staging_root(record.path))
+
+    def _publish_one(self, record: AccelerateSave) -> None:
         try:
             metrics = record.handle.result()
         except BaseException as e:  # noqa: BLE001 - the engine re-raises it on the training thread
@@ -442,6 +484,19 @@ class GoCkptCheckpointer:
             with self._lock:
                 e = self._errors.pop(0)
             raise RuntimeError(f"gockpt: publishing a checkpoint failed: {e}") from e
+
+
+def _staging_root(final: str) -> str:
+    return os.path.join(os.path.dirname(final), STAGING_NAME)
+
+
+def _remove_if_empty(folder: str) -> None:
+    # Only the explicit-output_dir staging folder is ours to remove; it may be shared by
+    # several saves, so it goes only when empty (rmdir refuses otherwise).
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckpointer | None:

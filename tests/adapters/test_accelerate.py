@@ -134,7 +134,9 @@ def test_resume_from_each_checkpoint_is_bit_identical(tmp_path, reference, mode,
             assert m.captured_step == m.requested_step
         batches = _assert_resumes_exactly(path, live, accumulation=accumulation)
         assert batches >= SAVE_AT[calls.index(path)]
-    assert not any((tmp_path / "run" / ".gockpt-staging").iterdir())
+    # Nothing but the checkpoints: no staging folder in the project, no hidden leftovers.
+    assert os.listdir(tmp_path / "run") == ["checkpoints"]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [p.name for p in calls]
 
 
 def test_loop_without_accumulate_resumes_exactly(tmp_path, reference):
@@ -218,17 +220,17 @@ def test_exact_step_holds_the_step_of_the_request(tmp_path, reference):
 
 
 def test_save_state_returns_while_the_engine_persists(tmp_path, monkeypatch):
-    import gockpt.engine as engine_mod
+    import gockpt._pipeline as pipeline_mod
 
     gate, entered = threading.Event(), threading.Event()
-    real = engine_mod.persist
+    real = pipeline_mod.persist
 
     def held(req):
         entered.set()
         assert gate.wait(60)
         return real(req)
 
-    monkeypatch.setattr(engine_mod, "persist", held)
+    monkeypatch.setattr(pipeline_mod, "persist", held)
     run = child.build(str(tmp_path / "run"))
     ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
     child.train(run, 2)
@@ -265,8 +267,10 @@ def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path
     assert entered.wait(60)
     # Accelerate would already have deleted checkpoint_0 to make room; here both complete
     # checkpoints stay until checkpoint_2 is in place.
-    assert sorted(os.listdir(root)) == ["checkpoint_0", "checkpoint_1"]
-    assert all(set(os.listdir(root / n)) == ACCELERATE_FILES for n in os.listdir(root))
+    # (checkpoint_2 is being written under a hidden name that Accelerate orders first)
+    visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    assert visible == ["checkpoint_0", "checkpoint_1"]
+    assert all(set(os.listdir(root / n)) == ACCELERATE_FILES for n in visible)
     gate.set()
     ckpt.wait()
     assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
@@ -322,7 +326,7 @@ def test_explicit_output_dir_is_replaced_whole_with_engine_copy_in_memory(tmp_pa
     # Three saves of one folder overlapped; the newest request is what stays.
     assert json.loads((target / "gockpt.json").read_text())["requested_step"] == 3
     assert set(os.listdir(target)) == ACCELERATE_FILES
-    assert list((tmp_path / ".gockpt-staging").iterdir()) == []
+    assert not (tmp_path / ".gockpt-staging").exists()  # removed once empty
     ckpt.close()
     assert _assert_resumes_exactly(target, live, use_gockpt=True) == 4
 
@@ -341,8 +345,8 @@ def test_publish_error_is_raised_on_the_training_thread(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="publishing a checkpoint failed"):
         run.acc.save_state()
     assert not path.exists()
-    ckpt.close()  # the writer lock beside the checkpoints lives until the engine closes
-    assert list((tmp_path / "run" / ".gockpt-staging").iterdir()) == []
+    ckpt.close()
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []
 
 
 def test_model_file_is_safetensors_with_accelerate_keys(tmp_path):
@@ -465,8 +469,9 @@ def test_sigkill_during_save_leaves_a_checkpoint_that_load_state_resumes(tmp_pat
     root = tmp_path / "checkpoints"
     # checkpoint_3 was being written when the process died; total_limit=2 kept the last two
     # complete ones, which Accelerate's delete-first rotation would not have.
-    assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
-    assert any((tmp_path / ".gockpt-staging").iterdir())  # the dead process's leftovers
+    visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    assert visible == ["checkpoint_1", "checkpoint_2"]
+    assert any(n.startswith(".0-checkpoint_3") for n in os.listdir(root))  # the dead process's
     plain = child.build(str(tmp_path), seed=9, total_limit=2)
     plain.acc.load_state()  # Accelerate's own pick of the newest folder
     assert child.digest(plain) == digests[plain.progress.batches]
@@ -477,8 +482,8 @@ def test_sigkill_during_save_leaves_a_checkpoint_that_load_state_resumes(tmp_pat
     child.train(fresh, fresh.progress.batches + 1)
     assert fresh.acc.save_state().name == "checkpoint_3"
     ckpt.close()
-    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]
-    assert list((tmp_path / ".gockpt-staging").iterdir()) == []  # dead process's files removed
+    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]  # dead process's files removed
+    assert os.listdir(tmp_path) == ["checkpoints"] or ".gockpt-staging" not in os.listdir(tmp_path)
 
 
 def test_tiny_llama_example_resumes_bit_identically(tmp_path, monkeypatch):
@@ -516,3 +521,90 @@ def _free_port() -> int:
 
 def test_public_surface():
     assert set(accelerate_gockpt.__all__) == {"AccelerateSave", "GoCkptCheckpointer", "GoCkptPlugin", "attach"}
+
+
+@pytest.mark.parametrize("mode", ["async", "gockpt"])
+def test_a_script_ending_with_save_state_leaves_the_checkpoint(tmp_path, mode):
+    """Stock save_state is done when it returns; a script needs no end_training() for it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
+    proc = subprocess.run([sys.executable, str(_HERE / "test_accelerate_child.py"), "exit", str(tmp_path), mode],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path / "checkpoints" / "checkpoint_0"
+    assert set(os.listdir(path)) == ACCELERATE_FILES
+    plain = child.build(str(tmp_path), seed=9)
+    plain.acc.load_state(str(path))
+    assert child.digest(plain) == proc.stdout.split()[-1]
+
+
+def test_save_state_pre_hooks_run_and_their_files_are_published(tmp_path):
+    run = child.build(str(tmp_path / "run"))
+    seen = []
+
+    def hook(models, weights, output_dir):
+        seen.append((len(models), sorted(weights[0])))
+        weights[0].pop("out.bias")  # an edit of what is written, as stock allows
+        Path(output_dir, "data.json").write_text(json.dumps({"note": 1}))
+
+    run.acc.register_save_state_pre_hook(hook)
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    child.train(run, 4)
+    ckpt.close()
+    assert set(os.listdir(path)) == ACCELERATE_FILES | {"data.json"}
+    assert seen and seen[0][0] == 1 and "out.bias" in seen[0][1]
+    assert "out.bias" not in load_file(str(path / "model.safetensors"))
+
+
+def test_save_state_follows_a_model_prepared_after_free_memory(tmp_path):
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
+    child.train(run, 2)
+    run.acc.save_state()
+    run.acc.free_memory()
+    torch.manual_seed(5)
+    model = child.Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = run.acc.prepare(model, opt)
+    path = run.acc.save_state()
+    ckpt.close()
+    saved = load_file(str(path / "model.safetensors"))
+    assert saved.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(saved[k], v), k
+
+
+def test_published_checkpoints_reach_the_trackers(tmp_path):
+    from accelerate.tracking import GeneralTracker
+
+    class Tracker(GeneralTracker):
+        name = "memory"
+        requires_logging_directory = False
+
+        def __init__(self):
+            super().__init__()
+            self.logged = []
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((dict(values), step))
+
+    run = child.build(str(tmp_path / "run"))
+    tracker = Tracker()
+    run.acc.log_with = [tracker]
+    run.acc.trackers = [tracker]
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
+    child.train(run, 2)
+    run.acc.save_state()
+    child.train(run, 4)
+    run.acc.save_state()
+    ckpt.close()
+    steps = [int(v["gockpt/requested_step"]) for v, _ in tracker.logged if "gockpt/stall_s" in v]
+    assert steps == [2, 4]

@@ -254,8 +254,21 @@ def _crash(project_dir: str) -> None:
     train(run, 10**9, on_batch_end=on_batch_end)
 
 
+def _exit_after_save(project_dir: str, mode: str) -> None:
+    # A script whose last call is save_state(): no end_training(), no close().
+    from accelerate_gockpt import GoCkptPlugin, attach
+
+    run = build(project_dir)
+    attach(run.acc, GoCkptPlugin(mode=mode, min_overlap_steps=2, max_overlap_steps=2))
+    train(run, 3)
+    run.acc.save_state()
+    print(digest(run), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "ddp":
+    if sys.argv[1] == "exit":
+        _exit_after_save(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "ddp":
         _ddp(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "crash":
         _crash(sys.argv[2])
