@@ -8,11 +8,12 @@ Run::
 
     python examples/train_accelerate.py --project-dir runs/accelerate --steps 200 --save-every 25
     python examples/train_accelerate.py --project-dir runs/accelerate --steps 300 --resume
-    GOCKPT_MODE=gockpt accelerate launch --multi_gpu --num_processes 2 \\
+    GOCKPT_MODE=gockpt GOCKPT_MIN_OVERLAP_STEPS=3 accelerate launch --multi_gpu --num_processes 2 \\
         examples/train_accelerate.py --cpu --project-dir runs/ddp --steps 100
 
 (``--multi_gpu`` is how ``accelerate launch`` starts several processes; with ``--cpu`` they
-train on the CPU over gloo.) Options of GoCkpt come from ``GOCKPT_*`` variables or a file named
+train on the CPU over gloo. ``GOCKPT_MIN_OVERLAP_STEPS=3`` makes every checkpoint span three
+updates; without it ``gockpt`` picks K from measured timings, often 1 on a CPU.) Options of GoCkpt come from ``GOCKPT_*`` variables or a file named
 by ``GOCKPT_CONFIG_FILE``; ``GOCKPT_ENABLED=0`` runs Accelerate's own blocking ``save_state``.
 """
 
@@ -100,12 +101,16 @@ def run(args: argparse.Namespace) -> Summary:
     train_set, _ = common.text_datasets(args.data, seq_len=preset.seq_len)
     model, loss_fn = common.build_model(args.preset, seed=args.seed)
     optimizer = common.make_optimizer(model, lr=args.lr)
-    updates = max(1, args.steps // args.accumulation)
+    # A prepared scheduler steps once per process at each update (Accelerate scales it with the
+    # effective batch), so its horizon counts updates x processes.
+    scale = accelerator.num_processes
+    updates = max(1, args.steps // args.accumulation) * scale
+    warmup = args.warmup * scale
 
-    def lr_factor(update: int) -> float:  # linear warm-up, then cosine decay, per update
-        if update < args.warmup:
-            return (update + 1) / args.warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (update - args.warmup) / max(1, updates - args.warmup))))
+    def lr_factor(update: int) -> float:  # linear warm-up, then cosine decay
+        if update < warmup:
+            return (update + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (update - warmup) / max(1, updates - warmup))))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     loader = common.make_dataloader(train_set, preset.batch_size, seed=args.seed)
