@@ -73,8 +73,9 @@ class GoCkptPlugin:
         "objects of that same step).")})
     gockpt_dir: str | None = field(default=None, metadata={"help": (
         "Where the engine writes its own checkpoint before it is rewritten in Accelerate's "
-        "layout: a local path or fsspec URL ('memory://gockpt' keeps it in RAM). Default: a "
-        "hidden '.gockpt-staging' folder beside the checkpoints.")})
+        "layout: a local path or fsspec URL ('memory://gockpt' keeps it in RAM). Default: "
+        "hidden entries of the checkpoints folder (automatic naming), else a hidden "
+        "'.gockpt-staging' folder beside output_dir, removed when empty.")})
     publish_timeout_s: float | None = field(default=None, metadata={"help": (
         "Seconds the main process waits for the other processes' files of a checkpoint "
         "(default 600).")})
