@@ -18,7 +18,6 @@ import xxhash
 
 from . import storage
 from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, dtype_itemsize
-from .manifest import validate_manifest
 
 __all__ = ["Problem", "describe_checkpoint", "read_manifest", "verify_checkpoint"]
 
@@ -44,24 +43,22 @@ class Problem:
 def read_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -> dict:
     """The validated manifest of the checkpoint at ``path``.
 
+    Read by :func:`gockpt.storage.read_manifest`, the loader's own reader: at most
+    ``storage.MAX_METADATA_BYTES`` (16 MiB) are read, locally only from a regular file that is
+    not a symlink (a FIFO, device or link is refused without blocking), and the JSON is decoded
+    strictly (no duplicate keys, bounded depth).
+
     Raises:
         FileNotFoundError: no ``manifest.json`` (no checkpoint, or an incomplete one).
-        gockpt.CheckpointCorruptError: a malformed manifest (names the file and field).
+        gockpt.CheckpointCorruptError: a manifest that is malformed, over the size bound, or not
+            a regular file (names the file and field).
     """
     fs, root = storage.url_to_fs(path, storage_options)
-    manifest_path = storage._join(root, storage.MANIFEST_NAME)
     try:
-        raw = fs.cat_file(manifest_path)
+        return storage.read_manifest(fs, root)
     except (FileNotFoundError, NotADirectoryError):
         what = "does not exist" if not fs.exists(root) else "is not a complete checkpoint"
         raise FileNotFoundError(f"{path} {what} (no {storage.MANIFEST_NAME})") from None
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        from .format import CheckpointCorruptError
-
-        raise CheckpointCorruptError(f"{manifest_path}: not valid JSON ({e})") from None
-    return validate_manifest(obj, manifest_path)
 
 
 def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = None) -> dict:

@@ -15,7 +15,7 @@ Hugging Face's index layout), ``dcp`` (:func:`to_dcp`: a ``torch.distributed.che
 directory), ``gockpt`` (:func:`to_gockpt`), and ``lightning`` (one ``.ckpt`` file:
 :func:`lightning_gockpt.convert.to_lightning_file`). Paths are local paths or fsspec URLs.
 Every writer is the library's own: ``safetensors``, ``huggingface_hub``'s shard planner,
-``torch.distributed.checkpoint.save``, GoCkpt's persist stage.
+``torch.distributed.checkpoint.save``, GoCkpt's blocking save (:func:`gockpt.snapshot.save_tree`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import io
 import logging
 import os
 import re
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,16 +33,13 @@ from typing import Any
 import torch
 
 from . import storage
-from .format import TensorSpec, plan_shards
-from .persist import PersistRequest, persist
 from .restore import load_checkpoint
-from .snapshot import map_tree
+from .snapshot import map_tree, save_tree
 
 __all__ = ["Source", "open_source", "to_dcp", "to_gockpt", "to_hf", "write_state_dicts"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 64
 # Accelerate's save_state file names (accelerate.utils.constants), read without importing it.
 _ACC_MODEL = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
 _ACC_OPTIMIZER = re.compile(r"^optimizer(_(\d+))?\.bin$")
@@ -273,10 +269,10 @@ def write_state_dicts(
 ) -> int:
     """Write state dicts as the checkpoint a :class:`gockpt.Engine` writes, blocking.
 
-    The layout is the engine's (format version 1): ``model.<key>`` and
-    ``optim.<i>.<param index>.<state name>`` tensors in safetensors shards, the non-tensor rest
-    in the state file, ``manifest.json`` last; :func:`gockpt.load_checkpoint` returns the
-    same dicts (tensors that are one object in ``model_state_dict`` stay one, as aliases).
+    Written by :func:`gockpt.snapshot.save_tree`, the library's one blocking writer:
+    :func:`gockpt.load_checkpoint` returns ``model_state_dict``, ``optimizer_state_dicts`` and
+    ``user`` (as ``extra``) bit for bit, tensors that are one object in ``model_state_dict``
+    stay one, and :meth:`gockpt.Engine.restore` loads the checkpoint into a live model.
 
     Args:
         path: checkpoint directory (local path or fsspec URL).
@@ -294,54 +290,13 @@ def write_state_dicts(
         Bytes written.
 
     Raises:
+        ValueError: an optimizer state dict without ``state`` / ``param_groups``.
         TypeError: a dtype safetensors cannot store.
-        OSError: the storage failed (no partial checkpoint is left).
+        OSError, gockpt.CheckpointError: the storage failed (no partial checkpoint is left).
     """
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_key: dict[int, str] = {}
-    model_keys, model_extra = [], {}
-    for k, v in model_state_dict.items():
-        if not isinstance(v, torch.Tensor):
-            model_extra[k] = v
-            continue
-        model_keys.append(k)
-        if id(v) in first_key:
-            aliases[f"model.{k}"] = first_key[id(v)]
-        else:
-            first_key[id(v)] = f"model.{k}"
-            tensors[f"model.{k}"] = v.detach()
-    stripped = []
-    for i, sd in enumerate(optimizer_state_dicts):
-        state = {}
-        for idx, st in sd["state"].items():
-            state[idx] = {n: x for n, x in st.items() if not isinstance(x, torch.Tensor)}
-            tensors.update({f"optim.{i}.{idx}.{n}": x.detach() for n, x in st.items()
-                            if isinstance(x, torch.Tensor)})
-        stripped.append({"state": state, "param_groups": sd["param_groups"]})
-    blob = io.BytesIO()
-    torch.save({"user": user, "optimizers": stripped, "model_extra": model_extra}, blob)
-
-    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    shards = plan_shards(specs, max_shard_bytes, f"shard-{uuid.uuid4().hex[:8]}")
-    bases, size = [], 0
-    for shard in shards:
-        bases.append(size)
-        size = (size + shard.data_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    slot = torch.empty(max(size, _ALIGN), dtype=torch.uint8)
-    for shard, base in zip(shards, bases, strict=True):
-        for key, (begin, end) in shard.offsets.items():
-            t = tensors[key]
-            slot[base + begin: base + end].view(t.dtype).view(t.shape).copy_(t)
-    record = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",
-              "num_overlap_steps": 1, "model_keys": model_keys,
-              "num_optimizers": len(optimizer_state_dicts), "replay": {},
-              "created_unix_s": time.time(), **dict(meta or {})}
-    req = PersistRequest(path=path.rstrip("/") or path, shards=shards, slot=slot, shard_bases=bases,
-                         extra=blob.getvalue(), aliases=aliases, meta=record,
-                         storage_options=dict(storage_options or {}), num_io_threads=num_io_threads,
-                         update_latest=update_latest)
-    return persist(req).bytes_written
+    return save_tree(path, user, model=model_state_dict, optimizers=optimizer_state_dicts,
+                     step=step, storage_options=storage_options, max_shard_bytes=max_shard_bytes,
+                     num_io_threads=num_io_threads, update_latest=update_latest, meta=meta)
 
 
 # --- sources -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import copy
 import io
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +218,8 @@ def save_tree(
     path: str,
     tree: Any,
     *,
+    model: Mapping[str, Any] | None = None,
+    optimizers: Sequence[Mapping[str, Any]] = (),
     step: int = 0,
     storage_options: Mapping[str, Any] | None = None,
     max_shard_bytes: int = 1 << 30,
@@ -230,12 +232,17 @@ def save_tree(
 
     Every tensor of the tree (any device) is copied to a host slot and stored in safetensors
     shards; the tree itself is stored with references to them, so
-    :func:`gockpt.load_checkpoint` returns it as ``extra``. Used for saves outside training and
-    by converters.
+    :func:`gockpt.load_checkpoint` returns it as ``extra``. With ``model`` and ``optimizers``
+    the checkpoint is the one a :class:`gockpt.Engine` writes: ``load_checkpoint`` returns
+    them as ``model_state_dict`` and ``optimizer_state_dicts``, and ``Engine.restore`` loads
+    it. A tensor met twice (tied weights, or the same tensor in two of the trees) is stored
+    once and loads as one tensor object. Used for saves outside training and by converters.
 
     Args:
         path: checkpoint directory (local path or fsspec URL).
         tree: nested containers with tensors (e.g. Lightning's checkpoint dict).
+        model: a ``model.state_dict()``-shaped dict (tensors and extra state), or None.
+        optimizers: ``optimizer.state_dict()``-shaped dicts, one per optimizer.
         step: recorded as requested and captured step (orders the ``latest`` pointer).
         storage_options: fsspec options.
         max_shard_bytes: upper bound on tensor bytes per shard file.
@@ -248,23 +255,45 @@ def save_tree(
         Bytes written.
 
     Raises:
+        ValueError: an optimizer state dict that is not a dict with a ``state`` dict and
+            ``param_groups`` (the loader would refuse it).
         TypeError: a tensor dtype safetensors cannot store.
         OSError, CheckpointError: from the storage (the previous checkpoint at ``path`` is intact).
     """
     from .persist import PersistRequest, persist
 
-    tensors = {k: t.detach() for k, t in collect_tensors(tree).items()}
+    model_sd = dict(model) if model is not None and not isinstance(model, dict) else (model or {})
+    opt_sds = list(optimizers)
+    for i, sd in enumerate(opt_sds):
+        if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and "param_groups" in sd):
+            raise ValueError(f"optimizers[{i}] is not an optimizer state_dict (a dict with a "
+                             "'state' dict and 'param_groups')")
+    tensors: dict[str, torch.Tensor] = {}
+    live: dict[StorageKey, str] = {}
+    # The tree's tensors keep the names a tree-only save gives them; the model's and the
+    # optimizers' are named as in the engine ("model.<key>", "optim.<i>....").
+    for part in (tree, {"model": model_sd, "optim": opt_sds}):
+        for k, t in collect_tensors(part).items():
+            sk = storage_key(t)
+            if sk in live:
+                continue
+            while k in tensors:
+                k += "_"
+            live[sk] = k
+            tensors[k] = t.detach()
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
     slot_layout = plan_slot(specs, max_shard_bytes)
     slot = torch.empty(slot_layout.nbytes, dtype=torch.uint8)
     for k, t in tensors.items():
         host_view(slot, slot_layout.offsets[k], t).copy_(t)
-    live = {storage_key(t): k for k, t in tensors.items()}
     buf = io.BytesIO()
-    torch.save({"user": to_skeleton(tree, live), "optimizers": [], "model": {}, "model_extra": {}}, buf)
+    # The engine's state-tree blob (gockpt.restore._from_trees reads it).
+    torch.save({"user": to_skeleton(tree, live), "optimizers": [to_skeleton(sd, live) for sd in opt_sds],
+                "model": to_skeleton(model_sd, live), "model_extra": {}}, buf)
+    model_keys = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)]
     m = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",
-         "num_overlap_steps": 1, "model_keys": [], "num_optimizers": 0, "tree": True,
-         "created_unix_s": time.time(), **dict(meta or {})}
+         "num_overlap_steps": 1, "model_keys": model_keys, "num_optimizers": len(opt_sds),
+         "tree": True, "created_unix_s": time.time(), **dict(meta or {})}
     req = PersistRequest(
         path=path.rstrip("/") or path, shards=slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}"),
         slot=slot, shard_bases=slot_layout.bases, extra=buf.getvalue(), aliases={}, meta=m,

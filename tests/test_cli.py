@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -218,9 +219,19 @@ def test_accelerate_folder_converted_to_gockpt_loads_as_engine_state(runs):
     assert_bitwise_equal(state.model_state_dict, want["model"], "model")
     assert_bitwise_equal(state.optimizer_state_dicts[0], want["optimizer"], "optimizer")
     assert state.extra["accelerate"]["scheduler"] == want["scheduler"]
+    assert_bitwise_equal(state.extra["accelerate"]["scheduler"], want["scheduler"], "scheduler")
     assert state.captured_step == 3
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    gockpt.load_into(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], state)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine = gockpt.Engine(model, opt)
+    try:
+        extra = engine.restore(str(runs["out"] / "from_accelerate"))
+        assert engine.version == 3
+    finally:
+        engine.close()
+    assert_bitwise_equal(model.state_dict(), want["model"], "restored model")
+    assert_bitwise_equal(opt.state_dict(), want["optimizer"], "restored optimizer")
+    assert_bitwise_equal(extra["accelerate"]["scheduler"], want["scheduler"], "restored extra")
 
 
 def test_fsspec_urls_in_and_out(runs):
@@ -250,3 +261,50 @@ def test_usage_errors_and_wrong_sources(runs, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["convert", "a", "b", "--to", "onnx"])
     assert e.value.code == 2
+
+
+def _within(fn, timeout_s: float = 20.0):
+    """``fn()``'s result or exception, failing the test if it has not returned in ``timeout_s``."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - inspected by the caller
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "hung on a hostile manifest.json"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["oversized", "fifo", "dev_zero"])
+def test_inspect_and_verify_refuse_a_hostile_manifest_without_reading_it(tmp_path, capsys, kind):
+    from gockpt.audit import read_manifest
+    from gockpt.convert import write_state_dicts
+
+    path = tmp_path / "ckpt"
+    write_state_dicts(str(path), {"w": torch.ones(3)}, update_latest=False)
+    manifest = path / "manifest.json"
+    manifest.unlink()
+    if kind == "oversized":
+        # Sparse, 64 GiB: reading it whole would exhaust memory; the size is refused first.
+        with open(manifest, "wb") as f:
+            f.truncate(1 << 36)
+        fragment = "larger than"
+    elif kind == "fifo":
+        os.mkfifo(manifest)  # no writer: an open without O_NONBLOCK would block forever
+        fragment = "FIFO"
+    else:
+        manifest.symlink_to("/dev/zero")  # endless
+        fragment = "symbolic link"
+    error = _within(lambda: read_manifest(str(path))).get("error")
+    assert isinstance(error, gockpt.CheckpointCorruptError), repr(error)
+    assert "manifest.json" in str(error) and fragment in str(error), str(error)
+    for command in ("inspect", "verify"):
+        capsys.readouterr()
+        assert _within(lambda c=command: cli.main([c, str(path)])).get("value") == 1, command
+        err = capsys.readouterr().err
+        assert "manifest.json" in err and fragment in err, err
