@@ -444,19 +444,21 @@ class GoCkptCheckpointer:
 
     def _publish(self, record: AccelerateSave) -> None:
         """Publisher thread: Accelerate's layout from the durable engine checkpoint."""
-        try:
-            self._publish_one(record)
-        finally:
-            with self._staging_lock:
-                _remove_if_empty(_staging_root(record.path))
+        metrics, error = self._publish_one(record)
+        # Tidy before the record resolves: whoever waits on it sees the final folder state.
+        with self._staging_lock:
+            _remove_if_empty(_staging_root(record.path))
+        if error is not None:
+            record._published.set_exception(error)
+        else:
+            record._published.set_result(metrics)
 
-    def _publish_one(self, record: AccelerateSave) -> None:
+    def _publish_one(self, record: AccelerateSave) -> tuple[Any, BaseException | None]:
         try:
             metrics = record.handle.result()
         except BaseException as e:  # noqa: BLE001 - the engine re-raises it on the training thread
             _publish.discard(record._job)
-            record._published.set_exception(e)
-            return
+            return None, e
         try:
             if metrics.skipped or self._published_seq.get(record.path, -1) > record._seq:
                 _publish.discard(record._job)
@@ -469,9 +471,8 @@ class GoCkptCheckpointer:
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             with self._lock:
                 self._errors.append(e)
-            record._published.set_exception(e)
-            return
-        record._published.set_result(metrics)
+            return None, e
+        return metrics, None
 
     # ------------------------------------------------------------------ errors
 

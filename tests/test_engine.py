@@ -579,3 +579,32 @@ def test_load_state_dict_after_a_request_finishes_its_copies_first(tmp_path, mod
     assert_state_equal(state.model_state_dict, want["model"])
     assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
     eng.close()
+
+
+def test_the_tracked_model_can_be_deep_copied_and_pickled_mid_save(tmp_path):
+    # EMA/SWA callbacks and user code deep-copy the model; some pickle it whole. Neither may
+    # drag the engine (threads, locks) along, and the copy must not drive the engine.
+    import copy
+    import io
+
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    want = snapshot(model, opt)
+    h = eng.save(str(tmp_path / "c"))
+    twin = copy.deepcopy(model)
+    opt_twin = copy.deepcopy(opt)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for m in (twin, loaded):
+        m.load_state_dict(m.state_dict())  # the copy's hooks are inert
+        m(torch.randn(16, 8))
+    opt_twin.load_state_dict(opt_twin.state_dict())
+    assert not h.done() and eng.version == 3  # nothing above moved the engine
+    eng.flush()
+    eng.wait()
+    state = gockpt.load_checkpoint(h.result().path)
+    assert_state_equal(state.model_state_dict, want["model"])
+    eng.close()

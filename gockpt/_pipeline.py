@@ -1,0 +1,192 @@
+"""The background side of the engine: replay thread, persist pool and the one error channel.
+
+The replay thread takes the queue in order: a gradient record (:meth:`Pipeline.submit_replay`) is
+applied to the host copies of its blocks with the optimizer's update rule (GoCkpt §4.3); a
+finalized save (:meth:`Pipeline.finalize`) goes to the persist pool once the replays queued
+before it are done. The persist writes the shards, the manifest and the publish
+(:func:`gockpt.persist.persist`), releases the host slot and resolves the save's handle. Errors
+the training thread must see wait in the error channel until :meth:`Pipeline.raise_errors`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.optim import Optimizer
+
+from ._planner import ReplayBackends
+from ._record import Phase, SaveRecord
+from .config import GoCkptConfig
+from .errors import CheckpointCancelledError
+from .handle import CheckpointMetrics
+from .layout import Unit
+from .persist import PersistRequest, persist
+from .replay import TorchReplay
+from .transfer import CopyTicket, SlotPool
+
+log = logging.getLogger("gockpt")
+
+# One optimizer update's gradients of a save: (optimizer index, optimizer class, the param
+# groups' hyperparameters, unit indices, gradient buffer turn).
+ReplayRecord = tuple[int, type, list, list[int], int]
+
+
+class Pipeline:
+    """Replays and persists saves off the training thread.
+
+    Args:
+        config: the engine's options (``max_inflight`` persist threads, storage options).
+        optimizers: the engine's optimizers (their number is recorded in the manifest).
+        backends: the replay backend of each optimizer.
+        slots: the host slot pool; a save's slot goes back once it is durable or failed.
+        on_durable: called with the metrics of each published save, on the persisting thread.
+    """
+
+    def __init__(self, config: GoCkptConfig, optimizers: list[Optimizer], backends: ReplayBackends,
+                 slots: SlotPool, on_durable: Callable[[CheckpointMetrics], None]) -> None:
+        self._config = config
+        self._optimizers = optimizers
+        self._backends = backends
+        self._slots = slots
+        self._on_durable = on_durable
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._published_seq: dict[str, int] = {}
+        self._persist_pool = ThreadPoolExecutor(config.max_inflight, thread_name_prefix="gockpt-persist")
+        self._replay_q: queue.Queue = queue.Queue()
+        self._replay_thread = threading.Thread(target=self._replay_loop, name="gockpt-replay", daemon=True)
+        self._replay_thread.start()
+
+    # ------------------------------------------------------------------ training thread
+
+    def submit_replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
+        """Queue the replay of one update's gradients, copied by ``ticket``, onto ``s``."""
+        self._replay_q.put(("replay", s, record, ticket))
+
+    def finalize(self, s: SaveRecord) -> None:
+        """Persist ``s`` in the background once the replays queued before it are done."""
+        self._replay_q.put(("finalize", s))
+
+    def raise_errors(self) -> None:
+        """Raise the oldest background error not raised yet (the original exception)."""
+        if self._errors:
+            with self._lock:
+                e = self._errors.pop(0)
+            # The original exception, with its type and cause chain: ``except CheckpointTornError``
+            # and friends must work on the training thread.
+            raise e
+
+    def close(self) -> None:
+        """Stop the replay thread and wait for the persists in flight."""
+        self._replay_q.put(("stop", None))
+        self._replay_thread.join()
+        self._persist_pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ background
+
+    def _replay_loop(self) -> None:
+        while True:
+            item = self._replay_q.get()
+            kind, s = item[0], item[1]
+            if kind == "stop":
+                return
+            try:
+                if kind == "replay":
+                    self._replay(s, *item[2:])
+                else:
+                    self._persist_pool.submit(self.persist, s)
+            except BaseException as e:  # noqa: BLE001 - reported through the handle
+                s.failed = s.failed or e
+                s.cancel.set()
+
+    def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
+        opt_index, cls, hparams, units, turn = record
+        try:
+            if s.cancel.is_set():
+                return
+            ticket.wait()  # raises CheckpointTornError when a gradient changed during its copy
+            backend = self._backends.select(opt_index)
+            s.metrics.replay_backend = backend.name
+            by_group: dict[int, list[tuple[int, Unit]]] = {}
+            for i in units:
+                u = s.layout.units[i]
+                by_group.setdefault(u.group_index, []).append((i, u))
+            for gi, members in by_group.items():
+                be = backend
+                if be.name != "torch" and not (
+                    be.supports(cls, hparams[gi])
+                    and all(u.param.dtype == torch.float32 for _, u in members)
+                ):
+                    be = TorchReplay()  # the self-check probed fp32 with group 0's flags
+                be.step(
+                    cls, hparams[gi],
+                    [s.views[u.param_entry.key] for _, u in members],
+                    [s.grad_views[turn][i] for i, _ in members],
+                    [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
+                )
+        finally:
+            s.slot.grad_busy[turn].set()
+
+    def persist(self, s: SaveRecord) -> None:
+        """Write ``s`` and resolve its handle (persist pool; the training thread in ``sync``)."""
+        m = s.metrics
+        s.drain()
+        try:
+            if s.failed is not None:
+                raise s.failed
+            if s.cancel.is_set():
+                raise CheckpointCancelledError(f"{s.path}: cancelled")
+            meta = {
+                "requested_step": m.requested_step,
+                "captured_step": m.captured_step,
+                "mode": m.mode,
+                "num_overlap_steps": m.num_overlap_steps,
+                "model_keys": s.layout.model_keys,
+                "num_optimizers": len(self._optimizers),
+                "replay": self._backends.info.get(0, {}),
+                "created_unix_s": time.time(),
+            }
+            blob = io.BytesIO()
+            torch.save(s.extra, blob)
+            req = PersistRequest(
+                path=s.path, shards=s.shards, slot=s.slot.data, shard_bases=s.shard_bases,
+                extra=blob.getvalue(), aliases=s.layout.aliases, meta=meta,
+                storage_options=self._config.storage_options, num_io_threads=self._config.num_io_threads,
+                chunk_bytes=self._config.chunk_bytes, update_latest=self._config.update_latest,
+                cancel=s.cancel, publish_lock=self._publish_lock,
+                storage_timeout_s=self._config.storage_timeout_s,
+                is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
+                on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
+            )
+            res = persist(req)
+            m.superseded = not res.published
+            m.persist_bytes = res.bytes_written
+            m.persist_s = res.seconds
+            m.persist_gbps = res.bytes_written / res.seconds / 1e9 if res.seconds > 0 else 0.0
+            m.time_to_durable_s = time.perf_counter() - s.t_request
+        except BaseException as e:  # noqa: BLE001 - handed to the handle and the training thread
+            self._slots.release(s.slot)
+            if s.overtaken:
+                # Never a torn checkpoint, never a failed run: the previous checkpoints stand.
+                log.warning("gockpt: %s", e)
+            elif not isinstance(e, CheckpointCancelledError) or s.failed is not None:
+                with self._lock:
+                    self._errors.append(e)
+            s.handle._future.set_exception(e)
+            # After the handle: until it resolves the save still counts as one in the pipeline.
+            s.phase = Phase.FAILED
+            return
+        self._slots.release(s.slot)
+        if not m.superseded:
+            self._on_durable(m)
+        log.info("gockpt: %s durable (%s, K=%d, stall %.4fs)", s.path, m.mode, m.num_overlap_steps, m.stall_s)
+        s.handle._future.set_result(m)
+        s.phase = Phase.DONE

@@ -1,0 +1,207 @@
+"""Planning a save on the training thread, and choosing each optimizer's replay backend.
+
+:class:`Planner` owns the cached state layout and slot layout, the copy plan (mode, K, blocks)
+and the gradient-buffer layout. :class:`ReplayBackends` owns the backend chosen for each
+optimizer; choosing one runs the replay self-check (:func:`gockpt.selfcheck.select_backend`), so
+it is an explicit step of the engine, never a side effect of planning.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .config import GoCkptConfig
+from .layout import StateLayout, build_layout, layout_signature
+from .plan import MULTI_STEP_MODES, CopyPlan, Costs, make_plan
+from .replay import ReplayBackend, is_replayable
+from .selfcheck import select_backend
+from .snapshot import SlotLayout, plan_slot
+from .transfer import PRIORITY_GRAD
+
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class ReplayBackends:
+    """The replay backend of each optimizer, chosen once (on first use) and kept.
+
+    Read by the replay thread (:meth:`select`) and by the persist (:attr:`info`, recorded in the
+    manifest).
+    """
+
+    def __init__(self, optimizers: list[Optimizer], config: GoCkptConfig) -> None:
+        self._optimizers = optimizers
+        self._config = config
+        self._backends: dict[int, ReplayBackend] = {}
+        self.info: dict[int, dict[str, Any]] = {}
+
+    def select(self, opt_index: int) -> ReplayBackend:
+        """The backend of optimizer ``opt_index``; the first call runs the self-check."""
+        if opt_index not in self._backends:
+            opt = self._optimizers[opt_index]
+            backend, info = _select_backend(opt, self._config.replay_backend)
+            self._backends[opt_index] = backend
+            self.info[opt_index] = info
+        return self._backends[opt_index]
+
+    def select_all(self) -> None:
+        for i in range(len(self._optimizers)):
+            self.select(i)
+
+    def select_replayable(self) -> None:
+        for i, o in enumerate(self._optimizers):
+            if is_replayable(o):
+                self.select(i)
+
+
+class Planner:
+    """Layouts and copy plans of the saves of one engine (training thread only)."""
+
+    def __init__(self, model: nn.Module, optimizers: list[Optimizer], config: GoCkptConfig,
+                 copier: Any, copy_bytes_per_s: float) -> None:
+        self._model = model
+        self._optimizers = optimizers
+        self._config = config
+        self._copier = copier
+        self._copy_bw = copy_bytes_per_s
+        self._layout: StateLayout | None = None
+        self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
+        self._warned_fallback = False
+
+    def forget_layout(self) -> None:
+        """Rebuild the layout at the next save (the live tensors were replaced)."""
+        self._layout = None
+
+    def current_layout(self) -> StateLayout:
+        sig = layout_signature(self._model, self._optimizers)
+        if self._layout is None or self._layout.signature != sig:
+            self._layout = build_layout(self._model, self._optimizers)
+            self._slot_cache = None
+        return self._layout
+
+    def may_replay(self, layout: StateLayout, mode: str, exact_step: bool, version: int) -> bool:
+        """Whether :meth:`plan` may pick a multi-step mode: the backends must be chosen first."""
+        if exact_step and mode not in ("sync", "async"):
+            mode = "lazy"
+        return mode in MULTI_STEP_MODES + ("auto",) and self._replayable(layout, version)
+
+    def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
+             version: int, window_s: float | None) -> CopyPlan:
+        """The copy plan of one save (``window_s``: the measured copy window, None if unknown)."""
+        replayable = self._replayable(layout, version)
+        opts = self._optimizers
+        if mode in MULTI_STEP_MODES + ("auto",) and not all(is_replayable(o) for o in opts):
+            if not self._warned_fallback:
+                names = sorted({type(o).__name__ for o in opts if not is_replayable(o)})
+                # stacklevel: this, Engine.save, its caller.
+                warnings.warn(f"gockpt: cannot replay {', '.join(names)} on the CPU; "
+                              "using mode 'lazy' (single-step overlapped copy)", stacklevel=3)
+                self._warned_fallback = True
+        if exact_step and mode not in ("sync", "async"):
+            mode = "lazy"
+        unit_bytes = [u.state_bytes for u in layout.units]
+        grad_bytes = [u.grad_bytes for u in layout.units]
+        hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
+        return make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s),
+                         max_overlap_steps=hi, replayable=replayable,
+                         min_overlap_steps=min(self._config.min_overlap_steps, hi))
+
+    def _replayable(self, layout: StateLayout, version: int) -> bool:
+        # With several optimizers, K-1 updates could end between two optimizers' steps of one
+        # iteration, a state no loop resumes from: those engines copy in one step (lazy).
+        return (version > 0 and len(self._optimizers) == 1
+                and all(is_replayable(o) for o in self._optimizers)
+                and not _state_missing(layout))
+
+    def _costs(self, window_s: float | None) -> Costs | None:
+        if window_s is None:
+            return None
+        copier = self._copier
+        bw = self._copy_bw
+        if getattr(copier, "busy_s", 0.0) > 0.05:
+            bw = copier.bytes_copied / copier.busy_s
+        return Costs(copy_bytes_per_s=bw, window_s=window_s)
+
+    def slot_layout(self, layout: StateLayout) -> SlotLayout:
+        """Where each tensor of ``layout`` lives in a host slot and in the shard files."""
+        if self._slot_cache is None or self._slot_cache[0] is not layout:
+            self._slot_cache = (layout, plan_slot([e.spec for e in layout.entries],
+                                                  self._config.max_shard_bytes))
+        return self._slot_cache[1]
+
+    def grad_layout(self, layout: StateLayout, plan: CopyPlan) -> tuple[dict[int, int], int]:
+        """Byte offset of each unit's gradient in a gradient buffer, and the buffer's size."""
+        if plan.mode not in MULTI_STEP_MODES or plan.num_overlap_steps < 2:
+            return {}, 0
+        offsets, off = {}, 0
+        for block in plan.blocks[:-1]:
+            for i in block:
+                offsets[i] = off
+                off = _align(off + layout.units[i].grad_bytes)
+        return offsets, off
+
+    def check_host_budget(self, per_slot: int) -> None:
+        """Raises ValueError when ``host_buffer_bytes`` cannot hold one slot of ``per_slot``."""
+        budget = self._config.host_buffer_bytes
+        if budget is not None and per_slot > budget:
+            raise ValueError(
+                f"host_buffer_bytes={budget} cannot hold one checkpoint ({per_slot} bytes needed)")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def probe_copy_bandwidth(copier: Any, device: torch.device, cap: float | None) -> float:
+    """Device-to-host bytes per second of one 8 MiB copy, at most ``cap``."""
+    n = 8 << 20
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    t = copier.copy([(src, dst)], PRIORITY_GRAD)
+    t0 = time.perf_counter()
+    t.wait()
+    bw = n / max(time.perf_counter() - t0, 1e-9)
+    if cap is not None:
+        bw = min(bw, cap)
+    return bw
+
+
+def infer_step(optimizers: list[Optimizer]) -> int:
+    """Updates already applied, from the optimizers' ``step`` state (0 when absent)."""
+    best = 0
+    for o in optimizers:
+        for st in o.state.values():
+            v = st.get("step") if isinstance(st, dict) else None
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                best = max(best, int(v.item()))
+            elif isinstance(v, (int, float)):
+                best = max(best, int(v))
+    return best
+
+
+def _select_backend(opt: Optimizer, preference: str) -> tuple[ReplayBackend, dict[str, Any]]:
+    choice = select_backend(opt, preference)
+    return choice.backend, {"backend": choice.backend.name, "exact": choice.exact,
+                            "max_abs_error": choice.max_abs_error, "candidates": choice.candidates}
+
+
+def _state_missing(layout: StateLayout) -> bool:
+    """Whether a trainable parameter has no optimizer state yet while others of its optimizer do.
+
+    Replay cannot create state that did not exist when the block was copied (it would be lost),
+    so such a checkpoint is copied in one step.
+    """
+    has_state = {u.optimizer_index for u in layout.units if u.state_entries}
+    return any(u.optimizer_index in has_state and not u.state_entries and u.param.requires_grad
+               for u in layout.units)

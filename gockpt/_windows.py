@@ -1,0 +1,364 @@
+"""The training-thread side of a save: copy windows, gradient capture and the captured step.
+
+:class:`Windows` owns the saves still in their copy windows, the ``gockpt_o`` gradient guards
+(and the ``zero_grad`` wrapper that waits for them) and the parameter versions after each update
+(which tell edits outside ``optimizer.step()``). Its methods run on the training thread only,
+called by the engine's public calls and its optimizer, forward and ``load_state_dict`` hooks,
+with the engine's current step (``version``). A save leaves it through :meth:`Windows.finalize`
+(or :meth:`Windows.fail`) into the :class:`gockpt._pipeline.Pipeline`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ._pipeline import Pipeline
+from ._record import Phase, SaveRecord
+from .errors import CheckpointTornError
+from .handle import SaveHandle
+from .layout import Unit
+from .replay import snapshot_hparams
+from .snapshot import storage_key, to_skeleton
+from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
+
+
+class Windows:
+    """Copy windows of the saves in flight (GoCkpt §4.2), on the training thread."""
+
+    def __init__(self, model: nn.Module, optimizers: list[Optimizer],
+                 copier: CpuCopier | CudaCopier, pipeline: Pipeline) -> None:
+        self._model = model
+        self._optimizers = optimizers
+        self._copier = copier
+        self._pipeline = pipeline
+        self.saves: list[SaveRecord] = []  # requested, not finalized yet
+        self.window_s: float | None = None  # moving average of one copy window (planning)
+        self._t_update_end: float | None = None
+        self._fallback_warned = False
+        self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._guard_handles: list = []
+        # Parameter versions after each optimizer's latest update: a save requested after an
+        # edit outside optimizer.step() (a weight swap, load_state_dict) is copied at once.
+        self._updated_versions = {i: self._param_versions(i) for i in range(len(optimizers))}
+
+    # ------------------------------------------------------------------ request
+
+    def start(self, s: SaveRecord, t0: float, version: int) -> SaveHandle:
+        """Queue the first copy of ``s`` (``sync``/``async``: copy, capture and hand off now)."""
+        plan, metrics, handle = s.plan, s.metrics, s.handle
+        if plan.mode in ("sync", "async"):
+            self._copy_blocks(s, range(s.num_blocks), wait=True)
+            self._capture(s, version)
+            s.phase = Phase.CAPTURED
+            metrics.add_stall("copy", time.perf_counter() - t0 - metrics.stall_s)
+            if plan.mode == "sync":
+                ts = time.perf_counter()
+                self._pipeline.persist(s)
+                metrics.add_stall("persist", time.perf_counter() - ts)
+                self._pipeline.raise_errors()
+                handle.result()
+            else:
+                self._pipeline.finalize(s)
+            return handle
+        self.saves.append(s)
+        self._open_window(s)
+        if s.target == version:
+            self._capture(s, version)
+        metrics.add_stall("request", max(0.0, time.perf_counter() - t0 - metrics.stall_s))
+        return handle
+
+    def drop(self, s: SaveRecord) -> None:
+        """Forget ``s`` without handing it off (its request failed)."""
+        if s in self.saves:
+            self.saves.remove(s)
+
+    def cancel(self, s: SaveRecord) -> None:
+        """Cancel ``s``; one still in its windows is handed off to fail as cancelled."""
+        s.cancel.set()
+        if s in self.saves:
+            self.finalize(s)
+
+    # ------------------------------------------------------------------ step events
+
+    def after_update(self, opt_index: int, version: int, now: float) -> None:
+        """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
+        self._t_update_end = now
+        self._updated_versions[opt_index] = self._param_versions(opt_index)
+        for s in list(self.saves):
+            if s.phase is Phase.COPYING:
+                self.fail(s, CheckpointTornError(
+                    f"{s.path}: an optimizer update ran while block {s.window} was being copied; "
+                    "call before_update() before every update in explicit mode"))
+                continue
+            if s.window >= s.num_blocks - 1:
+                continue
+            self._capture_grads(s, opt_index)
+            s.window += 1
+            self._open_window(s)
+
+    def edited_since_update(self) -> bool:
+        """True if a parameter changed in place after its optimizer's latest update."""
+        return any(p._version != v for vs in self._updated_versions.values() for p, v in vs)
+
+    def _param_versions(self, opt_index: int) -> list[tuple[torch.Tensor, int]]:
+        return [(p, p._version) for g in self._optimizers[opt_index].param_groups for p in g["params"]]
+
+    def capture_due(self, version: int) -> bool:
+        """Whether a save takes its non-tensor state at step ``version``."""
+        return any(not s.captured and s.target == version for s in self.saves)
+
+    def boundary(self, version: int) -> None:
+        """A step boundary at ``version``: saves whose captured step it is take their state."""
+        for s in list(self.saves):
+            if not s.captured and s.target == version:
+                self._try_capture(s, version)
+
+    def window_end(self, version: int) -> None:
+        """End the open copy windows (right before an update); waits for their copies."""
+        now = time.perf_counter()
+        if self._t_update_end is not None:
+            w = now - self._t_update_end
+            self.window_s = w if self.window_s is None else 0.8 * self.window_s + 0.2 * w
+        for s in list(self.saves):
+            if s.phase is not Phase.COPYING:
+                continue
+            t0 = time.perf_counter()
+            try:
+                s.tickets[s.window].fence_compute()
+                self._check_versions(s)
+            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+                self.fail(s, e)
+                continue
+            s.phase = Phase.COPIED
+            s.metrics.add_stall("window_end", time.perf_counter() - t0)
+            if not s.captured and s.target == version:
+                if not self._fallback_warned and s.num_blocks > 1:
+                    # stacklevel: this, Engine.before_update (or the step pre-hook), its caller.
+                    warnings.warn("gockpt: non-tensor state taken at the next update's window end; "
+                                  "call engine.step_end() after each step for the exact boundary",
+                                  stacklevel=3)
+                    self._fallback_warned = True
+                if not self._try_capture(s, version):
+                    continue
+            if s.window == s.num_blocks - 1:
+                self.finalize(s)
+
+    def flush(self, version: int) -> None:
+        """Finish the copy windows of every pending save at step ``version``."""
+        self.release_guards(wait=True)
+        for s in list(self.saves):
+            tf = time.perf_counter()
+            try:
+                if s.phase is Phase.COPYING:
+                    s.tickets[s.window].wait()
+                    self._check_versions(s)
+                rest = range(s.window + 1, s.num_blocks)
+                if len(rest):
+                    self._copy_blocks(s, rest, wait=True)
+            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+                self.fail(s, e)
+                continue
+            s.phase = Phase.COPIED
+            s.window = s.num_blocks - 1
+            s.target = version
+            s.metrics.num_overlap_steps = s.target - s.metrics.requested_step + 1
+            if not s.captured and not self._try_capture(s, version):
+                continue
+            s.metrics.add_stall("flush", time.perf_counter() - tf)
+            self.finalize(s)
+
+    # ------------------------------------------------------------------ hand-off
+
+    def finalize(self, s: SaveRecord) -> None:
+        """Hand ``s`` to the pipeline: replay of its last gradients, then persist."""
+        if s.handed_off:  # twice would queue its persist twice
+            return
+        s.phase = Phase.FINALIZED
+        if s in self.saves:
+            self.saves.remove(s)
+        self._pipeline.finalize(s)
+
+    def fail(self, s: SaveRecord, e: BaseException) -> None:
+        """Fail ``s`` with ``e``; the persist reports it (raised at a later hook or call)."""
+        s.failed = e
+        s.cancel.set()
+        self.finalize(s)
+
+    # ------------------------------------------------------------------ copies
+
+    def _open_window(self, s: SaveRecord) -> None:
+        self._copy_blocks(s, [s.window], wait=False)
+        s.phase = Phase.COPYING
+
+    def _copy_blocks(self, s: SaveRecord, blocks: Sequence[int] | range, wait: bool) -> None:
+        pairs = []
+        s.versions = []
+        for j in blocks:
+            for i in s.plan.blocks[j]:
+                u = s.layout.units[i]
+                for e in (u.param_entry, *u.state_entries.values()):
+                    pairs.append((e.tensor, s.views[e.key]))
+                    s.versions.append((e.tensor, e.tensor._version))
+        nbytes = sum(d.numel() * d.element_size() for _, d in pairs)
+        s.metrics.state_bytes += nbytes
+        ticket = self._copier.copy(pairs, PRIORITY_STATE)
+        for j in blocks:
+            s.tickets[j] = ticket
+        if wait:
+            ticket.wait()
+            self._check_versions(s)
+
+    def _check_versions(self, s: SaveRecord) -> None:
+        for t, v in s.versions:
+            if t._version != v:
+                # Not an engine fault: code outside optimizer.step() edited the state after the
+                # request. This save cannot hold the requested state; training goes on.
+                s.overtaken = True
+                raise CheckpointTornError(
+                    f"{s.path}: a tensor changed while it was copied (edited outside "
+                    "optimizer.step() after the save was requested); this checkpoint is not "
+                    "written. Call engine.flush() before such edits, or save with mode='async'")
+
+    def _capture_grads(self, s: SaveRecord, opt_index: int) -> None:
+        """Copy the gradients of the update just applied for blocks 0..window (GoCkpt §4.2.2)."""
+        opt = self._optimizers[opt_index]
+        units = [
+            i for j in range(s.window + 1) for i in s.plan.blocks[j]
+            if s.layout.units[i].optimizer_index == opt_index and s.layout.units[i].param.grad is not None
+            and not (not s.layout.units[i].state_entries and opt.state.get(s.layout.units[i].param))
+        ]
+        turn = s.grad_turn
+        s.grad_turn ^= 1
+        t0 = time.perf_counter()
+        s.slot.grad_busy[turn].wait()  # the replay of the update before last has released it
+        s.metrics.add_stall("grad_buffer", time.perf_counter() - t0)
+        s.slot.grad_busy[turn].clear()
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (s.layout.units[i].param.grad, s.grad_views[turn][i]) for i in units  # type: ignore[misc]
+        ]
+        hparams = [snapshot_hparams(g) for g in opt.param_groups]
+        ticket = self._copier.copy(pairs, PRIORITY_GRAD, check_versions=True)
+        s.grad_tickets.append(ticket)
+        s.metrics.grad_bytes += ticket.nbytes
+        if s.plan.mode == "gockpt":
+            t0 = time.perf_counter()
+            ticket.wait()
+            s.metrics.add_stall("grad_copy", time.perf_counter() - t0)
+        else:
+            self._guard(ticket, pairs)
+        self._pipeline.submit_replay(s, (opt_index, type(opt), hparams, units, turn), ticket)
+
+    # ------------------------------------------------------------------ gockpt_o guards
+
+    def _guard(self, ticket: CopyTicket, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # gockpt_o (§4.2.4): the copy overlaps the next forward; the next backward must not
+        # accumulate into a gradient still being read. A tensor hook on each parameter fires
+        # before accumulation, so it waits there when the same gradient tensor is still live.
+        self._pending_grads.append((ticket, pairs))
+        by_grad = {id(g) for g, _ in pairs}
+        for o in self._optimizers:
+            for group in o.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and id(p.grad) in by_grad and p.requires_grad:
+                        self._guard_handles.append(p.register_hook(self._guard_hook(p, ticket)))
+
+    def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket):
+        def hook(grad: torch.Tensor) -> None:
+            if p.grad is not None and not ticket.done():
+                t0 = time.perf_counter()
+                ticket.wait()
+                for s in self.saves:
+                    s.metrics.add_stall("guard", (time.perf_counter() - t0) / max(1, len(self.saves)))
+        return hook
+
+    def release_guards(self, wait: bool) -> None:
+        """Drop the gradient guards whose copies ended (``wait``: wait for all of them first)."""
+        if not self._pending_grads:
+            return
+        if wait:
+            for t, _ in self._pending_grads:
+                t.wait()
+        if all(t.done() for t, _ in self._pending_grads):
+            self._pending_grads.clear()
+            for h in self._guard_handles:
+                h.remove()
+            self._guard_handles.clear()
+
+    def wrap_zero_grad(self, opt: Optimizer) -> None:
+        """Make ``opt.zero_grad(set_to_none=False)`` wait for the guarded gradient copies."""
+        # An in-place zero_grad(set_to_none=False) would overwrite gradients still being copied
+        # in gockpt_o mode; wait for those copies first.
+        original = opt.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if not set_to_none:
+                self.release_guards(wait=True)
+            original(set_to_none=set_to_none)
+
+        opt.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ capture
+
+    def _try_capture(self, s: SaveRecord, version: int) -> bool:
+        try:
+            self._capture(s, version)
+            return True
+        except BaseException as e:  # noqa: BLE001 - fails this checkpoint; raised at the next hook
+            self.fail(s, e)
+            return False
+
+    def _capture(self, s: SaveRecord, version: int) -> None:
+        """Take the state tree, buffers and param groups at the captured step ``version``.
+
+        The tree (``state_fn()``, the model's state_dict, the optimizers' state_dicts) is copied
+        at once with :func:`gockpt.snapshot.to_skeleton`: a tensor that is a tracked tensor of
+        this save becomes a reference to its shard entry, any other tensor (a hook's edit,
+        optimizer state created inside the copy window) is copied to the CPU now. Units whose
+        optimizer state appeared or was replaced during the windows are not referenced: their
+        host copies were not brought forward, so their live values are copied here instead.
+        """
+        t0 = time.perf_counter()
+        # One traversal of the module tree serves both the state tree and the buffers.
+        current = self._model.state_dict(keep_vars=True)
+        live: dict[tuple, str] = {}
+        for u in s.layout.units:
+            if self._dirty(u):
+                continue
+            live[storage_key(u.param_entry.tensor)] = u.param_entry.key
+            for e in u.state_entries.values():
+                live[storage_key(e.tensor)] = e.key
+        pairs = []
+        if s.layout.static:
+            # Re-read: a forward may rebind a buffer (``self.count = self.count + 1``).
+            for e in s.layout.static:
+                t = current.get(e.key[len("model."):]) if e.key.startswith("model.") else e.tensor
+                if not isinstance(t, torch.Tensor) or t.dtype != e.spec.dtype \
+                        or tuple(t.shape) != e.spec.shape:
+                    raise CheckpointTornError(f"{s.path}: {e.key} changed shape or dtype during the save")
+                pairs.append((t.detach(), s.views[e.key]))
+                live[storage_key(t)] = e.key
+        if pairs:
+            t = self._copier.copy(pairs, PRIORITY_GRAD)
+            t.wait()
+            s.metrics.state_bytes += t.nbytes
+        # The skeleton owns copies of everything that is not a reference, so it is serialized
+        # later on the persist thread.
+        s.extra = {
+            "user": to_skeleton(s.state_fn(), live) if s.state_fn is not None else None,
+            "optimizers": [to_skeleton(o.state_dict(), live) for o in self._optimizers],
+            "model": to_skeleton(current, live),
+        }
+        s.metrics.captured_step = version
+        s.metrics.add_stall("capture", time.perf_counter() - t0)
+
+    def _dirty(self, u: Unit) -> bool:
+        """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from."""
+        st = self._optimizers[u.optimizer_index].state.get(u.param, {})
+        now = {n: storage_key(t) for n, t in st.items() if isinstance(t, torch.Tensor)}
+        return now != {n: storage_key(e.tensor) for n, e in u.state_entries.items()}
