@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import Store
 
-from gockpt import persist as persist_mod
 from gockpt.errors import CheckpointStorageError
 from gockpt.load import read_checkpoint
 from gockpt.persist import CheckpointCancelledError, persist
 from gockpt.storage import is_complete, latest_checkpoint
+from gockpt.targets import LocalTarget
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -288,11 +288,22 @@ def test_local_regular_file_at_path_is_replaced(tmp_path, make_request, make_ten
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "latest"]
 
 
-def test_local_resave_without_atomic_exchange(tmp_path, make_request, make_tensors, monkeypatch):
-    monkeypatch.setattr(persist_mod, "_exchange", lambda a, b: False)
+class _NoExchange(LocalTarget):
+    """A local filesystem without renameat2(RENAME_EXCHANGE), through the public target seam."""
+
+    @staticmethod
+    def exchange(a, b):
+        return False
+
+
+def test_local_resave_without_atomic_exchange(tmp_path, make_request, make_tensors):
     path = str(tmp_path / "ckpt")
-    persist(make_request(path, make_tensors(1), step=1))
-    persist(make_request(path, make_tensors(2), step=2))
+
+    def target(fs, root, names, timeout_s):
+        return _NoExchange(fs, root)
+
+    persist(make_request(path, make_tensors(1), step=1, target_factory=target))
+    persist(make_request(path, make_tensors(2), step=2, target_factory=target))
     assert_loads_as(path, make_tensors(2), 2)
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "latest"]
 
@@ -302,7 +313,7 @@ def test_local_exchange_swaps_two_directories(tmp_path):
     a.mkdir()
     b.mkdir()
     (a / "x").write_text("from a")
-    if not persist_mod._exchange(str(a), str(b)):
+    if not LocalTarget.exchange(str(a), str(b)):
         pytest.fail("renameat2(RENAME_EXCHANGE) is unavailable on this Linux host")
     assert (b / "x").read_text() == "from a" and not (a / "x").exists()
 

@@ -1,0 +1,375 @@
+"""Storage targets: where one save's files go and how it is published (a public seam).
+
+:func:`gockpt.persist.persist` writes every file of a save through a :class:`StorageTarget`
+and publishes through it; :func:`open_target` picks the default one for a path. A caller can
+plug its own (``PersistRequest.target_factory``): another publish protocol, or faults injected
+into writes and publishes in tests.
+
+- :class:`LocalTarget`: a staging directory beside the checkpoint, renamed (or atomically
+  exchanged) into place, parent fsynced (PCcheck §4.1); across devices a copy, manifest last.
+- :class:`ObjectTarget`: files written in place under names unique to the save, the manifest
+  put last publishes (GoCkpt §4.4.3: the metadata marks completion).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import xxhash
+from fsspec import AbstractFileSystem
+
+from gockpt import storage
+from gockpt.manifest import check_name
+
+__all__ = ["LocalTarget", "ObjectTarget", "StorageTarget", "open_target"]
+
+log = logging.getLogger("gockpt.persist")
+
+
+def open_target(
+    fs: AbstractFileSystem, root: str, names: list[str], timeout_s: float | None
+) -> StorageTarget:
+    """The default target of a checkpoint at ``root`` of ``fs``.
+
+    Args:
+        fs, root: the filesystem and the checkpoint directory's path in it.
+        names: every file name the save will write (object stores refuse names the published
+            checkpoint at ``root`` uses).
+        timeout_s: object stores: bound in seconds on one write call; None: none.
+
+    Raises:
+        ValueError: a name belongs to the published checkpoint at ``root`` (object stores).
+        OSError: the staging directory or its lock cannot be created (local).
+    """
+    if storage.is_local(fs):
+        return LocalTarget(fs, root)
+    return ObjectTarget(fs, root, names, timeout_s)
+
+
+class StorageTarget:
+    """Where one save writes and how it is published.
+
+    Call order: :meth:`write` for every file (from several io threads at once), then
+    :meth:`prepare` and :meth:`publish` with the manifest bytes, then :meth:`cleanup`, which
+    always runs last (also after an error) and never raises.
+
+    Attributes:
+        manifest_path: where the manifest is written (for error messages).
+    """
+
+    manifest_path: str
+
+    def file_path(self, name: str) -> str:
+        """The path (in the target's filesystem) file ``name`` is written to."""
+        raise NotImplementedError
+
+    def write(
+        self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
+    ) -> tuple[int, str]:
+        """Write ``pieces`` as file ``name``; call ``check()`` before each piece (it raises
+        to abort). Returns (bytes written, xxh3-64 hex digest of them)."""
+        raise NotImplementedError
+
+    def prepare(self, manifest: bytes) -> None:
+        """Make the manifest ready to publish (outside the publish lock)."""
+
+    def publish(self, manifest: bytes) -> None:
+        """Make the checkpoint complete and visible at once (under the publish lock)."""
+        raise NotImplementedError
+
+    def cleanup(self, published: bool) -> None:
+        """Remove whatever of this save is not the published checkpoint; never raises."""
+        raise NotImplementedError
+
+
+class LocalTarget(StorageTarget):
+    """A staging directory beside the checkpoint, renamed into place (PCcheck §4.1).
+
+    The staging directory holds a lock file, ``flock``-ed until the publish, so a clean-up in
+    any process (any PID namespace) sees that this writer is alive.
+    """
+
+    def __init__(self, fs: AbstractFileSystem, root: str) -> None:
+        self.fs = fs
+        self.root = root
+        self.parent, name = storage._split(root)
+        os.makedirs(self.parent, exist_ok=True)
+        tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+        self.staging = os.path.join(self.parent, f".{name}.gockpt-tmp-{tag}")
+        self.aside = os.path.join(self.parent, f".{name}.gockpt-old-{tag}")
+        os.mkdir(self.staging)
+        try:
+            self.lock = storage.lock_staging(self.staging)
+        except BaseException:
+            storage._remove_local(self.staging)
+            raise
+        self.manifest_path = os.path.join(self.staging, storage.MANIFEST_NAME)
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.staging, name)
+
+    @staticmethod
+    def exchange(a: str, b: str) -> bool:
+        """Atomically swap two existing paths; False where the system cannot (then the old
+        checkpoint is moved aside and the new one renamed in: two renames)."""
+        return _exchange(a, b)
+
+    def write(
+        self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
+    ) -> tuple[int, str]:
+        digest = xxhash.xxh3_64()
+        nbytes = 0
+        with self.fs.open(self.file_path(name), "wb") as f:
+            for piece in pieces:
+                check()
+                f.write(piece)
+                digest.update(piece)
+                nbytes += len(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes, digest.hexdigest()
+
+    def prepare(self, manifest: bytes) -> None:
+        with self.fs.open(self.manifest_path, "wb") as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        storage.fsync_path(self.staging)
+
+    def publish(self, manifest: bytes) -> None:
+        # The lock file must not enter the checkpoint; the lock itself stays held (on the
+        # unlinked inode) until cleanup, and a cleaner that finds no lock file in a staging
+        # directory leaves it to its owner's PID (see storage.cleanup_staging).
+        storage.unlock_staging(self.lock, unlink=True)
+        self.lock = None
+        try:
+            if not os.path.lexists(self.root):
+                os.rename(self.staging, self.root)
+            elif not self.exchange(self.staging, self.root):
+                # No atomic exchange here: move the old checkpoint aside, then rename; a crash
+                # in between leaves it at the aside name, which cleanup_staging renames back.
+                os.rename(self.root, self.aside)
+                try:
+                    os.rename(self.staging, self.root)
+                except BaseException:
+                    os.rename(self.aside, self.root)
+                    raise
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            self._publish_by_copy()
+        storage.fsync_path(self.parent)
+
+    def _publish_by_copy(self) -> None:
+        """Publish across devices (the path is a mount point, ...): copy, manifest last.
+
+        Not atomic, but never taken for complete early: a copy without its manifest is not a
+        checkpoint (strict ``is_complete``). A previous checkpoint at the same path loses its
+        manifest first, so a crash in between leaves nothing that looks complete.
+        """
+        log.warning(
+            "gockpt: %s is on another device than its parent folder: publishing by copy "
+            "(not atomic; a crash during the copy leaves no checkpoint at this path)", self.root,
+        )
+        if os.path.lexists(self.root):
+            storage._remove_local_checkpoint(self.root)
+        os.makedirs(self.root, exist_ok=True)
+        names = sorted(n for n in os.listdir(self.staging) if n != storage.MANIFEST_NAME)
+        for batch in (names, [storage.MANIFEST_NAME]):
+            for name in batch:
+                dst = os.path.join(self.root, name)
+                shutil.copyfile(os.path.join(self.staging, name), dst)  # sendfile: GIL released
+                storage.fsync_path(dst)
+            storage.fsync_path(self.root)  # the shards' entries are durable before the manifest
+
+    def cleanup(self, published: bool) -> None:
+        # After an exchange the staging name holds the previous checkpoint.
+        for path in (self.staging, self.aside):
+            try:
+                storage._remove_local(path)
+            except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
+                log.warning("gockpt: could not remove %s (cleanup_staging will): %s", path, e)
+        storage.unlock_staging(self.lock, unlink=False)
+        self.lock = None
+
+
+class ObjectTarget(StorageTarget):
+    """Files written in place under names unique to this save; the manifest put publishes.
+
+    A failed file is discarded (s3fs: its multipart upload aborted), then every object this
+    save started is deleted in one bulk request; the original error is what the save raises.
+    """
+
+    def __init__(
+        self, fs: AbstractFileSystem, root: str, names: list[str], timeout_s: float | None
+    ) -> None:
+        self.fs = fs
+        self.root = root
+        self.timeout_s = timeout_s
+        self.manifest_path = storage._join(root, storage.MANIFEST_NAME)
+        self.started: list[str] = []
+        self.replaced: set[str] = set()
+        self.publish_attempted = False
+        clash = sorted(set(names) & (self._manifest_files() or set()))
+        if clash:
+            # Overwriting a file the published manifest names would corrupt it in place.
+            raise ValueError(
+                f"{root}: file {clash[0]!r} belongs to the published checkpoint; "
+                "shard prefixes must be unique per save"
+            )
+        # Object stores need no directories; filesystems without rename (sftp, ...) do.
+        self.created_dir = not fs.exists(root)
+        if self.created_dir:
+            fs.makedirs(root, exist_ok=True)
+
+    def file_path(self, name: str) -> str:
+        return storage._join(self.root, name)
+
+    def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one write; past ``timeout_s`` the file fails even if the call came back."""
+        t0 = time.monotonic()
+        out = fn()
+        if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
+            # The caller names the checkpoint and file (storage.storage_error).
+            raise TimeoutError(f"one write took over {self.timeout_s:g} s (storage_timeout_s)")
+        return out
+
+    def write(
+        self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
+    ) -> tuple[int, str]:
+        digest = xxhash.xxh3_64()
+        nbytes = 0
+        self.started.append(name)
+        f = self.fs.open(self.file_path(name), "wb")
+        try:
+            for piece in pieces:
+                check()
+                self._timed(name, functools.partial(f.write, piece))
+                digest.update(piece)
+                nbytes += len(piece)
+            self._timed(name, f.close)
+        except BaseException:
+            _abandon(f, self.file_path(name))
+            raise
+        return nbytes, digest.hexdigest()
+
+    def _manifest_files(self) -> set[str] | None:
+        try:
+            raw = storage.read_bounded(
+                self.fs, self.manifest_path, max_bytes=storage.MAX_METADATA_BYTES
+            )
+            files = json.loads(raw)["files"]
+            return {name for name in files if _plain(name)}
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
+            return None
+
+    def publish(self, manifest: bytes) -> None:
+        self.replaced = self._manifest_files() or set()
+        self.publish_attempted = True
+        self.fs.pipe_file(self.manifest_path, manifest)
+
+    def cleanup(self, published: bool) -> None:
+        try:
+            self._cleanup(published)
+        except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
+            log.warning("gockpt: cleaning up after a save of %s failed: %s", self.root, e)
+
+    def _cleanup(self, published: bool) -> None:
+        ours = set(self.started)
+        if published:
+            doomed = self.replaced - ours
+        elif self.publish_attempted:
+            # The put raised, yet it may have landed: delete our files only if the manifest
+            # there provably does not name them.
+            current = self._manifest_files()
+            doomed = ours if current is not None and not (current & ours) else set()
+        else:
+            doomed = ours
+        if doomed:
+            paths = sorted(self.file_path(name) for name in doomed)
+            try:
+                self.fs.rm(paths)  # one bulk request on S3
+            except FileNotFoundError:
+                for path in paths:
+                    storage._remove_file(self.fs, path)
+            except Exception as e:  # noqa: BLE001 - reported, the save's error wins
+                log.warning(
+                    "gockpt: could not delete %d object(s) of a %s save of %s: %s: %s",
+                    len(paths), "replaced" if published else "failed", self.root,
+                    type(e).__name__, e,
+                )
+        if self.created_dir and not published:
+            try:
+                self.fs.rmdir(self.root)
+            except Exception:  # noqa: BLE001 - many stores have no directories to remove
+                pass
+
+
+def _plain(name: object) -> bool:
+    try:
+        check_name(name, "")
+    except ValueError:
+        return False
+    return True
+
+
+def _abandon(f: Any, path: str) -> None:
+    """Drop a half-written remote file without committing it where the backend allows
+    (s3fs: ``discard()`` aborts the multipart upload)."""
+    try:
+        discard = getattr(f, "discard", None)
+        if discard is not None:
+            discard()
+            f.closed = True  # a discarded buffered file must not flush on garbage collection
+        else:
+            f.close()
+    except Exception as e:  # noqa: BLE001 - the caller deletes the object and re-raises
+        log.warning("gockpt: could not discard the partial upload of %s: %s: %s",
+                    path, type(e).__name__, e)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns:
+        False when the call or the flag is unsupported here (nothing changed).
+
+    Raises:
+        OSError: any other failure (nothing changed).
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
