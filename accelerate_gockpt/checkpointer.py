@@ -26,9 +26,9 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import broadcast_object_list
 from torch import nn
 
 import gockpt
@@ -38,7 +38,9 @@ from gockpt.storage import cleanup_staging
 from . import _host_state, _publish
 from ._models import engine_model
 from ._ranks import RankCapture
-from .plugin import GoCkptPlugin
+
+if TYPE_CHECKING:
+    from .plugin import GoCkptPlugin
 
 log = logging.getLogger("accelerate_gockpt")
 
@@ -49,8 +51,6 @@ With automatic naming the unfinished ones are hidden entries of ``checkpoints/``
 ``.0-<name>...``: Accelerate orders that folder by the first run of digits in each name, so a
 leftover of a killed process sorts first and plain ``load_state()`` never picks it."""
 
-_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM,
-                DistributedType.XLA)
 _PATCHED = ("save_state", "load_state", "accumulate", "end_training")
 
 
@@ -498,47 +498,3 @@ def _remove_if_empty(folder: str) -> None:
         os.rmdir(folder)
     except OSError:
         pass
-
-
-def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckpointer | None:
-    """Route a prepared accelerator's ``save_state``/``load_state`` through GoCkpt.
-
-    Call once on every process, after the last ``accelerator.prepare(...)``::
-
-        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        attach(accelerator)     # options from GOCKPT_* variables or GOCKPT_CONFIG_FILE
-
-    The engine sees ``accelerator.unwrap_model(model)`` and the optimizers inside Accelerate's
-    wrappers, whose step hooks count real updates only: steps skipped during gradient
-    accumulation or on a GradScaler overflow are never replayed. Accelerate runs no closures, so
-    an optimizer's step pre-hook ends each copy window.
-
-    Args:
-        accelerator: an ``accelerate.Accelerator`` with at least one prepared model and optimizer.
-        plugin: options; ``GoCkptPlugin()`` (environment, then config file) when None.
-
-    Returns:
-        The :class:`GoCkptCheckpointer`, or None when the plugin is disabled (Accelerate's own
-        methods stay in place).
-
-    Raises:
-        NotImplementedError: DeepSpeed, FSDP, Megatron-LM or XLA (their own checkpoint
-            formats), or ``save_on_each_node`` across several machines.
-        ValueError: nothing prepared, or a wrapper whose state_dict keys do not map onto the
-            unwrapped model's.
-        RuntimeError: already attached.
-        TypeError: an optimizer that is not a ``torch.optim.Optimizer``.
-    """
-    plugin = plugin if plugin is not None else GoCkptPlugin()
-    if not plugin.enabled:
-        return None
-    if accelerator.distributed_type in _UNSUPPORTED:
-        raise NotImplementedError(f"GoCkpt does not support {accelerator.distributed_type}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    if accelerator.project_configuration.save_on_each_node and local != accelerator.num_processes:
-        raise NotImplementedError("GoCkpt does not support save_on_each_node across machines")
-    if not accelerator._models or not accelerator._optimizers:
-        raise ValueError("attach GoCkpt after accelerator.prepare(model, optimizer, ...)")
-    if isinstance(getattr(accelerator.save_state, "__self__", None), GoCkptCheckpointer):
-        raise RuntimeError("GoCkpt is already attached to this accelerator")
-    return GoCkptCheckpointer(accelerator, plugin)

@@ -12,13 +12,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from accelerate.utils import DistributedType
 
 from gockpt import GoCkptConfig
 from gockpt import env as _env
 
-if TYPE_CHECKING:
-    from .checkpointer import GoCkptCheckpointer
+from .checkpointer import GoCkptCheckpointer
+
+_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM,
+                DistributedType.XLA)
+
 
 ENV_PREFIX = _env.ENV_PREFIX
 CONFIG_FILE_ENV = _env.CONFIG_FILE_ENV
@@ -124,8 +129,6 @@ class GoCkptPlugin:
 
     def attach(self, accelerator: Any) -> GoCkptCheckpointer | None:
         """Attach GoCkpt to a prepared ``accelerator``; see :func:`accelerate_gockpt.attach`."""
-        from .checkpointer import attach
-
         return attach(accelerator, self)
 
 
@@ -184,3 +187,47 @@ def _read_config_file(path: str) -> dict[str, Any]:
         if key not in known:
             raise ValueError(f"{path}: unknown key {key!r}; known keys: {sorted(known)}")
     return data
+
+
+def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckpointer | None:
+    """Route a prepared accelerator's ``save_state``/``load_state`` through GoCkpt.
+
+    Call once on every process, after the last ``accelerator.prepare(...)``::
+
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        attach(accelerator)     # options from GOCKPT_* variables or GOCKPT_CONFIG_FILE
+
+    The engine sees ``accelerator.unwrap_model(model)`` and the optimizers inside Accelerate's
+    wrappers, whose step hooks count real updates only: steps skipped during gradient
+    accumulation or on a GradScaler overflow are never replayed. Accelerate runs no closures, so
+    an optimizer's step pre-hook ends each copy window.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` with at least one prepared model and optimizer.
+        plugin: options; ``GoCkptPlugin()`` (environment, then config file) when None.
+
+    Returns:
+        The :class:`GoCkptCheckpointer`, or None when the plugin is disabled (Accelerate's own
+        methods stay in place).
+
+    Raises:
+        NotImplementedError: DeepSpeed, FSDP, Megatron-LM or XLA (their own checkpoint
+            formats), or ``save_on_each_node`` across several machines.
+        ValueError: nothing prepared, or a wrapper whose state_dict keys do not map onto the
+            unwrapped model's.
+        RuntimeError: already attached.
+        TypeError: an optimizer that is not a ``torch.optim.Optimizer``.
+    """
+    plugin = plugin if plugin is not None else GoCkptPlugin()
+    if not plugin.enabled:
+        return None
+    if accelerator.distributed_type in _UNSUPPORTED:
+        raise NotImplementedError(f"GoCkpt does not support {accelerator.distributed_type}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    if accelerator.project_configuration.save_on_each_node and local != accelerator.num_processes:
+        raise NotImplementedError("GoCkpt does not support save_on_each_node across machines")
+    if not accelerator._models or not accelerator._optimizers:
+        raise ValueError("attach GoCkpt after accelerator.prepare(model, optimizer, ...)")
+    if isinstance(getattr(accelerator.save_state, "__self__", None), GoCkptCheckpointer):
+        raise RuntimeError("GoCkpt is already attached to this accelerator")
+    return GoCkptCheckpointer(accelerator, plugin)
