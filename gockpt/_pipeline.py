@@ -29,7 +29,10 @@ from .handle import CheckpointMetrics
 from .layout import Unit
 from .persist import PersistRequest, persist
 from .replay import TorchReplay
+from .snapshot import resolve
+from .targets import LocalTarget
 from .transfer import CopyTicket, SlotPool
+from .writer import Snapshot
 
 log = logging.getLogger("gockpt")
 
@@ -135,6 +138,21 @@ class Pipeline:
         finally:
             s.slot.grad_busy[turn].set()
 
+    def _writer_parts(self, s: SaveRecord) -> tuple[Snapshot, dict]:
+        """The save's snapshot as its writer sees it, and the request fields the writer sets."""
+        writer = s.writer
+        assert writer is not None
+        ex = s.extra
+        snap = Snapshot(path=s.path, model_state_dict=resolve(ex["model"], s.views, s.path),
+                        optimizer_state_dicts=[resolve(o, s.views, s.path) for o in ex["optimizers"]],
+                        extra=resolve(ex["user"], s.views, s.path), metrics=s.metrics,
+                        staging=writer.staging)
+        hooks: dict = {"files": dict(writer.files(snap)),
+                       "before_publish": lambda _target: writer.before_publish(snap)}
+        if writer.staging is not None:
+            hooks["target_factory"] = lambda fs, root, names, timeout_s: LocalTarget(fs, root, writer.staging)
+        return snap, hooks
+
     def persist(self, s: SaveRecord) -> None:
         """Write ``s`` and resolve its handle (persist pool; the training thread in ``sync``)."""
         m = s.metrics
@@ -156,9 +174,12 @@ class Pipeline:
             }
             blob = io.BytesIO()
             torch.save(s.extra, blob)
+            snap, hooks = self._writer_parts(s) if s.writer is not None else (None, {})
             req = PersistRequest(
                 path=s.path, shards=s.shards, slot=s.slot.data, shard_bases=s.shard_bases,
-                extra=blob.getvalue(), aliases=s.layout.aliases, meta=meta,
+                extra=blob.getvalue(), meta=meta,
+                aliases=s.layout.aliases if s.shard_segments is None else {},
+                shard_segments=s.shard_segments, **hooks,
                 storage_options=self._config.storage_options, num_io_threads=self._config.num_io_threads,
                 chunk_bytes=self._config.chunk_bytes, update_latest=self._config.update_latest,
                 cancel=s.cancel, publish_lock=self._publish_lock,
@@ -167,6 +188,11 @@ class Pipeline:
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )
             res = persist(req)
+            if res.published and snap is not None:
+                try:
+                    s.writer.after_publish(snap)  # type: ignore[union-attr]
+                except Exception:  # noqa: BLE001 - the checkpoint is durable: report, keep it
+                    log.exception("gockpt: %s: the writer's after_publish failed", s.path)
             m.superseded = not res.published
             m.persist_bytes = res.bytes_written
             m.persist_s = res.seconds

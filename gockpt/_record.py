@@ -21,6 +21,7 @@ from .layout import StateLayout
 from .plan import CopyPlan
 from .snapshot import SlotLayout, host_view
 from .transfer import CopyTicket, Slot
+from .writer import CheckpointWriter, TensorFile, plan_tensor_files
 
 
 class Phase(enum.Enum):
@@ -77,6 +78,10 @@ class SaveRecord:
     # The failure is an outside edit's (a tracked tensor changed before its copy): logged by
     # the persist, never raised to the training thread.
     overtaken: bool = False
+    writer: CheckpointWriter | None = None  # None: GoCkpt's own layout
+    # Per shard, the slot byte ranges of its data in file order (a writer's files); None: one
+    # range per shard, from shard_bases.
+    shard_segments: list[list[tuple[int, int]]] | None = None
 
     @property
     def metrics(self) -> CheckpointMetrics:
@@ -116,8 +121,11 @@ def new_record(
     *,
     target: int,
     t_request: float,
+    writer: CheckpointWriter | None = None,
+    files: list[TensorFile] | None = None,
 ) -> SaveRecord:
-    """A record whose views map every tracked tensor (and gradient) onto ``slot``."""
+    """A record whose views map every tracked tensor (and gradient) onto ``slot``; ``files``:
+    ``writer.tensor_files(layout)`` (None: GoCkpt's shards)."""
     views = {}
     for e in layout.entries:
         views[e.key] = host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
@@ -128,5 +136,9 @@ def new_record(
     # File names unique to this save: overwriting a file that the checkpoint published at the
     # same path names would corrupt it.
     shards = slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}")
+    segments = None
+    if files is not None:
+        shards, segments = plan_tensor_files(files, layout, slot_layout)
     return SaveRecord(seq, path, handle, plan, layout, slot, views, grad_views, shards,
-                      slot_layout.bases, state_fn, target=target, t_request=t_request)
+                      slot_layout.bases, state_fn, target=target, t_request=t_request,
+                      writer=writer, shard_segments=segments)

@@ -15,12 +15,10 @@ thread each step runs on (GoCkpt §4.2-§4.4):
    own update rule: every block reaches version N+K-1.
 6. (training thread, first step boundary at version N+K-1) take the non-tensor state
    (``state_fn``), buffers and optimizer param groups: the captured step.
-7. (persist pool + I/O threads) shards, then the manifest, then the atomic publish and the
-   ``latest`` pointer (PCcheck §4.1).
-8. (any thread) ``handle.result()``.
+7. (persist pool + I/O threads) the files (GoCkpt's shards or a writer's, :mod:`gockpt.writer`),
+   then the manifest, the atomic publish and the ``latest`` pointer (PCcheck §4.1).
 
-``lazy`` is K = 1 (DataStates-LLM §V-A2); ``async`` copies everything at the request; ``sync``
-also persists on the training thread.
+``lazy`` is K = 1 (DataStates-LLM §V-A2); ``async`` copies all at the request; ``sync`` also persists.
 
 :class:`Engine` is a facade: planning is in :mod:`gockpt._planner`, the save record in
 :mod:`gockpt._record`, steps 1, 3, 4, 6 in :mod:`gockpt._windows`, 5, 7 in :mod:`gockpt._pipeline`.
@@ -51,6 +49,7 @@ from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
 from .storage import claim_directory, cleanup_staging, remove_checkpoint
 from .transfer import SlotPool, make_copier
+from .writer import CheckpointWriter
 
 log = logging.getLogger("gockpt")
 
@@ -136,6 +135,7 @@ class Engine:
         exact_step: bool = False,
         mode: str | None = None,
         max_overlap_steps: int | None = None,
+        writer: CheckpointWriter | None = None,
     ) -> SaveHandle:
         """Request a checkpoint of the state after the latest optimizer update.
 
@@ -151,6 +151,7 @@ class Engine:
             max_overlap_steps: upper bound on K for this checkpoint only (>= 1), e.g. the
                 updates left before a point the caller cannot resume from (an epoch end); it
                 also lowers ``config.min_overlap_steps``.
+            writer: how this checkpoint becomes files (:mod:`gockpt.writer`); None: GoCkpt's.
 
         Returns:
             A :class:`SaveHandle`; ``result()`` gives :class:`CheckpointMetrics`.
@@ -167,8 +168,7 @@ class Engine:
         t0 = time.perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
         if parent not in self._cleaned_dirs:
-            # One writing process per directory (refuses a second one; a dead or closed one
-            # does not block); then scratch files of writers killed mid-save.
+            # One writing process per directory, then scratch files of writers killed mid-save.
             claim = claim_directory(parent, self.config.storage_options,
                                     timeout_s=self.config.storage_timeout_s)
             self._claims.append(claim)
@@ -179,9 +179,8 @@ class Engine:
             raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
         mode = mode or self.config.mode
         if mode not in ("sync", "async") and self._windows.edited_since_update():
-            # The parameters were edited outside optimizer.step() (a weight swap around this
-            # save): the code that edited them may change them back before a later copy would
-            # run, so this save copies at the request, as a blocking save would.
+            # Edited outside optimizer.step() (a weight swap around this save): the editor may
+            # change them back before a later copy runs, so copy at the request, as stock does.
             log.info("gockpt: %s: parameters changed outside optimizer.step(); copied at the "
                      "request (async)", path)
             mode = "async"
@@ -196,14 +195,14 @@ class Engine:
         handle = SaveHandle(path, metrics)
         handle._flush = self._flush_windows
         slot_layout = self._planner.slot_layout(layout)
+        files = writer.tensor_files(layout) if writer is not None else None
         grad_offsets, grad_bytes = self._planner.grad_layout(layout, plan)
         self._planner.check_host_budget(slot_layout.nbytes + 2 * grad_bytes)
         tw = time.perf_counter()
         slot = self._slots.acquire(slot_layout.nbytes, grad_bytes, block=False)
         if slot is None and self.config.when_full == "wait":
-            # A save already past its windows frees its slot without training; saves still in
-            # their copy windows only advance with training, so when they hold every slot, finish
-            # them at this step, or the pool would wait for ever.
+            # Saves in their copy windows only advance with training: when they hold every
+            # slot, finish them at this step, or the pool would wait for ever.
             if not any(x.phase is Phase.FINALIZED and not x.handle.done() for x in self._all):
                 self._flush_windows()
             slot = self._slots.acquire(slot_layout.nbytes, grad_bytes, block=True,
@@ -219,7 +218,8 @@ class Engine:
             log.info("gockpt: no free host slot, skipped checkpoint %s", path)
             return handle
         s = new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
-                       target=self.version + plan.num_overlap_steps - 1, t_request=t0)
+                       target=self.version + plan.num_overlap_steps - 1, t_request=t0,
+                       writer=writer, files=files)
         self._all = [x for x in self._all if not x.handle.done()]
         self._all.append(s)
         try:

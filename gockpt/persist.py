@@ -81,6 +81,13 @@ class PersistRequest:
             non-local filesystem; None: the filesystem's own defaults and no chunk deadline.
         target_factory: ``(fs, root, names, timeout_s) -> StorageTarget``: where the files go
             and how the save is published (default :func:`gockpt.targets.open_target`).
+        shard_segments: per shard, the ``[begin, end)`` byte ranges of ``slot`` that make its
+            data section, in file order (a gather write: the tensors of one file need not be
+            adjacent in the slot); None: ``[(shard_bases[i], shard_bases[i] + data_bytes)]``.
+        files: more whole files to write (name -> bytes), listed in the manifest.
+        before_publish: called with the target after every file is written, before the
+            manifest (e.g. wait for files other processes add to a local staging directory);
+            it may raise to fail the save.
     """
 
     path: str
@@ -100,6 +107,9 @@ class PersistRequest:
     on_published: Callable[[], None] = lambda: None
     storage_timeout_s: float | None = storage.DEFAULT_STORAGE_TIMEOUT_S
     target_factory: Callable[..., StorageTarget] = open_target
+    shard_segments: list[list[tuple[int, int]]] | None = None
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    before_publish: Callable[[StorageTarget], None] = lambda target: None
 
 
 @dataclass
@@ -167,6 +177,8 @@ def persist(req: PersistRequest) -> PersistResult:
         manifest = build_manifest(req.shards, files, req.aliases, extra_name, req.meta)
         manifest_bytes = json.dumps(manifest, indent=1).encode()
         _check_cancel(req)
+        _guard(req, target.manifest_path, lambda _m: req.before_publish(target), b"")
+        _check_cancel(req)
         _guard(req, target.manifest_path, target.prepare, manifest_bytes)
         with req.publish_lock:
             _check_cancel(req)
@@ -214,18 +226,29 @@ def _check_request(req: PersistRequest) -> int | None:
     if len(req.shards) != len(req.shard_bases):
         raise ValueError(f"{len(req.shards)} shards but {len(req.shard_bases)} shard bases")
     names = set()
-    for shard, base in zip(req.shards, req.shard_bases, strict=True):
+    if req.shard_segments is not None and len(req.shard_segments) != len(req.shards):
+        raise ValueError(f"{len(req.shards)} shards but {len(req.shard_segments)} segment lists")
+    for i, shard in enumerate(req.shards):
         check_name(shard.file, req.path)
         if shard.file in names or shard.file == storage.MANIFEST_NAME:
             raise ValueError(
                 f"{req.path}: shard file name {shard.file!r} is used twice or reserved"
             )
         names.add(shard.file)
-        if base < 0 or base + shard.data_bytes > slot.numel():
-            raise ValueError(
-                f"shard {shard.file!r}: bytes [{base}, {base + shard.data_bytes}) "
-                f"lie outside the slot ({slot.numel()} bytes)"
-            )
+        segments = _segments(req, i)
+        if sum(e - b for b, e in segments) != shard.data_bytes:
+            raise ValueError(f"shard {shard.file!r}: its segments do not add up to its data")
+        for b, e in segments:
+            if not 0 <= b <= e <= slot.numel():
+                raise ValueError(
+                    f"shard {shard.file!r}: bytes [{b}, {e}) lie outside the slot "
+                    f"({slot.numel()} bytes)"
+                )
+    for name in req.files:
+        check_name(name, req.path)
+        if name in names or name == storage.MANIFEST_NAME:
+            raise ValueError(f"{req.path}: file name {name!r} is used twice or reserved")
+        names.add(name)
     keys = {k for shard in req.shards for k in shard.offsets}
     for alias, target in req.aliases.items():
         if target not in keys or alias in keys:
@@ -239,6 +262,13 @@ def _check_request(req: PersistRequest) -> int | None:
     if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError("meta['captured_step'] must be an int when update_latest is set")
     return step
+
+
+def _segments(req: PersistRequest, i: int) -> list[tuple[int, int]]:
+    if req.shard_segments is not None:
+        return req.shard_segments[i]
+    base = req.shard_bases[i]
+    return [(base, base + req.shards[i].data_bytes)]
 
 
 def _check_cancel(req: PersistRequest) -> None:
@@ -264,13 +294,20 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
     slot_view = req.slot.numpy().data
     extra_view = memoryview(req.extra)
     jobs: list[tuple[int, str, Callable[[], Iterator[memoryview | bytes]]]] = []
-    for shard, base in zip(req.shards, req.shard_bases, strict=True):
+    for i, shard in enumerate(req.shards):
 
-        def pieces(shard: ShardLayout = shard, base: int = base) -> Iterator[memoryview | bytes]:
+        def pieces(shard: ShardLayout = shard, i: int = i) -> Iterator[memoryview | bytes]:
             yield shard.header
-            yield from _chunks(slot_view, base, base + shard.data_bytes, req.chunk_bytes)
+            for b, e in _segments(req, i):
+                yield from _chunks(slot_view, b, e, req.chunk_bytes)
 
         jobs.append((shard.file_bytes, shard.file, pieces))
+    for name, data in req.files.items():
+
+        def whole(view: memoryview = memoryview(data)) -> Iterator[memoryview | bytes]:
+            return _chunks(view, 0, len(view), req.chunk_bytes)
+
+        jobs.append((len(data), name, whole))
     jobs.append(
         (
             len(extra_view),

@@ -99,15 +99,28 @@ class LocalTarget(StorageTarget):
     any process (any PID namespace) sees that this writer is alive.
     """
 
-    def __init__(self, fs: AbstractFileSystem, root: str) -> None:
+    def __init__(self, fs: AbstractFileSystem, root: str, staging: str | None = None) -> None:
+        """
+        Args:
+            fs, root: the local filesystem and the checkpoint directory.
+            staging: an existing, empty directory in ``root``'s parent to write into (created
+                by the caller at request time, so other processes can add their files, named
+                ``.<name>.gockpt-tmp-<pid>-<hex>`` so :func:`gockpt.storage.cleanup_staging`
+                knows it); None: a new one.
+        """
         self.fs = fs
         self.root = root
         self.parent, name = storage._split(root)
         os.makedirs(self.parent, exist_ok=True)
         tag = f"{os.getpid()}-{uuid.uuid4().hex}"
-        self.staging = os.path.join(self.parent, f".{name}.gockpt-tmp-{tag}")
         self.aside = os.path.join(self.parent, f".{name}.gockpt-old-{tag}")
-        os.mkdir(self.staging)
+        if staging is None:
+            self.staging = os.path.join(self.parent, f".{name}.gockpt-tmp-{tag}")
+            os.mkdir(self.staging)
+        else:
+            if os.path.dirname(os.path.abspath(staging)) != os.path.abspath(self.parent):
+                raise ValueError(f"staging {staging} must be in {self.parent} (one rename away)")
+            self.staging = staging
         try:
             self.lock = storage.lock_staging(self.staging)
         except BaseException:

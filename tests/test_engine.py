@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -10,6 +11,7 @@ import torch
 from _loop import assert_state_equal, make, snapshot, train
 
 import gockpt
+import gockpt.writer
 from gockpt import Engine, GoCkptConfig
 
 MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
@@ -607,4 +609,68 @@ def test_the_tracked_model_can_be_deep_copied_and_pickled_mid_save(tmp_path):
     eng.wait()
     state = gockpt.load_checkpoint(h.result().path)
     assert_state_equal(state.model_state_dict, want["model"])
+    eng.close()
+
+
+class _OwnLayout(gockpt.writer.CheckpointWriter):
+    """A writer with a layout of its own: the weights under their state_dict names in one
+    safetensors file, the optimizer state torch.save'd, hooks recorded."""
+
+    def __init__(self, staging=None):
+        self.staging = staging
+        self.calls = []
+
+    def tensor_files(self, layout):
+        names = {e.key: e.key.removeprefix("model.") for e in layout.entries if e.key.startswith("model.")}
+        return [gockpt.writer.TensorFile("model.safetensors", sorted(names.items()), {"format": "pt"})]
+
+    def files(self, snap):
+        import io
+
+        buf = io.BytesIO()
+        torch.save(copy_tree(snap.optimizer_state_dicts[0]), buf)
+        return {"optimizer.bin": buf.getvalue()}
+
+    def before_publish(self, snap):
+        self.calls.append(("before", sorted(os.listdir(snap.staging)) if snap.staging else None))
+
+    def after_publish(self, snap):
+        self.calls.append(("after", snap.metrics.captured_step))
+
+
+def copy_tree(tree):
+    import copy
+
+    return copy.deepcopy(tree)  # the snapshot's tensors are views of a reused host buffer
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt", "gockpt_o"])
+def test_a_writer_lays_out_the_files_and_they_equal_a_blocking_save(tmp_path, mode):
+    from safetensors.torch import load_file
+
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    live = {eng.version: snapshot(model, opt)}
+    staging = tmp_path / f".ckpt.gockpt-tmp-{os.getpid()}-ab12"
+    staging.mkdir()
+    (staging / "from_another_rank.pkl").write_bytes(b"x")  # a file another process added
+    writer = _OwnLayout(str(staging))
+    h = eng.save(str(tmp_path / "ckpt"), writer=writer)
+    train(model, opt, sched, scaler, 8, start_iter=3,
+          on_step_end=lambda it: live.setdefault(eng.version, snapshot(model, opt)))
+    eng.wait()
+    m = h.result()
+    want = live[m.captured_step]
+    files = sorted(os.listdir(tmp_path / "ckpt"))
+    assert "model.safetensors" in files and "optimizer.bin" in files and "from_another_rank.pkl" in files
+    assert not [f for f in files if f.startswith("shard-")]  # written once, in the writer's layout
+    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    for k, v in want["model"].items():
+        if v.is_floating_point():
+            assert torch.equal(weights[k], v), k
+    assert_state_equal(torch.load(tmp_path / "ckpt" / "optimizer.bin"), want["optim"])
+    assert writer.calls[0][0] == "before" and "model.safetensors" in writer.calls[0][1]
+    assert writer.calls[1] == ("after", m.captured_step)
+    assert gockpt.is_complete(str(tmp_path / "ckpt"))
     eng.close()
