@@ -1,29 +1,33 @@
-"""Rewrite a durable engine checkpoint in Accelerate's layout and publish it atomically.
+"""Accelerate's folder layout, written once by the engine (a :class:`gockpt.writer.CheckpointWriter`).
 
-Call sequence of one checkpoint (all on the main process's publisher thread, never on the
-training thread):
+Call sequence of one ``save_state`` (main process):
 
-1. the engine's checkpoint is durable; load it (local shards are memory-mapped).
-2. write ``model.safetensors`` (or ``pytorch_model.bin``), ``optimizer.bin``,
-   ``scheduler.bin``, ``sampler.bin`` / ``dl_state_dict.bin``, ``scaler.pt``,
-   ``random_states_0.pkl``, ``custom_checkpoint_<i>.pkl`` and the sidecar ``gockpt.json`` into
-   a staging folder on the checkpoint's filesystem, each file fsynced.
-3. wait until every other process has renamed its ``random_states_<rank>.pkl`` into the folder.
-4. fsync the folder and rename it to the checkpoint path (PCcheck §4.1: the old checkpoint is
-   never touched before the new one is complete), then delete the checkpoints past
-   ``total_limit`` (Accelerate deletes before it writes) and the engine's copy.
+1. (training thread, at the request) the checkpointer makes a staging folder beside the
+   checkpoint (``.0-<name>.gockpt-tmp-<pid>-<hex>``: Accelerate orders a folder by the first run
+   of digits in each name, so a leftover of a killed process sorts first and plain
+   ``load_state()`` never picks it) and asks the engine for the save with an
+   :class:`AccelerateWriter`; the other processes learn the folder (broadcast).
+2. (engine's io threads) ``model.safetensors`` is written zero-copy from the engine's host
+   snapshot, under Accelerate's key names (tied weights once, under their first name).
+3. (persist thread) ``optimizer.bin``, ``scheduler.bin``, ``sampler.bin`` / ``dl_state_dict.bin``,
+   ``scaler.pt``, ``random_states_0.pkl``, ``custom_checkpoint_<i>.pkl``, ``gockpt.json`` from the
+   snapshot at the captured step (``register_save_state_pre_hook`` hooks run first, as
+   Accelerate runs them); other processes rename their ``random_states_<rank>.pkl`` in.
+4. (persist thread) every rank's file present: the manifest, then the folder is renamed into
+   place (PCcheck §4.1: the old checkpoint is never touched before the new one is complete);
+   then the numbered checkpoints past ``total_limit`` are deleted (Accelerate deletes before it
+   writes), each crash-safely.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
-import shutil
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import safetensors.torch
@@ -39,7 +43,8 @@ from accelerate.utils import (
 )
 
 import gockpt
-from gockpt.storage import fsync_path
+from gockpt.layout import StateLayout
+from gockpt.writer import CheckpointWriter, Snapshot, TensorFile
 
 SIDECAR_NAME = "gockpt.json"
 """Beside Accelerate's files (its loader ignores it): ``iteration`` (the save's
@@ -52,72 +57,162 @@ SIDECAR_VERSION = 1
 _NUMBER = re.compile(r"([0-9]+)")
 
 
-@dataclass
-class PublishJob:
-    """One ``save_state`` on the main process.
-
-    Attributes:
-        final: the checkpoint directory.
-        staging: a fresh directory on the same filesystem, renamed to ``final`` when complete.
-        gockpt_path: the engine's checkpoint (local path or fsspec URL).
-        iteration: ``ProjectConfiguration.iteration`` this save used.
-        safe_serialization: safetensors (True) or ``torch.save`` (False) for the weights.
-        key_map: engine model key -> (model index, key in Accelerate's state_dict).
-        num_models: models prepared by the accelerator.
-        num_processes: processes, each contributing ``random_states_<rank>.pkl``.
-        rotate_root / total_limit: with automatic naming, where the numbered checkpoints are
-            and how many to keep (None: keep all).
-        timeout_s: how long to wait for the other processes' files.
-        pre_hooks: ``register_save_state_pre_hook`` hooks, called as Accelerate calls them:
-            ``hook(models, weights, output_dir)`` with the staging folder as ``output_dir``.
-        models: the accelerator's prepared models, passed to ``pre_hooks``.
-    """
-
-    final: str
-    staging: str
-    gockpt_path: str
-    iteration: int
-    safe_serialization: bool
-    key_map: dict[str, tuple[int, str]]
-    num_models: int
-    num_processes: int
-    rotate_root: str | None
-    total_limit: int | None
-    timeout_s: float
-    pre_hooks: list[Callable[..., Any]] = field(default_factory=list)
-    models: list[Any] = field(default_factory=list)
-
-
-def publish(job: PublishJob, metrics: gockpt.CheckpointMetrics, stopped: Callable[[], bool]) -> None:
-    """Write ``job`` in Accelerate's layout and rename it into place (see the module doc).
+class AccelerateWriter(CheckpointWriter):
+    """Writes one ``save_state`` in Accelerate's layout (see the module doc).
 
     Args:
-        job: what to publish; its engine checkpoint is durable.
-        metrics: the engine's metrics of that checkpoint.
-        stopped: True => give up waiting for other processes (closing after a failure).
-
-    Raises:
-        TimeoutError: another process's file did not appear within ``job.timeout_s``.
-        OSError: from the filesystem. On any error nothing is published; the staging folder
-            and the engine's copy are removed either way.
+        staging: the staging folder made at the request (beside the checkpoint).
+        key_map: engine model key -> (model index, Accelerate's key).
+        num_models: models prepared by the accelerator.
+        safe_serialization: weights as safetensors (True) or ``torch.save`` (False).
+        iteration: ``ProjectConfiguration.iteration`` of this save.
+        num_processes: processes, each contributing ``random_states_<rank>.pkl``.
+        rotate_root, total_limit: with automatic naming, where the numbered checkpoints are
+            and how many to keep (None: keep all).
+        timeout_s: how long to wait for the other processes' files, in seconds.
+        pre_hooks: ``register_save_state_pre_hook`` hooks: ``hook(models, weights, output_dir)``.
+        models: the accelerator's prepared models (passed to ``pre_hooks``).
+        stopped: True => stop waiting for other processes (the checkpointer is closing).
     """
-    try:
-        state = gockpt.load_checkpoint(job.gockpt_path, allow_pickle=True)
-        _write_files(job, state, metrics)
-        del state
-        _wait_for_ranks(job, stopped)
-        fsync_path(job.staging)
-        _rename_into_place(job)
-        if job.rotate_root is not None and job.total_limit is not None:
-            rotate(job.rotate_root, job.total_limit)
-    finally:
-        discard(job)
+
+    def __init__(self, *, staging: str, key_map: dict[str, tuple[int, str]], num_models: int,
+                 safe_serialization: bool, iteration: int, num_processes: int,
+                 rotate_root: str | None, total_limit: int | None, timeout_s: float,
+                 pre_hooks: list[Callable[..., Any]], models: list[Any],
+                 stopped: Callable[[], bool]) -> None:
+        self.staging = staging
+        self.key_map = key_map
+        self.num_models = num_models
+        self.safe_serialization = safe_serialization
+        self.iteration = iteration
+        self.num_processes = num_processes
+        self.rotate_root = rotate_root
+        self.total_limit = total_limit
+        self.timeout_s = timeout_s
+        self.pre_hooks = pre_hooks
+        self.models = models
+        self.stopped = stopped
+
+    def _weights_name(self, i: int) -> str:
+        base = SAFE_WEIGHTS_NAME if self.safe_serialization else WEIGHTS_NAME
+        return base if i == 0 else base.replace(".", f"_{i}.")
+
+    def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
+        if not self.safe_serialization or self.pre_hooks:
+            # Hooks may edit the weights before they are written: built in files() then.
+            return []
+        # A tied weight is stored once, under the first of its names in state_dict order, as
+        # Accelerate's clean_state_dict_for_safetensors keeps it (safetensors' load re-ties).
+        first: dict[str, str] = {}
+        for key in layout.model_keys:
+            first.setdefault(layout.aliases.get(key, key), key)
+        per_model: list[list[tuple[str, str]]] = [[] for _ in range(self.num_models)]
+        for canonical, key in first.items():
+            index, name = self.key_map[key]
+            per_model[index].append((f"model.{canonical}", name))
+        return [TensorFile(self._weights_name(i), pairs, {"format": "pt"})
+                for i, pairs in enumerate(per_model)]
+
+    def files(self, snapshot: Snapshot) -> Mapping[str, bytes]:
+        out: dict[str, bytes] = {}
+        if not self.safe_serialization or self.pre_hooks:
+            weights: list[dict[str, Any]] = [{} for _ in range(self.num_models)]
+            for key, value in snapshot.model_state_dict.items():
+                index, name = self.key_map[key]
+                weights[index][name] = value
+            for hook in self.pre_hooks:  # as Accelerator.save_state runs them
+                hook(self.models, weights, self.staging)
+            for i, sd in enumerate(weights):
+                if self.safe_serialization:
+                    out[self._weights_name(i)] = safetensors.torch.save(_untie(sd), {"format": "pt"})
+                else:
+                    out[self._weights_name(i)] = _saved(sd)
+        host = snapshot.extra
+        for i, osd in enumerate(snapshot.optimizer_state_dicts):
+            out[f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"] = _saved(osd)
+        for i, ssd in enumerate(host["schedulers"]):
+            out[f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"] = _saved(ssd)
+        for i, (sampler, dl_state) in enumerate(zip(host["samplers"], host["dataloaders"], strict=True)):
+            if sampler is not None:
+                out[f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"] = _saved(sampler)
+            if dl_state is not None:
+                out["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = _saved(dl_state)
+        if host["scaler"] is not None:
+            out[SCALER_NAME] = _saved(host["scaler"])
+        for i, obj_state in enumerate(host["custom"]):
+            out[f"custom_checkpoint_{i}.pkl"] = _saved(obj_state)
+        out[f"{RNG_STATE_NAME}_0.pkl"] = _saved(host["rng"])
+        m = snapshot.metrics
+        out[SIDECAR_NAME] = json.dumps({
+            "format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "iteration": self.iteration,
+            "requested_step": m.requested_step, "captured_step": m.captured_step, "mode": m.mode,
+            "num_overlap_steps": m.num_overlap_steps, "num_processes": self.num_processes,
+        }, indent=1).encode()
+        return out
+
+    def before_publish(self, snapshot: Snapshot) -> None:
+        # Files of other processes appear through a shared filesystem: nothing to block on.
+        staging = self.staging
+        assert staging is not None
+        missing = [f"{RNG_STATE_NAME}_{r}.pkl" for r in range(1, self.num_processes)]
+        deadline = time.monotonic() + self.timeout_s
+        while missing:
+            missing = [n for n in missing if not os.path.exists(os.path.join(staging, n))]
+            if not missing:
+                return
+            if self.stopped() or time.monotonic() > deadline:
+                raise TimeoutError(f"{snapshot.path}: other processes did not write {missing} "
+                                   f"within {self.timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def after_publish(self, snapshot: Snapshot) -> None:
+        if self.rotate_root is not None and self.total_limit is not None:
+            rotate(self.rotate_root, self.total_limit)
 
 
-def discard(job: PublishJob) -> None:
-    """Remove the staging folder and the engine's copy of ``job`` (missing ones are fine)."""
-    shutil.rmtree(job.staging, ignore_errors=True)
-    gockpt.remove_checkpoint(job.gockpt_path)
+def _untie(sd: dict[str, Any]) -> dict[str, Any]:
+    # Tied weights are one tensor under several names: keep the first (safetensors refuses
+    # shared memory; its load_model re-ties).
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            key = (v.untyped_storage().data_ptr(), int(v.storage_offset()))
+            if key in seen:
+                continue
+            seen.add(key)
+        out[k] = v
+    return out
+
+
+def _owned(obj: Any, memo: dict[tuple[int, int, tuple], torch.Tensor]) -> Any:
+    # The snapshot's tensors are views of one host buffer: torch.save would write all of it
+    # for each. Each gets storage of its own; views of one tensor (tied weights) stay one.
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), int(obj.storage_offset()), tuple(obj.shape))
+        if key not in memo:
+            memo[key] = obj.clone()
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: _owned(v, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_owned(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_owned(v, memo) for v in obj)
+    return obj
+
+
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(_owned(obj, {}), buf)
+    return buf.getvalue()
+
+
+def _save(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_rank_file(staging: str, rank: int, states: dict[str, Any]) -> bool:
@@ -162,7 +257,7 @@ def rotate(root: str, total_limit: int) -> list[str]:
     names = numbered(root)
     doomed = names[: max(0, len(names) - total_limit)]
     for name in doomed:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        gockpt.remove_checkpoint(os.path.join(root, name))  # renamed aside first: crash-safe
     return doomed
 
 
@@ -177,122 +272,3 @@ def read_sidecar(directory: str) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def _write_files(job: PublishJob, state: gockpt.LoadedState, metrics: gockpt.CheckpointMetrics) -> None:
-    host = state.extra
-    d = job.staging
-    models: list[dict[str, Any]] = [{} for _ in range(job.num_models)]
-    for key, value in state.model_state_dict.items():
-        index, name = job.key_map[key]
-        models[index][name] = value
-    for hook in job.pre_hooks:  # as Accelerator.save_state does, before the weights are written
-        hook(job.models, models, d)
-    for i, sd in enumerate(models):
-        base = SAFE_WEIGHTS_NAME if job.safe_serialization else WEIGHTS_NAME
-        name = base if i == 0 else base.replace(".", f"_{i}.")
-        sd = _untie(sd)
-        if job.safe_serialization:
-            path = os.path.join(d, name)
-            safetensors.torch.save_file(sd, path, metadata={"format": "pt"})
-            fsync_path(path)
-        else:
-            _save(_owned(sd), os.path.join(d, name))
-    for i, osd in enumerate(state.optimizer_state_dicts):
-        name = f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"
-        _save(_owned(osd), os.path.join(d, name))
-    for i, ssd in enumerate(host["schedulers"]):
-        _save(ssd, os.path.join(d, f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"))
-    for i, (sampler, dl_state) in enumerate(zip(host["samplers"], host["dataloaders"], strict=True)):
-        if sampler is not None:
-            _save(sampler, os.path.join(d, f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"))
-        if dl_state is not None:
-            _save(dl_state, os.path.join(d, "dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"))
-    if host["scaler"] is not None:
-        _save(host["scaler"], os.path.join(d, SCALER_NAME))
-    for i, obj_state in enumerate(host["custom"]):
-        _save(obj_state, os.path.join(d, f"custom_checkpoint_{i}.pkl"))
-    _save(host["rng"], os.path.join(d, f"{RNG_STATE_NAME}_0.pkl"))
-    sidecar = {
-        "format": SIDECAR_FORMAT,
-        "version": SIDECAR_VERSION,
-        "iteration": job.iteration,
-        "requested_step": metrics.requested_step,
-        "captured_step": metrics.captured_step,
-        "mode": metrics.mode,
-        "num_overlap_steps": metrics.num_overlap_steps,
-        "num_processes": job.num_processes,
-    }
-    path = os.path.join(d, SIDECAR_NAME)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(sidecar, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _untie(sd: dict[str, Any]) -> dict[str, Any]:
-    # Tied weights come back as one tensor object under several keys; keep the first key, as
-    # Accelerate's clean_state_dict_for_safetensors does (safetensors' load_model re-ties).
-    # Distinct tensors may share the memory map of one shard: that is not tying.
-    seen: set[int] = set()
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-        out[k] = v
-    return out
-
-
-def _owned(obj: Any) -> Any:
-    # torch.save writes a tensor's whole storage; a view into a memory-mapped shard would drag
-    # the shard along, so such tensors get storage of their own.
-    if isinstance(obj, torch.Tensor):
-        whole = obj.untyped_storage().nbytes()
-        return obj.clone() if whole != obj.numel() * obj.element_size() else obj
-    if isinstance(obj, dict):
-        return {k: _owned(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_owned(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_owned(v) for v in obj)
-    return obj
-
-
-def _save(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _wait_for_ranks(job: PublishJob, stopped: Callable[[], bool]) -> None:
-    missing = [f"{RNG_STATE_NAME}_{r}.pkl" for r in range(1, job.num_processes)]
-    deadline = time.monotonic() + job.timeout_s
-    while missing:
-        missing = [n for n in missing if not os.path.exists(os.path.join(job.staging, n))]
-        if not missing:
-            return
-        if stopped() or time.monotonic() > deadline:
-            raise TimeoutError(f"{job.final}: other processes did not write {missing} "
-                               f"within {job.timeout_s:.0f} s")
-        # Files of other processes appear through a shared filesystem: there is nothing to
-        # block on, so poll.
-        time.sleep(0.01)
-
-
-def _rename_into_place(job: PublishJob) -> None:
-    parent = os.path.dirname(job.final) or "."
-    os.makedirs(parent, exist_ok=True)
-    if os.path.lexists(job.final):
-        # save_state to an existing folder replaces it; the old one is moved into the staging
-        # area first, so a crash in between leaves the complete new one in staging, not a mix.
-        aside = os.path.join(os.path.dirname(job.staging),
-                             f".{os.path.basename(job.final)}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
-        os.rename(job.final, aside)
-        os.rename(job.staging, job.final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(job.staging, job.final)
-    fsync_path(parent)

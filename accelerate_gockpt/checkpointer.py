@@ -2,29 +2,27 @@
 
 Call sequence of one ``accelerator.save_state()`` once attached:
 
-1. (training thread, every process) the main process asks the engine for a checkpoint of the
-   unwrapped model and the inner optimizers into a staging location and broadcasts where it
-   goes and at which update it will be captured; the call returns after the engine's stall.
+1. (training thread, every process) the main process makes the checkpoint's staging folder and
+   asks the engine for a save of the unwrapped model and the inner optimizers with an
+   :class:`~._publish.AccelerateWriter`; it broadcasts the folder and the update at which the
+   save will be captured; the call returns after the engine's stall.
 2. (training thread) at the captured step (GoCkpt §4.2: K-1 updates later in the multi-step
    modes) the main process's ``state_fn`` takes RNG, schedulers, scaler, dataloader state,
-   registered objects and ``Accelerator.step``; the other processes take their RNG state
-   (:mod:`._ranks`).
-3. (engine threads) copy, replay and persist the engine's own checkpoint (GoCkpt §4.3-§4.4).
-4. (publisher thread, main process) rewrite it in Accelerate's layout and rename it into
-   place, then apply ``total_limit`` (:mod:`._publish`), so plain ``accelerator.load_state``
-   resumes from it.
+   registered objects and ``Accelerator.step``; the other processes write their RNG state into
+   the folder (:mod:`._ranks`).
+3. (engine threads) copy, replay and write Accelerate's files once, straight from the host
+   snapshot, then rename the folder into place and apply ``total_limit`` (:mod:`._publish`), so
+   plain ``accelerator.load_state`` resumes from it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import threading
+import shutil
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("accelerate_gockpt")
 
-STAGING_NAME = ".gockpt-staging"
-"""Folder beside an explicit ``output_dir`` holding its unfinished checkpoint; removed when empty.
-
-With automatic naming the unfinished ones are hidden entries of ``checkpoints/`` itself, named
-``.0-<name>...``: Accelerate orders that folder by the first run of digits in each name, so a
-leftover of a killed process sorts first and plain ``load_state()`` never picks it."""
-
 _PATCHED = ("save_state", "load_state", "accumulate", "end_training")
 
 
@@ -59,28 +50,26 @@ class AccelerateSave:
 
     Attributes:
         path: the checkpoint directory it publishes.
-        handle: the engine's :class:`gockpt.SaveHandle` (its own staging checkpoint).
+        handle: the engine's :class:`gockpt.SaveHandle`; done when the folder is in place.
     """
 
-    def __init__(self, seq: int, job: _publish.PublishJob, handle: gockpt.SaveHandle) -> None:
+    def __init__(self, seq: int, path: str, handle: gockpt.SaveHandle) -> None:
         self._seq = seq
-        self._job = job
-        self.path = job.final
+        self.path = path
         self.handle = handle
-        self._published: Future[gockpt.CheckpointMetrics] = Future()
 
     def done(self) -> bool:
         """Whether it is published, failed or skipped."""
-        return self._published.done()
+        return self.handle.done()
 
     def result(self, timeout_s: float | None = None) -> gockpt.CheckpointMetrics:
         """Block until published in Accelerate's layout; returns the engine's metrics.
 
         Raises:
             TimeoutError: not done within ``timeout_s`` seconds.
-            The error of the engine's save or of the publish.
+            The error of the save.
         """
-        return self._published.result(timeout_s)
+        return self.handle.result(timeout_s)
 
 
 class GoCkptCheckpointer:
@@ -120,15 +109,11 @@ class GoCkptCheckpointer:
         self._ranks: RankCapture | None = None
         self._model_hooks: list = []
         self._seq = 0
-        self._errors: list[BaseException] = []
-        self._lock = threading.Lock()
-        self._published_seq: dict[str, int] = {}
         self._cleaned: set[str] = set()
         self._closed = False
         self._stopping = False
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="gockpt-accelerate-publish")
-        self._staging_lock = threading.Lock()
         self._logged = 0  # self.metrics[:_logged] went to the trackers
+        self._finished: list[gockpt.CheckpointMetrics] = []  # since the last wait()
         self._start()
         self._originals = {name: getattr(accelerator, name) for name in _PATCHED}
         accelerator.save_state = self.save_state
@@ -195,8 +180,8 @@ class GoCkptCheckpointer:
             self._ranks.check()
         if record is not None:
             self.saves.append(record)
-            record.handle.add_done_callback(lambda _h: self._submit(record))
         self.accelerator.project_configuration.iteration += 1
+        self._harvest()
         self._log_published()
         return Path(final)
 
@@ -250,21 +235,20 @@ class GoCkptCheckpointer:
         Raises:
             The first background error; TimeoutError after ``timeout_s`` seconds.
         """
-        out = []
         if self.engine is not None:
             self.engine.wait(timeout_s)
             for s in list(self.saves):
                 try:
-                    out.append(s.result(timeout_s))
+                    s.result(timeout_s)
                 except TimeoutError:
                     raise
                 except BaseException:  # noqa: BLE001 - raised once, below
                     pass
-            self.saves = [s for s in self.saves if not s.done()]
+        self._harvest()
+        out, self._finished = self._finished, []
         if self._ranks is not None:
             self._ranks.wait(timeout_s)
         self._log_published()
-        self._raise_errors()
         return out
 
     def _log_published(self) -> None:
@@ -294,11 +278,9 @@ class GoCkptCheckpointer:
             self._closed = True
             self._stopping = True
             self._stop()
-            self._publisher.shutdown(wait=True)
             for name in _PATCHED:
                 self.accelerator.__dict__.pop(name, None)
             _exit.unregister(self._exit_token)
-        self._raise_errors()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -392,109 +374,76 @@ class GoCkptCheckpointer:
                                 "target": None, "now": []}
         staging = None
         try:
-            self._raise_errors()
             if root is not None and (os.path.exists(final) or any(
                     s.path == final and not s.done() for s in self.saves)):
                 raise ValueError(
                     f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
                     "exists. Please manually override `self.save_iteration` with what iteration "
                     "to start with.")
-            staging_root = root if root is not None else _staging_root(final)
-            name = f"0-{os.path.basename(final)}"  # see STAGING_NAME
-            tag = f"{os.getpid()}-{uuid.uuid4().hex}"
-            with self._staging_lock:  # the publisher removes an empty staging folder
-                os.makedirs(staging_root, exist_ok=True)
-                if staging_root not in self._cleaned:
-                    cleanup_staging(staging_root)  # left by processes that died mid-save
-                    self._cleaned.add(staging_root)
-                staging = os.path.join(staging_root, f".{name}.gockpt-tmp-{tag}")
-                os.mkdir(staging)
-            engine_root = self.plugin.gockpt_dir or staging_root
-            sep = "" if engine_root.endswith("/") else "/"
-            engine_path = f"{engine_root}{sep}.{name}-engine.gockpt-tmp-{tag}"
+            parent = root if root is not None else os.path.dirname(final)
+            os.makedirs(parent, exist_ok=True)
+            if parent not in self._cleaned:
+                cleanup_staging(parent)  # left by processes that died mid-save
+                self._cleaned.add(parent)
+            # Named so that Accelerate's own ordering puts a leftover first (see _publish).
+            staging = os.path.join(
+                parent, f".0-{os.path.basename(final)}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
+            os.mkdir(staging)
+            acc = self.accelerator
+            writer = _publish.AccelerateWriter(
+                staging=staging, key_map=self._key_map, num_models=len(self._models),
+                safe_serialization=safe_serialization, iteration=acc.save_iteration,
+                num_processes=acc.num_processes, rotate_root=root,
+                total_limit=acc.project_configuration.total_limit if root else None,
+                timeout_s=float(self.plugin.publish_timeout_s or 600.0),
+                pre_hooks=list(acc._save_model_state_pre_hook.values()),
+                models=list(acc._models), stopped=lambda: self._stopping)
             assert self.engine is not None
             waiting = [s for s in self.saves if s.handle.captured_step is None]
-            handle = self.engine.save(engine_path, exact_step=self._exact_step,
-                                      state_fn=lambda: _host_state.main_state(self.accelerator))
+            handle = self.engine.save(final, exact_step=self._exact_step, writer=writer,
+                                      state_fn=lambda: _host_state.main_state(acc))
         except BaseException as e:  # noqa: BLE001 - every process raises it after the broadcast
             if staging is not None:
-                os.rmdir(staging)
+                shutil.rmtree(staging, ignore_errors=True)
             desc["error"] = e
             return desc, None
-        job = _publish.PublishJob(
-            final=final, staging=staging, gockpt_path=engine_path,
-            iteration=self.accelerator.save_iteration, safe_serialization=safe_serialization,
-            key_map=self._key_map, num_models=len(self._models),
-            num_processes=self.accelerator.num_processes, rotate_root=root,
-            total_limit=self.accelerator.project_configuration.total_limit if root else None,
-            timeout_s=float(self.plugin.publish_timeout_s or 600.0),
-            pre_hooks=list(self.accelerator._save_model_state_pre_hook.values()),
-            models=list(self.accelerator._models),
-        )
+        handle.add_done_callback(lambda h: self._on_done(h, staging))
         now = [s._seq for s in waiting if s.handle.captured_step is not None]
         if handle.captured_step is not None:
             now.append(seq)
         desc.update(skipped=handle.skipped, staging=staging, now=now,
                     target=handle.requested_step + handle.metrics.num_overlap_steps - 1)
-        return desc, AccelerateSave(seq, job, handle)
+        return desc, AccelerateSave(seq, final, handle)
 
-    def _submit(self, record: AccelerateSave) -> None:
-        # On the engine's persist thread: hand over at once, the rewrite is long.
-        self._publisher.submit(self._publish, record)
-
-    def _publish(self, record: AccelerateSave) -> None:
-        """Publisher thread: Accelerate's layout from the durable engine checkpoint."""
-        metrics, error = self._publish_one(record)
-        # Tidy before the record resolves: whoever waits on it sees the final folder state.
-        with self._staging_lock:
-            _remove_if_empty(_staging_root(record.path))
-        if error is not None:
-            record._published.set_exception(error)
-        else:
-            record._published.set_result(metrics)
-
-    def _publish_one(self, record: AccelerateSave) -> tuple[Any, BaseException | None]:
+    def _on_done(self, handle: gockpt.SaveHandle, staging: str) -> None:
+        # Any thread. A save that published nothing (skipped, superseded, failed before its
+        # files) leaves no staging folder behind; a published one's was renamed into place.
         try:
-            metrics = record.handle.result()
-        except BaseException as e:  # noqa: BLE001 - the engine re-raises it on the training thread
-            _publish.discard(record._job)
-            return None, e
-        try:
-            if metrics.skipped or self._published_seq.get(record.path, -1) > record._seq:
-                _publish.discard(record._job)
-            else:
-                _publish.publish(record._job, metrics, lambda: self._stopping)
-                self._published_seq[record.path] = record._seq
-                self.metrics.append(dataclasses.replace(metrics, path=record.path))
-                log.info("gockpt: published %s (captured step %s, stall %.4f s)",
-                         record.path, metrics.captured_step, metrics.stall_s)
-        except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            with self._lock:
-                self._errors.append(e)
-            return None, e
-        return metrics, None
+            metrics = handle.result(0)
+        except BaseException:  # noqa: BLE001 - the engine raises it on the training thread
+            metrics = None
+        shutil.rmtree(staging, ignore_errors=True)
+        if metrics is not None and not metrics.skipped and not metrics.superseded:
+            log.info("gockpt: published %s (captured step %s, stall %.4f s)",
+                     metrics.path, metrics.captured_step, metrics.stall_s)
+
+    def _harvest(self) -> list[gockpt.CheckpointMetrics]:
+        # Training thread: move finished saves out of self.saves; published ones into metrics.
+        out = []
+        for s in [s for s in self.saves if s.done()]:
+            self.saves.remove(s)
+            try:
+                m = s.result(0)
+            except BaseException:  # noqa: BLE001 - the engine raises it on the training thread
+                continue
+            out.append(m)
+            self._finished.append(m)
+            if not m.skipped and not m.superseded:
+                self.metrics.append(m)
+        return out
 
     # ------------------------------------------------------------------ errors
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("GoCkpt is detached from this accelerator (closed)")
-
-    def _raise_errors(self) -> None:
-        if self._errors:
-            with self._lock:
-                e = self._errors.pop(0)
-            raise RuntimeError(f"gockpt: publishing a checkpoint failed: {e}") from e
-
-
-def _staging_root(final: str) -> str:
-    return os.path.join(os.path.dirname(final), STAGING_NAME)
-
-
-def _remove_if_empty(folder: str) -> None:
-    # Only the explicit-output_dir staging folder is ours to remove; it may be shared by
-    # several saves, so it goes only when empty (rmdir refuses otherwise).
-    try:
-        os.rmdir(folder)
-    except OSError:
-        pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -77,10 +78,8 @@ class GoCkptPlugin:
         "multi-step modes the state of K-1 updates later, with RNG, schedulers and registered "
         "objects of that same step).")})
     gockpt_dir: str | None = field(default=None, metadata={"help": (
-        "Where the engine writes its own checkpoint before it is rewritten in Accelerate's "
-        "layout: a local path or fsspec URL ('memory://gockpt' keeps it in RAM). Default: "
-        "hidden entries of the checkpoints folder (automatic naming), else a hidden "
-        "'.gockpt-staging' folder beside output_dir, removed when empty.")})
+        "Deprecated and ignored (with a warning): checkpoints are written once, in "
+        "Accelerate's layout, in a hidden staging folder beside the checkpoint.")})
     publish_timeout_s: float | None = field(default=None, metadata={"help": (
         "Seconds the main process waits for the other processes' files of a checkpoint "
         "(default 600).")})
@@ -103,6 +102,9 @@ class GoCkptPlugin:
             elif f.name in from_file:
                 setattr(self, f.name, _coerce(f.name, from_file[f.name], self.config_file))
                 sources[f.name] = f"{self.config_file}: {f.name}={from_file[f.name]!r}"
+        if self.gockpt_dir is not None:
+            warnings.warn("GoCkptPlugin(gockpt_dir=...) is ignored: checkpoints are written once, "
+                          "in Accelerate's layout, beside the checkpoint", DeprecationWarning, stacklevel=3)
         if self.enabled is None:
             self.enabled = True
         if self.exact_step is None:

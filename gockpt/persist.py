@@ -223,7 +223,7 @@ def _check_request(req: PersistRequest) -> int | None:
         and slot.is_contiguous()
     ):
         raise TypeError("slot must be a contiguous 1-D torch.uint8 CPU tensor")
-    if len(req.shards) != len(req.shard_bases):
+    if req.shard_segments is None and len(req.shards) != len(req.shard_bases):
         raise ValueError(f"{len(req.shards)} shards but {len(req.shard_bases)} shard bases")
     names = set()
     if req.shard_segments is not None and len(req.shard_segments) != len(req.shards):

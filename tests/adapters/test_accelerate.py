@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file
 
 import accelerate_gockpt
-import accelerate_gockpt._publish as publish_mod
 import gockpt
 from accelerate_gockpt import GoCkptPlugin, attach
 
@@ -44,6 +43,15 @@ child = _load("gockpt_accelerate_child", _HERE / "test_accelerate_child.py")
 MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
 TOTAL = 16
 SAVE_AT = (2, 4, 8)  # accumulation boundaries: gradients are never part of a checkpoint
+def listing(path):
+    """The folder's files, GoCkpt's own (``manifest.json``, written last, and the engine's
+    small ``state-*.pt``) checked and left out."""
+    names = set(os.listdir(path))
+    ours = {n for n in names if n == "manifest.json" or (n.startswith("state-") and n.endswith(".pt"))}
+    assert len(ours) == 2, sorted(names)
+    return names - ours
+
+
 ACCELERATE_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
                     "custom_checkpoint_0.pkl", "gockpt.json"}
 
@@ -125,7 +133,7 @@ def test_resume_from_each_checkpoint_is_bit_identical(tmp_path, reference, mode,
     assert [p.name for p in calls] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
     assert len(metrics) == 3
     for path, m in zip(calls, metrics, strict=True):
-        assert set(os.listdir(path)) == ACCELERATE_FILES
+        assert listing(path) == ACCELERATE_FILES
         sidecar = json.loads((path / "gockpt.json").read_text())
         assert sidecar["captured_step"] == m.captured_step and sidecar["mode"] == m.mode
         if mode in ("gockpt", "gockpt_o"):
@@ -240,22 +248,20 @@ def test_save_state_returns_while_the_engine_persists(tmp_path, monkeypatch):
     assert run.progress.batches == 6 and not path.exists() and not ckpt.saves[0].done()
     gate.set()
     ckpt.saves[0].result(60)
-    assert set(os.listdir(path)) == ACCELERATE_FILES
+    assert listing(path) == ACCELERATE_FILES
     ckpt.close()
 
 
-def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path, monkeypatch):
+def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path):
     gate, entered = threading.Event(), threading.Event()
-    real = publish_mod._rename_into_place
 
-    def held(job):
-        if job.final.endswith("checkpoint_2"):
+    def held(models, weights, output_dir):  # a save_state pre-hook: runs while writing
+        if "checkpoint_2" in output_dir:
             entered.set()
             assert gate.wait(60)
-        real(job)
 
-    monkeypatch.setattr(publish_mod, "_rename_into_place", held)
     run = child.build(str(tmp_path / "run"), total_limit=2)
+    run.acc.register_save_state_pre_hook(held)
     ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
     root = tmp_path / "run" / "checkpoints"
     for batches in (1, 2):
@@ -270,7 +276,7 @@ def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path
     # (checkpoint_2 is being written under a hidden name that Accelerate orders first)
     visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
     assert visible == ["checkpoint_0", "checkpoint_1"]
-    assert all(set(os.listdir(root / n)) == ACCELERATE_FILES for n in visible)
+    assert all(listing(root / n) == ACCELERATE_FILES for n in visible)
     gate.set()
     ckpt.wait()
     assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
@@ -309,11 +315,10 @@ def test_iteration_is_restored_from_a_plain_accelerate_checkpoint(tmp_path):
     ckpt.close()
 
 
-def test_explicit_output_dir_is_replaced_whole_with_engine_copy_in_memory(tmp_path, reference):
+def test_explicit_output_dir_is_replaced_whole(tmp_path, reference):
     live = reference(1)
     run = child.build(str(tmp_path / "run"), automatic_naming=False)
-    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2,
-                          gockpt_dir=f"memory://gockpt-test-{uuid.uuid4().hex}")
+    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2)
     ckpt = attach(run.acc, plugin)
     target = tmp_path / "latest"
 
@@ -325,24 +330,24 @@ def test_explicit_output_dir_is_replaced_whole_with_engine_copy_in_memory(tmp_pa
     ckpt.wait()
     # Three saves of one folder overlapped; the newest request is what stays.
     assert json.loads((target / "gockpt.json").read_text())["requested_step"] == 3
-    assert set(os.listdir(target)) == ACCELERATE_FILES
-    assert not (tmp_path / ".gockpt-staging").exists()  # removed once empty
+    assert listing(target) == ACCELERATE_FILES
+    assert os.listdir(tmp_path) == ["latest"]  # no staging left beside it
     ckpt.close()
     assert _assert_resumes_exactly(target, live, use_gockpt=True) == 4
 
 
-def test_publish_error_is_raised_on_the_training_thread(tmp_path, monkeypatch):
-    def broken(job, state, metrics):
-        raise OSError(28, "No space left on device", job.staging)
+def test_publish_error_is_raised_on_the_training_thread(tmp_path):
+    def broken(models, weights, output_dir):  # fails while the checkpoint is being written
+        raise OSError(28, "No space left on device", output_dir)
 
-    monkeypatch.setattr(publish_mod, "_write_files", broken)
     run = child.build(str(tmp_path / "run"))
-    ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
+    run.acc.register_save_state_pre_hook(broken)
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
     child.train(run, 2)
     path = run.acc.save_state()
     with pytest.raises(OSError, match="No space left"):
         ckpt.saves[0].result(60)
-    with pytest.raises(RuntimeError, match="publishing a checkpoint failed"):
+    with pytest.raises(OSError, match="No space left"):  # its own type, on the training thread
         run.acc.save_state()
     assert not path.exists()
     ckpt.close()
@@ -531,7 +536,7 @@ def test_a_script_ending_with_save_state_leaves_the_checkpoint(tmp_path, mode):
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = tmp_path / "checkpoints" / "checkpoint_0"
-    assert set(os.listdir(path)) == ACCELERATE_FILES
+    assert listing(path) == ACCELERATE_FILES
     plain = child.build(str(tmp_path), seed=9)
     plain.acc.load_state(str(path))
     assert child.digest(plain) == proc.stdout.split()[-1]
@@ -552,7 +557,7 @@ def test_save_state_pre_hooks_run_and_their_files_are_published(tmp_path):
     path = run.acc.save_state()
     child.train(run, 4)
     ckpt.close()
-    assert set(os.listdir(path)) == ACCELERATE_FILES | {"data.json"}
+    assert listing(path) == ACCELERATE_FILES | {"data.json"}
     assert seen and seen[0][0] == 1 and "out.bias" in seen[0][1]
     assert "out.bias" not in load_file(str(path / "model.safetensors"))
 
@@ -608,3 +613,19 @@ def test_published_checkpoints_reach_the_trackers(tmp_path):
     ckpt.close()
     steps = [int(v["gockpt/requested_step"]) for v, _ in tracker.logged if "gockpt/stall_s" in v]
     assert steps == [2, 4]
+
+
+def test_each_checkpoint_is_written_once(tmp_path):
+    """Accelerate's files come straight from the engine's snapshot: the bytes the save wrote
+    are the bytes of the published folder (no engine copy rewritten a second time)."""
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    child.train(run, 5)
+    ckpt.close()
+    (m,) = ckpt.metrics
+    published = sum(f.stat().st_size for f in path.iterdir())
+    assert m.persist_bytes <= published <= 1.05 * m.persist_bytes
+    assert os.listdir(tmp_path / "run") == ["checkpoints"]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["checkpoint_0"]

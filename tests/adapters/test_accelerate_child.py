@@ -231,21 +231,18 @@ def _ddp(project_dir: str, mode: str) -> None:
 
 
 def _crash(project_dir: str) -> None:
-    import accelerate_gockpt._publish as publish_mod
     from accelerate_gockpt import GoCkptPlugin, attach
 
     run = build(project_dir, total_limit=2)
-    attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
-    real_save = publish_mod._save
     never = threading.Event()
 
-    def save(obj: Any, path: str) -> None:
-        if "checkpoint_3" in path and path.endswith("optimizer.bin"):
-            print("blocked", path, flush=True)
+    def block(models: Any, weights: Any, output_dir: str) -> None:  # a save_state pre-hook
+        if "checkpoint_3" in output_dir:
+            print("blocked", output_dir, flush=True)
             never.wait()
-        real_save(obj, path)
 
-    publish_mod._save = save
+    run.acc.register_save_state_pre_hook(block)
+    attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
 
     def on_batch_end(r: Run) -> None:
         print("state", r.progress.batches, digest(r), flush=True)
