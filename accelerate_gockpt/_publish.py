@@ -103,13 +103,14 @@ class AccelerateWriter(CheckpointWriter):
             return []
         # A tied weight is stored once, under the first of its names in state_dict order, as
         # Accelerate's clean_state_dict_for_safetensors keeps it (safetensors' load re-ties).
-        first: dict[str, str] = {}
+        first: dict[str, str] = {}  # stored entry key -> the first model key naming it
         for key in layout.model_keys:
-            first.setdefault(layout.aliases.get(key, key), key)
+            entry = f"model.{key}"
+            first.setdefault(layout.aliases.get(entry, entry), key)
         per_model: list[list[tuple[str, str]]] = [[] for _ in range(self.num_models)]
-        for canonical, key in first.items():
+        for entry, key in first.items():
             index, name = self.key_map[key]
-            per_model[index].append((f"model.{canonical}", name))
+            per_model[index].append((entry, name))
         return [TensorFile(self._weights_name(i), pairs, {"format": "pt"})
                 for i, pairs in enumerate(per_model)]
 

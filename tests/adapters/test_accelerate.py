@@ -629,3 +629,33 @@ def test_each_checkpoint_is_written_once(tmp_path):
     assert m.persist_bytes <= published <= 1.05 * m.persist_bytes
     assert os.listdir(tmp_path / "run") == ["checkpoints"]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["checkpoint_0"]
+
+
+def test_tied_weights_are_stored_once_under_their_first_name(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(4, 4)
+            self.second = torch.nn.Linear(4, 4)
+            self.second.weight = self.first.weight
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    ckpt = attach(acc, GoCkptPlugin(mode="lazy"))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    acc.save_state(str(tmp_path / "ckpt"))
+    ckpt.close()
+    stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert sorted(stored) == ["first.bias", "first.weight", "second.bias"]
+    assert torch.equal(stored["first.weight"], model.first.weight.detach())
