@@ -28,6 +28,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
@@ -57,10 +58,11 @@ SIDECAR_VERSION = 1
 _NUMBER = re.compile(r"([0-9]+)")
 
 
+@dataclass(kw_only=True)
 class AccelerateWriter(CheckpointWriter):
     """Writes one ``save_state`` in Accelerate's layout (see the module doc).
 
-    Args:
+    Attributes:
         staging: the staging folder made at the request (beside the checkpoint).
         key_map: engine model key -> (model index, Accelerate's key).
         num_models: models prepared by the accelerator.
@@ -75,23 +77,18 @@ class AccelerateWriter(CheckpointWriter):
         stopped: True => stop waiting for other processes (the checkpointer is closing).
     """
 
-    def __init__(self, *, staging: str, key_map: dict[str, tuple[int, str]], num_models: int,
-                 safe_serialization: bool, iteration: int, num_processes: int,
-                 rotate_root: str | None, total_limit: int | None, timeout_s: float,
-                 pre_hooks: list[Callable[..., Any]], models: list[Any],
-                 stopped: Callable[[], bool]) -> None:
-        self.staging = staging
-        self.key_map = key_map
-        self.num_models = num_models
-        self.safe_serialization = safe_serialization
-        self.iteration = iteration
-        self.num_processes = num_processes
-        self.rotate_root = rotate_root
-        self.total_limit = total_limit
-        self.timeout_s = timeout_s
-        self.pre_hooks = pre_hooks
-        self.models = models
-        self.stopped = stopped
+    staging: str
+    key_map: dict[str, tuple[int, str]]
+    num_models: int
+    safe_serialization: bool
+    iteration: int
+    num_processes: int
+    rotate_root: str | None
+    total_limit: int | None
+    timeout_s: float
+    pre_hooks: list[Callable[..., Any]]
+    models: list[Any]
+    stopped: Callable[[], bool]
 
     def _weights_name(self, i: int) -> str:
         base = SAFE_WEIGHTS_NAME if self.safe_serialization else WEIGHTS_NAME

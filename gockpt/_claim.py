@@ -344,6 +344,23 @@ def _release_claim(key: str) -> None:
     _stop_heartbeat_if_idle()
 
 
+def _try_flock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without blocking; False (``fd`` closed) if held.
+
+    Raises:
+        OSError: locking failed otherwise (``fd`` closed).
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    except BaseException:
+        os.close(fd)
+        raise
+    return True
+
+
 class FileLock:
     """An exclusive ``flock`` on a lock file, verified to still be the file at its path.
 
@@ -370,14 +387,8 @@ class FileLock:
                 cannot be flock-ed).
         """
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if not _try_flock(fd):
             return None
-        except BaseException:
-            os.close(fd)
-            raise
         lock = cls(path, fd, directory=True)
         cls._held.add(lock)
         return lock
@@ -401,14 +412,8 @@ class FileLock:
                 if create:
                     raise
                 return None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            if not _try_flock(fd):
                 return None
-            except BaseException:
-                os.close(fd)
-                raise
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
             except FileNotFoundError:

@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from . import storage
+from . import fsutil, storage
 from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, dtype_itemsize
 
 __all__ = ["Problem", "describe_checkpoint", "read_manifest", "verify_checkpoint"]
@@ -136,7 +136,7 @@ def verify_checkpoint(
         by_file.setdefault(entry["file"], {})[key] = entry
     problems = []
     for name, entry in manifest["files"].items():
-        file_path = storage._join(root, name)
+        file_path = fsutil.join(root, name)
         problem = _check_file(fs, file_path, entry, by_file.get(name, {}),
                               name != manifest["extra_file"], progress)
         if problem is not None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import storage
+from . import fsutil, storage
 from .restore import load_checkpoint
 from .snapshot import map_tree, save_tree
 
@@ -177,7 +177,7 @@ def to_hf(
     for name, keys in split.filename_to_tensors.items():
         shard = {k: weights[k] for k in keys}
         data = safetensors.torch.save(shard, metadata={"format": "pt"})
-        write_file(fs, storage._join(root, name), functools.partial(_write_all, data=data))
+        write_file(fs, fsutil.join(root, name), functools.partial(_write_all, data=data))
         written.append(name)
         if progress is not None:
             progress(len(data))
@@ -185,7 +185,7 @@ def to_hf(
         index = {"metadata": {**split.metadata, "gockpt_source": source.path, "step": source.step},
                  "weight_map": split.tensor_to_filename}
         text = json.dumps(index, indent=2, sort_keys=True).encode()
-        write_file(fs, storage._join(root, "model.safetensors.index.json"),
+        write_file(fs, fsutil.join(root, "model.safetensors.index.json"),
                    functools.partial(_write_all, data=text))
         written.append("model.safetensors.index.json")
     return written
@@ -321,7 +321,7 @@ def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Sou
     models = [n for n in names if _ACC_MODEL.match(n)]
     if len(models) > 1:
         raise ValueError(f"{path}: {len(models)} model files ({models}); GoCkpt converts one model")
-    with fs.open(storage._join(root, models[0]), "rb") as f:
+    with fs.open(fsutil.join(root, models[0]), "rb") as f:
         raw = f.read()
     model = safetensors.torch.load(raw) if models[0].endswith(".safetensors") else \
         torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -329,13 +329,13 @@ def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Sou
     extra: dict[str, Any] = {}
     notes = []
     for name in names:
-        if name in models or fs.isdir(storage._join(root, name)):
+        if name in models or fs.isdir(fsutil.join(root, name)):
             continue
         if _ACC_RNG.match(name) and not allow_pickle:
             notes.append(f"{name}: RNG states (numpy objects) left out; --allow-pickle keeps them")
             continue
         try:
-            with fs.open(storage._join(root, name), "rb") as f:
+            with fs.open(fsutil.join(root, name), "rb") as f:
                 obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
         except Exception as e:  # noqa: BLE001 - reported, the rest converts
             notes.append(f"{name}: left out ({type(e).__name__}: {str(e).splitlines()[0]})")

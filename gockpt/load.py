@@ -25,7 +25,7 @@ import torch
 import xxhash
 from fsspec import AbstractFileSystem
 
-from gockpt import storage
+from gockpt import fsutil, storage
 from gockpt.errors import CheckpointCorruptError
 from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header
 
@@ -92,7 +92,7 @@ def read_checkpoint(
     for name, file_entry in manifest["files"].items():
         if name == manifest["extra_file"]:
             continue
-        file_path = storage._join(root, name)
+        file_path = fsutil.join(root, name)
         index = by_file.get(name, {})
         if local:
             tensors.update(_load_local_shard(file_path, file_entry, index, verify))
@@ -101,7 +101,7 @@ def read_checkpoint(
     for alias, target in manifest["aliases"].items():
         tensors[alias] = tensors[target]
 
-    extra_path = storage._join(root, manifest["extra_file"])
+    extra_path = fsutil.join(root, manifest["extra_file"])
     blob = _read_bytes(fs, extra_path, manifest["files"][manifest["extra_file"]], verify)
     try:
         extra = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=not allow_pickle)

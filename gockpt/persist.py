@@ -271,6 +271,10 @@ def _segments(req: PersistRequest, i: int) -> list[tuple[int, int]]:
     return [(base, base + req.shards[i].data_bytes)]
 
 
+def _whole(view: memoryview, chunk_bytes: int) -> Callable[[], Iterator[memoryview | bytes]]:
+    return lambda: _chunks(view, 0, len(view), chunk_bytes)
+
+
 def _check_cancel(req: PersistRequest) -> None:
     if req.cancel.is_set():
         raise CheckpointCancelledError(f"save of {req.path} was cancelled")
@@ -303,11 +307,7 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
 
         jobs.append((shard.file_bytes, shard.file, pieces))
     for name, data in req.files.items():
-
-        def whole(view: memoryview = memoryview(data)) -> Iterator[memoryview | bytes]:
-            return _chunks(view, 0, len(view), req.chunk_bytes)
-
-        jobs.append((len(data), name, whole))
+        jobs.append((len(data), name, _whole(memoryview(data), req.chunk_bytes)))
     jobs.append(
         (
             len(extra_view),

@@ -18,26 +18,19 @@ temp files, checkpoints being deleted) and ``.<name>.gockpt-old-<pid>-<hex>`` (a
 checkpoint moved aside while publishing). A staging directory holds a lock file its writer keeps
 ``flock``-ed while writing, so :func:`cleanup_staging` can tell a dead writer from a live one in
 any PID namespace.
+
+The low-level helpers (paths, fsync, deletion, storage errors) live in :mod:`gockpt.fsutil`,
+the completeness and pointer machinery in ``gockpt._pointer``; this module is the API on top.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import shutil
-import stat
-import threading
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
-from fsspec import AbstractFileSystem
-from fsspec.implementations.local import LocalFileSystem
-
-from gockpt import _claim
+from gockpt import _claim, _pointer, fsutil
 from gockpt._claim import (
     DEFAULT_CLAIM_LEASE_S,
     OWNER_OBJECT_NAME,
@@ -45,15 +38,31 @@ from gockpt._claim import (
     WRITER_LOCK_NAME,
     DirectoryClaim,
 )
-from gockpt._safe_read import open_local_regular, read_bounded
-from gockpt.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointStorageError,
-    CheckpointTimeoutError,
+from gockpt._pointer import (
+    LATEST_NAME,
+    best_checkpoint,
+    complete_manifest,
+    read_manifest,
+    read_pointer,
+    write_pointer,
 )
-from gockpt.format import decode_json
-from gockpt.manifest import check_name, validate_manifest
+from gockpt._safe_read import open_local_regular, read_bounded
+from gockpt.errors import CheckpointError, CheckpointStorageError
+from gockpt.fsutil import (
+    MANIFEST_NAME,
+    SCRATCH_RE,
+    fsync_path,
+    is_local,
+    join,
+    join_user,
+    remove_file,
+    remove_local,
+    remove_local_checkpoint,
+    remove_remote_checkpoint,
+    split,
+    storage_error,
+    url_to_fs,
+)
 
 __all__ = [
     "DEFAULT_CLAIM_LEASE_S",
@@ -84,74 +93,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
-LATEST_NAME = "latest"
+# Assigned here rather than only imported so these keep their doc comments in this module.
 #: The largest ``manifest.json`` or ``latest`` pointer read, in bytes.
-MAX_METADATA_BYTES = 16 << 20
+MAX_METADATA_BYTES = _pointer.MAX_METADATA_BYTES
 #: Default bound on one object-store operation, in seconds (``GoCkptConfig.storage_timeout_s``).
-DEFAULT_STORAGE_TIMEOUT_S = 60.0
+DEFAULT_STORAGE_TIMEOUT_S = fsutil.DEFAULT_STORAGE_TIMEOUT_S
 #: Attempts per object-store request (botocore ``total_max_attempts``); s3fs's own retry loop
 #: is turned off so attempts do not multiply.
-S3_MAX_ATTEMPTS = 3
-
-_SCRATCH_RE = re.compile(r"^\.(?P<name>.+)\.gockpt-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+$")
-
-_LATEST_LOCK = threading.Lock()
-
-
-def _reset_latest_lock_in_child() -> None:
-    # Only the forking thread survives a fork: a lock another thread held stays held forever.
-    global _LATEST_LOCK
-    _LATEST_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_latest_lock_in_child)
-
-
-def url_to_fs(
-    path: str,
-    storage_options: Mapping[str, Any] | None,
-    timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
-) -> tuple[AbstractFileSystem, str]:
-    """Resolve ``path`` to a filesystem and the path inside it, without a trailing slash.
-
-    For ``s3://`` URLs, requests are bounded unless ``storage_options`` already sets them:
-    botocore ``connect_timeout`` and ``read_timeout`` of ``timeout_s / S3_MAX_ATTEMPTS`` seconds
-    and ``retries={"total_max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}`` (which also
-    backs off on ``503 SlowDown``), and s3fs's own retry loop off, so one request fails after
-    about ``timeout_s`` seconds however the endpoint misbehaves. Options you set win.
-
-    Args:
-        path: local path or fsspec URL.
-        storage_options: keyword arguments for the filesystem (credentials, endpoint, ...).
-        timeout_s: bound on one object-store operation in seconds; None leaves the
-            filesystem's own defaults (s3fs: 5 retries of up to 5 botocore attempts each).
-
-    Returns:
-        (filesystem, path in that filesystem); local paths come back absolute.
-    """
-    options = dict(storage_options or {})
-    protocol = fsspec.core.split_protocol(path)[0]
-    bounded_s3 = timeout_s is not None and protocol in ("s3", "s3a")
-    if bounded_s3:
-        config = dict(options.get("config_kwargs") or {})
-        per_try = max(float(timeout_s) / S3_MAX_ATTEMPTS, 0.1)  # type: ignore[arg-type]
-        config.setdefault("connect_timeout", per_try)
-        config.setdefault("read_timeout", per_try)
-        bounded_s3 = "retries" not in config
-        config.setdefault("retries", {"total_max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
-        options["config_kwargs"] = config
-    fs, fs_path = fsspec.core.url_to_fs(path, **options)
-    if bounded_s3 and hasattr(fs, "retries"):
-        fs.retries = 1  # s3fs's loop around botocore's: one pass, botocore retries inside
-    if len(fs_path) > 1:
-        fs_path = fs_path.rstrip("/")
-    return fs, fs_path
-
-
-def is_local(fs: AbstractFileSystem) -> bool:
-    """True if ``fs`` is the local filesystem (rename, fsync and flock are available)."""
-    return isinstance(fs, LocalFileSystem)
+S3_MAX_ATTEMPTS = fsutil.S3_MAX_ATTEMPTS
 
 
 def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -162,7 +111,7 @@ def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> 
     complete. Errors reaching the storage count as not complete.
     """
     fs, root = url_to_fs(path, storage_options)
-    return _complete_manifest(fs, root) is not None
+    return complete_manifest(fs, root) is not None
 
 
 def latest_checkpoint(
@@ -188,11 +137,11 @@ def latest_checkpoint(
             over 16 MiB, not JSON, wrong fields).
     """
     fs, parent = url_to_fs(directory, storage_options)
-    pointer = _read_pointer(fs, parent, strict=True)
-    if pointer is not None and _complete_manifest(fs, _join(parent, pointer["name"])):
-        return _join_user(directory, pointer["name"])
-    best = _best_checkpoint(fs, parent, exclude=None)
-    return None if best is None else _join_user(directory, best[0])
+    pointer = read_pointer(fs, parent, strict=True)
+    if pointer is not None and complete_manifest(fs, join(parent, pointer["name"])):
+        return join_user(directory, pointer["name"])
+    best = best_checkpoint(fs, parent, exclude=None)
+    return None if best is None else join_user(directory, best[0])
 
 
 def advance_latest(
@@ -224,26 +173,26 @@ def advance_latest(
             names the older, valid checkpoint.
     """
     fs, root = url_to_fs(path, storage_options, timeout_s)
-    parent, name = _split(root)
-    with _LATEST_LOCK:
-        current = _read_pointer(fs, parent, strict=False)
+    parent, name = split(root)
+    with _pointer.LATEST_LOCK:  # looked up per call: a forked child replaces it
+        current = read_pointer(fs, parent, strict=False)
         if (
             current is not None
             and current["name"] != name
             and current["captured_step"] > captured_step
-            and _complete_manifest(fs, _join(parent, current["name"])) is not None
+            and complete_manifest(fs, join(parent, current["name"])) is not None
         ):
             return False
         try:
-            _write_pointer(fs, parent, {"name": name, "captured_step": int(captured_step)})
+            write_pointer(fs, parent, {"name": name, "captured_step": int(captured_step)})
         except CheckpointStorageError as e:
             if current is None or current["name"] == name:
                 raise
             # The pointer still names an older checkpoint. Without it, latest_checkpoint
             # scans the manifests and finds this newer one (unlinking needs no free space).
-            pointer_path = _join(parent, LATEST_NAME)
+            pointer_path = join(parent, LATEST_NAME)
             try:
-                _remove_file(fs, pointer_path)
+                remove_file(fs, pointer_path)
                 state = "removed it; latest_checkpoint() finds the new checkpoint by scanning"
             except Exception:  # noqa: BLE001 - the older pointer is still a valid checkpoint
                 state = f"it still names the older checkpoint {current['name']!r}"
@@ -278,29 +227,29 @@ def remove_checkpoint(
             is then kept), or the storage failed; the message names the file.
     """
     fs, root = url_to_fs(path, storage_options, timeout_s)
-    parent, name = _split(root)
-    with _LATEST_LOCK:
-        current = _read_pointer(fs, parent, strict=False)
+    parent, name = split(root)
+    with _pointer.LATEST_LOCK:
+        current = read_pointer(fs, parent, strict=False)
         if current is not None and current["name"] == name:
-            best = _best_checkpoint(fs, parent, exclude=name)
+            best = best_checkpoint(fs, parent, exclude=name)
             try:
                 if best is None:
-                    _remove_file(fs, _join(parent, LATEST_NAME))
+                    remove_file(fs, join(parent, LATEST_NAME))
                 else:
-                    _write_pointer(fs, parent, {"name": best[0], "captured_step": best[1]})
+                    write_pointer(fs, parent, {"name": best[0], "captured_step": best[1]})
             except CheckpointStorageError as e:
                 # A pointer naming a missing checkpoint is recovered by scanning; one naming
                 # the deleted checkpoint would be too, but deleting it is then our choice.
                 try:
-                    _remove_file(fs, _join(parent, LATEST_NAME))
+                    remove_file(fs, join(parent, LATEST_NAME))
                 except Exception:
                     raise e from None
                 log.warning("gockpt: %s; removed the 'latest' pointer instead", e)
     try:
         if is_local(fs):
-            _remove_local_checkpoint(root)
+            remove_local_checkpoint(root)
         else:
-            _remove_remote_checkpoint(fs, root)
+            remove_remote_checkpoint(fs, root)
     except CheckpointError:
         raise
     except Exception as e:
@@ -334,7 +283,7 @@ def cleanup_staging(directory: str, storage_options: Mapping[str, Any] | None = 
     fs, parent = url_to_fs(directory, storage_options)
     if not is_local(fs) or not os.path.isdir(parent):
         return 0
-    entries = [(e, m) for e in os.listdir(parent) if (m := _SCRATCH_RE.match(e)) is not None]
+    entries = [(e, m) for e in os.listdir(parent) if (m := SCRATCH_RE.match(e)) is not None]
     if not entries:
         return 0
     temp_claim: DirectoryClaim | None = None
@@ -364,7 +313,7 @@ def cleanup_staging(directory: str, storage_options: Mapping[str, Any] | None = 
                 if match["kind"] == "old" and not os.path.lexists(target):
                     os.rename(full, target)
                 else:
-                    _remove_local(full)
+                    remove_local(full)
             finally:
                 if lock is not None:
                     lock.release(unlink=False)  # the file went with its directory
@@ -375,6 +324,18 @@ def cleanup_staging(directory: str, storage_options: Mapping[str, Any] | None = 
         if temp_claim is not None:
             temp_claim.release()
     return count
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
 
 
 # --- writer claims (machinery in gockpt._claim) ------------------------------------------
@@ -430,258 +391,6 @@ def claim_directory(
         raise
     except Exception as e:
         raise storage_error(e, directory, directory, action="claiming directory") from e
-
-
-def read_manifest(fs: AbstractFileSystem, root: str) -> dict:
-    """Read and validate ``manifest.json`` of the checkpoint at ``root`` (size-bounded, strict
-    JSON: no duplicate keys, bounded depth).
-
-    Raises:
-        FileNotFoundError: no manifest.
-        CheckpointCorruptError: the manifest is hostile or malformed (names file and key).
-    """
-    manifest_path = _join(root, MANIFEST_NAME)
-    raw = read_bounded(fs, manifest_path, max_bytes=MAX_METADATA_BYTES)
-    return validate_manifest(decode_json(raw, manifest_path), manifest_path)
-
-
-# --- errors ----------------------------------------------------------------------------------
-
-
-def storage_error(
-    e: BaseException, ckpt_path: str, file_path: str | None, *, action: str = "writing checkpoint"
-) -> CheckpointError:
-    """The error to raise for a storage failure ``e`` (use as ``raise storage_error(e) from e``).
-
-    A :class:`CheckpointError` is returned as is; a timeout of any layer (``TimeoutError``,
-    botocore/aiohttp timeouts) becomes a :class:`CheckpointTimeoutError`; anything else a
-    :class:`CheckpointStorageError`. The message names the checkpoint, the file and the
-    original error; ``errno`` is kept.
-    """
-    if isinstance(e, CheckpointError):
-        return e
-    code = e.errno if isinstance(e, OSError) else None
-    strerror = e.strerror if isinstance(e, OSError) else None
-    reason = strerror or str(e) or type(e).__name__
-    prefix = f"[Errno {code}] " if code is not None else ""
-    if not strerror:
-        reason = f"{type(e).__name__}: {reason}" if str(e) else reason
-    where = f"{action} {ckpt_path!r}" + (f", file {file_path!r}" if file_path else "")
-    cls = CheckpointTimeoutError if _is_timeout(e) else CheckpointStorageError
-    return cls(
-        f"{prefix}{reason} ({where})", path=ckpt_path, file=file_path, errno=code,
-        strerror=strerror,
-    )
-
-
-def _is_timeout(e: BaseException | None) -> bool:
-    seen = 0
-    while e is not None and seen < 20:
-        if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:
-            return True
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return False
-
-
-# --- private helpers shared by this package's persist and load stages ---------------------
-
-
-def _join(parent: str, name: str) -> str:
-    return f"{parent.rstrip('/')}/{name}" if parent != "/" else f"/{name}"
-
-
-def _join_user(directory: str, name: str) -> str:
-    if "://" in directory:
-        return f"{directory.rstrip('/')}/{name}"
-    return os.path.join(directory, name)
-
-
-def _split(root: str) -> tuple[str, str]:
-    parent, _, name = root.rpartition("/")
-    if not name:
-        raise ValueError(f"{root!r} is not a checkpoint path (it has no final name)")
-    return parent or "/", name
-
-
-def _complete_manifest(fs: AbstractFileSystem, root: str) -> dict | None:
-    """The manifest of ``root`` if the checkpoint is complete (every named file there with its
-    recorded size), else None."""
-    try:
-        manifest = read_manifest(fs, root)
-        files = manifest["files"]
-        if is_local(fs):
-            for name, entry in files.items():
-                st = os.stat(_join(root, name), follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or st.st_size != entry["bytes"]:
-                    return None
-            return manifest
-        fs.invalidate_cache(root)
-        sizes = {
-            str(info["name"]).rstrip("/").rpartition("/")[2]: info.get("size")
-            for info in fs.ls(root, detail=True)
-            if info.get("type", "file") == "file"
-        }
-        if all(sizes.get(name) == entry["bytes"] for name, entry in files.items()):
-            return manifest
-        return None
-    except (OSError, CheckpointError, ValueError, TypeError, KeyError):
-        return None
-
-
-def fsync_path(path: str) -> None:
-    """fsync a local file or directory (a directory's fsync makes renames in it durable).
-
-    Raises:
-        OSError: the path cannot be opened or synced.
-    """
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_local(path: str) -> None:
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
-
-
-def _remove_local_checkpoint(root: str) -> None:
-    if os.path.islink(root) or (os.path.lexists(root) and not os.path.isdir(root)):
-        os.unlink(root)
-        return
-    if not os.path.isdir(root):
-        return
-    parent, name = os.path.split(root)
-    aside = os.path.join(parent, f".{name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        os.rename(root, aside)
-    except OSError:
-        # Cannot rename (a mount point, ...): the manifest goes first, durably.
-        try:
-            os.unlink(os.path.join(root, MANIFEST_NAME))
-            fsync_path(root)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(root)
-        fsync_path(parent)
-        return
-    fsync_path(parent)
-    shutil.rmtree(aside)
-
-
-def _remove_remote_checkpoint(fs: AbstractFileSystem, root: str) -> None:
-    # The manifest first: whatever a crash leaves after it is not complete.
-    _remove_file(fs, _join(root, MANIFEST_NAME))
-    try:
-        fs.rm(root, recursive=True)
-    except FileNotFoundError:
-        pass
-
-
-def _remove_file(fs: AbstractFileSystem, path: str) -> None:
-    try:
-        fs.rm_file(path)
-    except FileNotFoundError:
-        pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, ValueError):
-        return False
-    return True
-
-
-def _read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict | None:
-    pointer_path = _join(parent, LATEST_NAME)
-    try:
-        raw = read_bounded(fs, pointer_path, max_bytes=MAX_METADATA_BYTES)
-        obj = decode_json(raw, pointer_path)
-        if not isinstance(obj, dict):
-            raise TypeError("not a JSON object")
-        name, step = obj["name"], obj["captured_step"]
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError("captured_step is not an integer")
-        check_name(name, pointer_path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        if strict:
-            raise CheckpointCorruptError(
-                f"{pointer_path}: not a valid 'latest' pointer ({e})", path=pointer_path
-            ) from None
-        return None
-    return {"name": name, "captured_step": step}
-
-
-def _write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
-    """Replace ``latest`` atomically.
-
-    Raises:
-        CheckpointStorageError: naming the pointer file; the previous pointer is intact.
-    """
-    data = json.dumps(pointer).encode()
-    target = _join(parent, LATEST_NAME)
-    if not is_local(fs):
-        try:
-            fs.pipe_file(target, data)
-        except Exception as e:
-            raise storage_error(e, parent, target, action="updating 'latest' in") from e
-        return
-    tmp = os.path.join(parent, f".{LATEST_NAME}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fsync_path(parent)
-    except BaseException as e:
-        try:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, Exception):
-            raise storage_error(e, parent, target, action="updating 'latest' in") from e
-        raise
-
-
-def _captured_step(fs: AbstractFileSystem, root: str) -> int | None:
-    manifest = _complete_manifest(fs, root)
-    if manifest is None:
-        return None
-    step = manifest["meta"].get("captured_step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _best_checkpoint(
-    fs: AbstractFileSystem, parent: str, *, exclude: str | None
-) -> tuple[str, int] | None:
-    """The complete checkpoint in ``parent`` with the highest captured step (ties: by name)."""
-    try:
-        fs.invalidate_cache(parent)
-        entries = fs.ls(parent, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    best: tuple[str, int] | None = None
-    for entry in entries:
-        name = entry.rstrip("/").rpartition("/")[2]
-        if name in (exclude, LATEST_NAME) or name.startswith("."):
-            continue
-        step = _captured_step(fs, _join(parent, name))
-        if step is not None and (best is None or (step, name) > (best[1], best[0])):
-            best = (name, step)
-    return best
 
 
 def lock_staging(staging: str) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 import xxhash
 from fsspec import AbstractFileSystem
 
-from gockpt import storage
+from gockpt import fsutil, storage
 from gockpt.manifest import check_name
 
 __all__ = ["LocalTarget", "ObjectTarget", "StorageTarget", "open_target"]
@@ -110,7 +110,7 @@ class LocalTarget(StorageTarget):
         """
         self.fs = fs
         self.root = root
-        self.parent, name = storage._split(root)
+        self.parent, name = fsutil.split(root)
         os.makedirs(self.parent, exist_ok=True)
         tag = f"{os.getpid()}-{uuid.uuid4().hex}"
         self.aside = os.path.join(self.parent, f".{name}.gockpt-old-{tag}")
@@ -124,7 +124,7 @@ class LocalTarget(StorageTarget):
         try:
             self.lock = storage.lock_staging(self.staging)
         except BaseException:
-            storage._remove_local(self.staging)
+            fsutil.remove_local(self.staging)
             raise
         self.manifest_path = os.path.join(self.staging, storage.MANIFEST_NAME)
 
@@ -195,7 +195,7 @@ class LocalTarget(StorageTarget):
             "(not atomic; a crash during the copy leaves no checkpoint at this path)", self.root,
         )
         if os.path.lexists(self.root):
-            storage._remove_local_checkpoint(self.root)
+            fsutil.remove_local_checkpoint(self.root)
         os.makedirs(self.root, exist_ok=True)
         names = sorted(n for n in os.listdir(self.staging) if n != storage.MANIFEST_NAME)
         for batch in (names, [storage.MANIFEST_NAME]):
@@ -209,7 +209,7 @@ class LocalTarget(StorageTarget):
         # After an exchange the staging name holds the previous checkpoint.
         for path in (self.staging, self.aside):
             try:
-                storage._remove_local(path)
+                fsutil.remove_local(path)
             except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
                 log.warning("gockpt: could not remove %s (cleanup_staging will): %s", path, e)
         storage.unlock_staging(self.lock, unlink=False)
@@ -229,7 +229,7 @@ class ObjectTarget(StorageTarget):
         self.fs = fs
         self.root = root
         self.timeout_s = timeout_s
-        self.manifest_path = storage._join(root, storage.MANIFEST_NAME)
+        self.manifest_path = fsutil.join(root, storage.MANIFEST_NAME)
         self.started: list[str] = []
         self.replaced: set[str] = set()
         self.publish_attempted = False
@@ -246,7 +246,7 @@ class ObjectTarget(StorageTarget):
             fs.makedirs(root, exist_ok=True)
 
     def file_path(self, name: str) -> str:
-        return storage._join(self.root, name)
+        return fsutil.join(self.root, name)
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one write; past ``timeout_s`` the file fails even if the call came back."""
@@ -316,7 +316,7 @@ class ObjectTarget(StorageTarget):
                 self.fs.rm(paths)  # one bulk request on S3
             except FileNotFoundError:
                 for path in paths:
-                    storage._remove_file(self.fs, path)
+                    fsutil.remove_file(self.fs, path)
             except Exception as e:  # noqa: BLE001 - reported, the save's error wins
                 log.warning(
                     "gockpt: could not delete %d object(s) of a %s save of %s: %s: %s",

@@ -1,0 +1,165 @@
+"""Completeness and the ``latest`` pointer: the machinery behind :func:`gockpt.storage.is_complete`,
+:func:`~gockpt.storage.latest_checkpoint`, :func:`~gockpt.storage.advance_latest` and
+:func:`~gockpt.storage.remove_checkpoint`.
+
+The pointer is a JSON object ``{"name": ..., "captured_step": ...}`` in the file ``latest``
+beside the checkpoints. Callers that read and then rewrite it hold :data:`LATEST_LOCK`, read as
+``_pointer.LATEST_LOCK`` at the time of use (a forked child gets a fresh lock object).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+
+from fsspec import AbstractFileSystem
+
+from gockpt._safe_read import read_bounded
+from gockpt.errors import CheckpointCorruptError, CheckpointError
+from gockpt.format import decode_json
+from gockpt.fsutil import MANIFEST_NAME, fsync_path, is_local, join, scratch_path, storage_error
+from gockpt.manifest import check_name, validate_manifest
+
+LATEST_NAME = "latest"
+#: The largest ``manifest.json`` or ``latest`` pointer read, in bytes.
+MAX_METADATA_BYTES = 16 << 20
+
+#: Serialises read-modify-write of ``latest`` within this process.
+LATEST_LOCK = threading.Lock()
+
+
+def _reset_latest_lock_in_child() -> None:
+    # Only the forking thread survives a fork: a lock another thread held stays held forever.
+    global LATEST_LOCK
+    LATEST_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_latest_lock_in_child)
+
+
+def read_manifest(fs: AbstractFileSystem, root: str) -> dict:
+    """Read and validate ``manifest.json`` of the checkpoint at ``root`` (size-bounded, strict
+    JSON: no duplicate keys, bounded depth).
+
+    Raises:
+        FileNotFoundError: no manifest.
+        CheckpointCorruptError: the manifest is hostile or malformed (names file and key).
+    """
+    manifest_path = join(root, MANIFEST_NAME)
+    raw = read_bounded(fs, manifest_path, max_bytes=MAX_METADATA_BYTES)
+    return validate_manifest(decode_json(raw, manifest_path), manifest_path)
+
+
+def complete_manifest(fs: AbstractFileSystem, root: str) -> dict | None:
+    """The manifest of ``root`` if the checkpoint is complete (every named file there with its
+    recorded size), else None."""
+    try:
+        manifest = read_manifest(fs, root)
+        files = manifest["files"]
+        if is_local(fs):
+            for name, entry in files.items():
+                st = os.stat(join(root, name), follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != entry["bytes"]:
+                    return None
+            return manifest
+        fs.invalidate_cache(root)
+        sizes = {
+            str(info["name"]).rstrip("/").rpartition("/")[2]: info.get("size")
+            for info in fs.ls(root, detail=True)
+            if info.get("type", "file") == "file"
+        }
+        if all(sizes.get(name) == entry["bytes"] for name, entry in files.items()):
+            return manifest
+        return None
+    except (OSError, CheckpointError, ValueError, TypeError, KeyError):
+        return None
+
+
+def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict | None:
+    """The pointer in ``parent`` as ``{"name", "captured_step"}``, or None if there is none.
+
+    Raises:
+        CheckpointCorruptError: ``strict`` and the pointer is not valid (else None).
+    """
+    pointer_path = join(parent, LATEST_NAME)
+    try:
+        raw = read_bounded(fs, pointer_path, max_bytes=MAX_METADATA_BYTES)
+        obj = decode_json(raw, pointer_path)
+        if not isinstance(obj, dict):
+            raise TypeError("not a JSON object")
+        name, step = obj["name"], obj["captured_step"]
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError("captured_step is not an integer")
+        check_name(name, pointer_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        if strict:
+            raise CheckpointCorruptError(
+                f"{pointer_path}: not a valid 'latest' pointer ({e})", path=pointer_path
+            ) from None
+        return None
+    return {"name": name, "captured_step": step}
+
+
+def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
+    """Replace ``latest`` atomically.
+
+    Raises:
+        CheckpointStorageError: naming the pointer file; the previous pointer is intact.
+    """
+    data = json.dumps(pointer).encode()
+    target = join(parent, LATEST_NAME)
+    if not is_local(fs):
+        try:
+            fs.pipe_file(target, data)
+        except Exception as e:
+            raise storage_error(e, parent, target, action="updating 'latest' in") from e
+        return
+    tmp = scratch_path(parent, LATEST_NAME)
+    try:
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_path(parent)
+    except BaseException as e:
+        try:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, Exception):
+            raise storage_error(e, parent, target, action="updating 'latest' in") from e
+        raise
+
+
+def _captured_step(fs: AbstractFileSystem, root: str) -> int | None:
+    manifest = complete_manifest(fs, root)
+    if manifest is None:
+        return None
+    step = manifest["meta"].get("captured_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def best_checkpoint(
+    fs: AbstractFileSystem, parent: str, *, exclude: str | None
+) -> tuple[str, int] | None:
+    """The complete checkpoint in ``parent`` with the highest captured step (ties: by name)."""
+    try:
+        fs.invalidate_cache(parent)
+        entries = fs.ls(parent, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    best: tuple[str, int] | None = None
+    for entry in entries:
+        name = entry.rstrip("/").rpartition("/")[2]
+        if name in (exclude, LATEST_NAME) or name.startswith("."):
+            continue
+        step = _captured_step(fs, join(parent, name))
+        if step is not None and (best is None or (step, name) > (best[1], best[0])):
+            best = (name, step)
+    return best

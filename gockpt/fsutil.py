@@ -1,0 +1,284 @@
+"""Low-level filesystem helpers shared by GoCkpt's storage, persist, load, audit and convert.
+
+Nothing here knows about the ``latest`` pointer or writer claims (see :mod:`gockpt.storage`):
+resolving a path to an fsspec filesystem, joining and splitting paths inside one, fsync,
+deletions that tolerate a missing path, crash-safe deletion of a checkpoint directory, scratch
+names, and turning a storage failure into a :class:`~gockpt.errors.CheckpointError`.
+
+Paths inside a filesystem (what :func:`url_to_fs` returns) use ``/`` and carry no protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from gockpt.errors import CheckpointError, CheckpointStorageError, CheckpointTimeoutError
+
+__all__ = [
+    "DEFAULT_STORAGE_TIMEOUT_S",
+    "MANIFEST_NAME",
+    "S3_MAX_ATTEMPTS",
+    "SCRATCH_RE",
+    "fsync_path",
+    "is_local",
+    "join",
+    "join_user",
+    "remove_file",
+    "remove_local",
+    "remove_local_checkpoint",
+    "remove_remote_checkpoint",
+    "scratch_path",
+    "split",
+    "storage_error",
+    "url_to_fs",
+]
+
+#: The file a save writes last; its presence makes a checkpoint complete, so deletion removes
+#: it first.
+MANIFEST_NAME = "manifest.json"
+#: Default bound on one object-store operation, in seconds (``GoCkptConfig.storage_timeout_s``).
+DEFAULT_STORAGE_TIMEOUT_S = 60.0
+#: Attempts per object-store request (botocore ``total_max_attempts``); s3fs's own retry loop
+#: is turned off so attempts do not multiply.
+S3_MAX_ATTEMPTS = 3
+#: A local scratch entry's name, as :func:`scratch_path` makes it: groups ``name`` (the entry
+#: it stands for), ``kind`` (``tmp`` or ``old``) and ``pid`` (the process that made it).
+SCRATCH_RE = re.compile(r"^\.(?P<name>.+)\.gockpt-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def url_to_fs(
+    path: str,
+    storage_options: Mapping[str, Any] | None,
+    timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
+) -> tuple[AbstractFileSystem, str]:
+    """Resolve ``path`` to a filesystem and the path inside it, without a trailing slash.
+
+    For ``s3://`` URLs, requests are bounded unless ``storage_options`` already sets them:
+    botocore ``connect_timeout`` and ``read_timeout`` of ``timeout_s / S3_MAX_ATTEMPTS`` seconds
+    and ``retries={"total_max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}`` (which also
+    backs off on ``503 SlowDown``), and s3fs's own retry loop off, so one request fails after
+    about ``timeout_s`` seconds however the endpoint misbehaves. Options you set win.
+
+    Args:
+        path: local path or fsspec URL.
+        storage_options: keyword arguments for the filesystem (credentials, endpoint, ...).
+        timeout_s: bound on one object-store operation in seconds; None leaves the
+            filesystem's own defaults (s3fs: 5 retries of up to 5 botocore attempts each).
+
+    Returns:
+        (filesystem, path in that filesystem); local paths come back absolute.
+    """
+    options = dict(storage_options or {})
+    protocol = fsspec.core.split_protocol(path)[0]
+    bounded_s3 = timeout_s is not None and protocol in ("s3", "s3a")
+    if bounded_s3:
+        config = dict(options.get("config_kwargs") or {})
+        per_try = max(float(timeout_s) / S3_MAX_ATTEMPTS, 0.1)  # type: ignore[arg-type]
+        config.setdefault("connect_timeout", per_try)
+        config.setdefault("read_timeout", per_try)
+        bounded_s3 = "retries" not in config
+        config.setdefault("retries", {"total_max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
+        options["config_kwargs"] = config
+    fs, fs_path = fsspec.core.url_to_fs(path, **options)
+    if bounded_s3 and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's loop around botocore's: one pass, botocore retries inside
+    if len(fs_path) > 1:
+        fs_path = fs_path.rstrip("/")
+    return fs, fs_path
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    """True if ``fs`` is the local filesystem (rename, fsync and flock are available)."""
+    return isinstance(fs, LocalFileSystem)
+
+
+# --- paths -----------------------------------------------------------------------------------
+
+
+def join(parent: str, name: str) -> str:
+    """``parent/name`` for a path inside a filesystem (as :func:`url_to_fs` returns it).
+
+    Always joins with ``/`` (object stores use it locally too); a trailing ``/`` of ``parent`` is
+    dropped, and ``parent == "/"`` gives ``/name``. Raises nothing.
+    """
+    return f"{parent.rstrip('/')}/{name}" if parent != "/" else f"/{name}"
+
+
+def join_user(directory: str, name: str) -> str:
+    """``directory/name`` in the form the user gave ``directory``: an fsspec URL is joined with
+    ``/`` (protocol kept), a local path with :func:`os.path.join`. Raises nothing."""
+    if "://" in directory:
+        return f"{directory.rstrip('/')}/{name}"
+    return os.path.join(directory, name)
+
+
+def split(root: str) -> tuple[str, str]:
+    """Split a path inside a filesystem into (parent, final name); the parent of ``/x`` is ``/``.
+
+    Raises:
+        ValueError: ``root`` has no final name (empty, or ends with ``/``).
+    """
+    parent, _, name = root.rpartition("/")
+    if not name:
+        raise ValueError(f"{root!r} is not a checkpoint path (it has no final name)")
+    return parent or "/", name
+
+
+def scratch_path(parent: str, name: str, kind: str = "tmp") -> str:
+    """A fresh local scratch path ``<parent>/.<name>.gockpt-<kind>-<pid>-<hex>`` standing for
+    ``name`` (matched by :data:`SCRATCH_RE`, so :func:`gockpt.storage.cleanup_staging` removes
+    it once this process is gone).
+
+    Args:
+        parent: the local directory the entry goes in.
+        name: the entry it stands for.
+        kind: ``"tmp"`` (being written or deleted) or ``"old"`` (a previous checkpoint moved
+            aside, restored by clean-up when nothing took its place).
+
+    Raises:
+        ValueError: ``kind`` is neither ``"tmp"`` nor ``"old"``.
+    """
+    if kind not in ("tmp", "old"):
+        raise ValueError(f"scratch kind must be 'tmp' or 'old', got {kind!r}")
+    return os.path.join(parent, f".{name}.gockpt-{kind}-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+# --- durability and deletion -----------------------------------------------------------------
+
+
+def fsync_path(path: str) -> None:
+    """fsync a local file or directory (a directory's fsync makes renames in it durable).
+
+    Raises:
+        OSError: the path cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_local(path: str) -> None:
+    """Delete a local file, symlink (not its target) or directory tree; a missing path is fine.
+
+    Not crash-safe for checkpoints (see :func:`remove_local_checkpoint`), and nothing is fsynced.
+
+    Raises:
+        OSError: the deletion failed (permissions, a busy mount, ...).
+    """
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def remove_file(fs: AbstractFileSystem, path: str) -> None:
+    """Delete one file of ``fs``; a missing file is fine.
+
+    Raises:
+        Exception: whatever ``fs.rm_file`` raises other than ``FileNotFoundError``.
+    """
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_local_checkpoint(root: str) -> None:
+    """Delete the local checkpoint directory ``root`` so that it stops being complete in one
+    durable step before any file goes; a symlink (or other non-directory) is unlinked, its
+    target kept; a missing ``root`` is fine.
+
+    The directory is renamed to a scratch name (:func:`scratch_path`), the parent fsynced, then
+    the scratch tree deleted (a crash leaves it to :func:`gockpt.storage.cleanup_staging`).
+    Where it cannot be renamed (a mount point, ...), ``manifest.json`` is unlinked and ``root``
+    fsynced first, then the rest deleted.
+
+    Raises:
+        OSError: a rename, unlink, fsync or deletion failed.
+    """
+    if os.path.islink(root) or (os.path.lexists(root) and not os.path.isdir(root)):
+        os.unlink(root)
+        return
+    if not os.path.isdir(root):
+        return
+    parent, name = os.path.split(root)
+    aside = scratch_path(parent, name)
+    try:
+        os.rename(root, aside)
+    except OSError:
+        # Cannot rename (a mount point, ...): the manifest goes first, durably.
+        try:
+            os.unlink(os.path.join(root, MANIFEST_NAME))
+            fsync_path(root)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(root)
+        fsync_path(parent)
+        return
+    fsync_path(parent)
+    shutil.rmtree(aside)
+
+
+def remove_remote_checkpoint(fs: AbstractFileSystem, root: str) -> None:
+    """Delete the checkpoint at ``root`` of an object store: ``manifest.json`` first (whatever a
+    crash leaves after it is not complete), then the rest; a missing ``root`` is fine.
+
+    Raises:
+        Exception: whatever ``fs`` raises other than ``FileNotFoundError``.
+    """
+    # The manifest first: whatever a crash leaves after it is not complete.
+    remove_file(fs, join(root, MANIFEST_NAME))
+    try:
+        fs.rm(root, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def storage_error(
+    e: BaseException, ckpt_path: str, file_path: str | None, *, action: str = "writing checkpoint"
+) -> CheckpointError:
+    """The error to raise for a storage failure ``e`` (use as ``raise storage_error(e) from e``).
+
+    A :class:`CheckpointError` is returned as is; a timeout of any layer (``TimeoutError``,
+    botocore/aiohttp timeouts) becomes a :class:`CheckpointTimeoutError`; anything else a
+    :class:`CheckpointStorageError`. The message names the checkpoint, the file and the
+    original error; ``errno`` is kept.
+    """
+    if isinstance(e, CheckpointError):
+        return e
+    code = e.errno if isinstance(e, OSError) else None
+    strerror = e.strerror if isinstance(e, OSError) else None
+    reason = strerror or str(e) or type(e).__name__
+    prefix = f"[Errno {code}] " if code is not None else ""
+    if not strerror:
+        reason = f"{type(e).__name__}: {reason}" if str(e) else reason
+    where = f"{action} {ckpt_path!r}" + (f", file {file_path!r}" if file_path else "")
+    cls = CheckpointTimeoutError if _is_timeout(e) else CheckpointStorageError
+    return cls(
+        f"{prefix}{reason} ({where})", path=ckpt_path, file=file_path, errno=code,
+        strerror=strerror,
+    )
+
+
+def _is_timeout(e: BaseException | None) -> bool:
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
