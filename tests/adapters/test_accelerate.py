@@ -659,3 +659,23 @@ def test_tied_weights_are_stored_once_under_their_first_name(tmp_path):
     stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert sorted(stored) == ["first.bias", "first.weight", "second.bias"]
     assert torch.equal(stored["first.weight"], model.first.weight.detach())
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_an_unchanged_script_gets_gockpt_from_the_launch_command(tmp_path, enabled):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "GOCKPT_ENABLED": enabled,
+           "GOCKPT_MODE": "gockpt", "GOCKPT_MIN_OVERLAP_STEPS": "2"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate_gockpt.run", str(_HERE / "test_accelerate_child.py"),
+                           "plain", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attached, digest = proc.stdout.split()[-2:]
+    path = tmp_path / "checkpoints" / "checkpoint_0"
+    if enabled == "1":
+        assert attached == "GoCkptCheckpointer"
+        assert listing(path) == ACCELERATE_FILES
+        assert json.loads((path / "gockpt.json").read_text())["mode"] == "gockpt"  # GOCKPT_MODE read
+    else:
+        assert attached != "GoCkptCheckpointer" and "gockpt.json" not in os.listdir(path)
+    plain = child.build(str(tmp_path), seed=9)
+    plain.acc.load_state(str(path))
+    assert child.digest(plain) == digest

@@ -262,8 +262,20 @@ def _exit_after_save(project_dir: str, mode: str) -> None:
     print(digest(run), flush=True)
 
 
+def _unchanged_script(project_dir: str) -> None:
+    # A plain Accelerate script: no GoCkpt in it (run under accelerate_gockpt.run).
+    run = build(project_dir)
+    train(run, 3)
+    run.acc.save_state()
+    attached = type(getattr(run.acc.save_state, "__self__", None)).__name__
+    run.acc.end_training()
+    print(attached, digest(run), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "exit":
+    if sys.argv[1] == "plain":
+        _unchanged_script(sys.argv[2])
+    elif sys.argv[1] == "exit":
         _exit_after_save(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "ddp":
         _ddp(sys.argv[2], sys.argv[3])
