@@ -151,7 +151,9 @@ class GoCkptCheckpointer:
         Raises:
             ValueError: the automatically named folder exists or is being written; no
                 ``output_dir`` without automatic naming.
-            RuntimeError: an earlier checkpoint failed in the background; closed.
+            RuntimeError: closed.
+            The error of an earlier checkpoint that failed in the background, with its own type
+            (``gockpt.CheckpointStorageError`` ..., or what a pre-hook raised).
         """
         self._check_open()
         self._follow_prepared()
