@@ -10,6 +10,7 @@ loader, so "verified" means "loads".
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import xxhash
 
 from . import fsutil, storage
+from ._safe_read import open_local_regular
+from .errors import CheckpointCorruptError
 from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, dtype_itemsize
 
 __all__ = ["Problem", "describe_checkpoint", "read_manifest", "verify_checkpoint"]
@@ -155,6 +158,14 @@ def _check_file(
     fs: Any, file_path: str, entry: dict, index: dict[str, dict], is_shard: bool,
     progress: Callable[[int], None] | None,
 ) -> str | None:
+    if fsutil.is_local(fs):
+        # Only a regular file inside the checkpoint is read: no symlink out, FIFO or device.
+        try:
+            os.close(open_local_regular(file_path)[0])
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing (listed in the manifest)"
+        except CheckpointCorruptError as e:
+            return str(e)
     try:
         size = fs.size(file_path)
     except (FileNotFoundError, NotADirectoryError):

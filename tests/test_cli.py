@@ -149,6 +149,20 @@ def test_verify_passes_and_a_flipped_byte_fails_naming_the_file(runs, capsys):
     assert f"FAILED {runs['flipped_shard']}: xxh3-64 checksum" in res.stdout
 
 
+def test_verify_refuses_a_shard_linked_out_of_the_checkpoint(runs, capsys, tmp_path):
+    # A shard replaced by a symlink to an identical copy elsewhere: sizes and checksums match,
+    # yet a checkpoint must not read files outside itself.
+    linked = tmp_path / "linked.ckpt"
+    shutil.copytree(runs["ours"], linked)
+    shard = next(linked.glob("*.safetensors"))
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(shard, outside)
+    shard.unlink()
+    shard.symlink_to(outside)
+    code, out, _ = _in_process(capsys, "verify", str(linked))
+    assert code == 1 and f"FAILED {shard}" in out and "symbolic link" in out
+
+
 def test_to_lightning_loads_with_stock_load_from_checkpoint(runs):
     _ok(runs, "lightning")
     path = runs["out"] / "model.ckpt"
