@@ -9,7 +9,6 @@ environment to every process), the file named by ``config_file`` / ``GOCKPT_CONF
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass, field, fields
@@ -89,19 +88,8 @@ class GoCkptPlugin:
     def __post_init__(self) -> None:
         if self.config_file is None:
             self.config_file = os.environ.get(CONFIG_FILE_ENV) or None
-        from_file = _read_config_file(self.config_file) if self.config_file else {}
-        _env.warn_unknown([_env.env_name(f.name) for f in fields(self)])
-        sources: dict[str, str] = {}  # field -> where its value came from, for error messages
-        for f in fields(self):
-            if f.name == "config_file" or getattr(self, f.name) is not None:
-                continue
-            env = _env.env_name(f.name)
-            if os.environ.get(env, "") != "":
-                setattr(self, f.name, _parse(f.name, os.environ[env], env))
-                sources[f.name] = f"{env}={os.environ[env]!r}"
-            elif f.name in from_file:
-                setattr(self, f.name, _coerce(f.name, from_file[f.name], self.config_file))
-                sources[f.name] = f"{self.config_file}: {f.name}={from_file[f.name]!r}"
+        kinds = {f.name: _kind(f.name) for f in fields(self) if f.name != "config_file"}
+        sources = _env.fill_unset(self, kinds, self.config_file)
         if self.gockpt_dir is not None:
             warnings.warn("GoCkptPlugin(gockpt_dir=...) is ignored: checkpoints are written once, "
                           "in Accelerate's layout, beside the checkpoint", DeprecationWarning, stacklevel=3)
@@ -145,50 +133,9 @@ _INT_FIELDS = ("max_overlap_steps", "min_overlap_steps", "host_buffer_bytes", "m
 _FLOAT_FIELDS = ("host_link_bytes_per_s", "publish_timeout_s")
 
 
-def _parse(name: str, raw: str, where: str) -> Any:
-    """Parse the text of an environment variable for field ``name``."""
-    kind = bool if name in _BOOL_FIELDS else int if name in _INT_FIELDS else \
+def _kind(name: str) -> type:
+    return bool if name in _BOOL_FIELDS else int if name in _INT_FIELDS else \
         float if name in _FLOAT_FIELDS else str
-    return _env.parse_env_value(raw, kind, where)
-
-
-def _coerce(name: str, value: Any, where: str | None) -> Any:
-    """Check the type of a config-file value for field ``name`` (strings are parsed)."""
-    if isinstance(value, str):
-        return _parse(name, value, f"{where}: {name}")
-    ok = (
-        (name in _BOOL_FIELDS and isinstance(value, bool))
-        or (name in _INT_FIELDS and isinstance(value, int) and not isinstance(value, bool))
-        or (name in _FLOAT_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool))
-    )
-    if not ok:
-        raise ValueError(f"{where}: {name}={value!r} has the wrong type")
-    return float(value) if name in _FLOAT_FIELDS else value
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML (``.yaml``/``.yml``) or JSON file holding one mapping of field names.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: not a mapping, or a key that is not a field (naming the key).
-    """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of GoCkptPlugin fields, got {type(data).__name__}")
-    known = {f.name for f in fields(GoCkptPlugin)} - {"config_file"}
-    for key in data:
-        if key not in known:
-            raise ValueError(f"{path}: unknown key {key!r}; known keys: {sorted(known)}")
-    return data
 
 
 def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckpointer | None:

@@ -18,6 +18,7 @@ Accelerate's, so that every reader reports a mistake the same way:
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import os
 import re
@@ -29,8 +30,10 @@ __all__ = [
     "CONFIG_FILE_ENV",
     "ENV_PREFIX",
     "env_name",
+    "fill_unset",
     "name_source",
     "parse_env_value",
+    "read_config_file",
     "warn_unknown",
 ]
 
@@ -136,3 +139,81 @@ def name_source(error: ValueError, sources: Mapping[str, str]) -> ValueError:
     if not hits:
         return error
     return ValueError(f"{min(hits)[1]}: {message}")
+
+
+def read_config_file(path: str, known: Iterable[str]) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or JSON file holding one mapping of option names.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a mapping, or a key that is not in ``known`` (naming the key).
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml  # only for YAML files: an optional dependency
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of GoCkpt options, got {type(data).__name__}")
+    names = sorted(known)
+    for key in data:
+        if key not in names:
+            raise ValueError(f"{path}: unknown key {key!r}; known keys: {names}")
+    return data
+
+
+def _coerce(value: Any, kind: type, where: str) -> Any:
+    # A config-file value: strings are parsed like variables, other values are type-checked.
+    if isinstance(value, str):
+        return parse_env_value(value, kind, where)
+    ok = (
+        (kind is bool and isinstance(value, bool))
+        or (kind is int and isinstance(value, int) and not isinstance(value, bool))
+        or (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+    )
+    if not ok:
+        raise ValueError(f"{where}={value!r} has the wrong type")
+    return float(value) if kind is float else value
+
+
+def fill_unset(
+    obj: Any, kinds: Mapping[str, type], config_file: str | None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Set every option of ``obj`` that is None from ``GOCKPT_<OPTION>``, else the config file.
+
+    Arguments win over variables, variables over the file. Unknown ``GOCKPT_*`` variables are
+    reported (:func:`warn_unknown`).
+
+    Args:
+        obj: an object whose attributes are the options (e.g. a dataclass).
+        kinds: option name -> ``bool``, ``int``, ``float`` or ``str``.
+        config_file: a YAML or JSON file of options, or None.
+        environ: the environment; ``os.environ`` when None.
+
+    Returns:
+        Option -> where its value came from (for :func:`name_source`).
+
+    Raises:
+        ValueError: a value that does not parse, naming the variable or the file and key;
+            an unknown key in the file.
+    """
+    env = os.environ if environ is None else environ
+    from_file = read_config_file(config_file, kinds) if config_file else {}
+    warn_unknown([env_name(name) for name in kinds] + [CONFIG_FILE_ENV], env)
+    sources: dict[str, str] = {}
+    for name, kind in kinds.items():
+        if getattr(obj, name) is not None:
+            continue
+        var = env_name(name)
+        if env.get(var, "") != "":
+            setattr(obj, name, parse_env_value(env[var], kind, var))
+            sources[name] = f"{var}={env[var]!r}"
+        elif name in from_file:
+            setattr(obj, name, _coerce(from_file[name], kind, f"{config_file}: {name}"))
+            sources[name] = f"{config_file}: {name}={from_file[name]!r}"
+    return sources
