@@ -26,7 +26,6 @@ import json
 import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -204,31 +203,6 @@ def _saved(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(_owned(obj, {}), buf)
     return buf.getvalue()
-
-
-def _save(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_rank_file(staging: str, rank: int, states: dict[str, Any]) -> bool:
-    """Write ``random_states_<rank>.pkl`` into ``staging`` atomically (temp file, fsync, rename).
-
-    Returns:
-        False when ``staging`` is gone (the main process abandoned this checkpoint).
-    """
-    if not os.path.isdir(staging):
-        return False
-    name = f"{RNG_STATE_NAME}_{rank}.pkl"
-    tmp = os.path.join(staging, f".{name}.tmp-{uuid.uuid4().hex}")
-    try:
-        _save(states, tmp)
-        os.rename(tmp, os.path.join(staging, name))
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def checkpoint_number(name: str) -> int | None:

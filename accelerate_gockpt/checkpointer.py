@@ -9,7 +9,7 @@ Call sequence of one ``accelerator.save_state()`` once attached:
 2. (training thread) at the captured step (GoCkpt §4.2: K-1 updates later in the multi-step
    modes) the main process's ``state_fn`` takes RNG, schedulers, scaler, dataloader state,
    registered objects and ``Accelerator.step``; the other processes write their RNG state into
-   the folder (:mod:`._ranks`).
+   the folder (:mod:`gockpt.ranks`).
 3. (engine threads) copy, replay and write Accelerate's files once, straight from the host
    snapshot, then rename the folder into place and apply ``total_limit`` (:mod:`._publish`), so
    plain ``accelerator.load_state`` resumes from it.
@@ -26,16 +26,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import RNG_STATE_NAME, broadcast_object_list
 from torch import nn
 
 import gockpt
 from gockpt import _exit
+from gockpt.ranks import RankCapture
 from gockpt.storage import cleanup_staging
 
 from . import _host_state, _publish
 from ._models import engine_model
-from ._ranks import RankCapture
 
 if TYPE_CHECKING:
     from .plugin import GoCkptPlugin
@@ -296,7 +296,8 @@ class GoCkptCheckpointer:
         else:
             acc = self.accelerator
             self._ranks = RankCapture(self._models, self._optimizers,
-                                      lambda: _host_state.rng_states(acc.step), acc.process_index)
+                                      lambda: _host_state.rng_states(acc.step),
+                                      f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
 
     def _stop(self) -> None:
         try:

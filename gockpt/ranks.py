@@ -1,0 +1,149 @@
+"""A process's share of a checkpoint that another process (the writer) saves.
+
+With replicated training (DDP, Accelerate's multi-process runs) one process runs the engine and
+writes the model and optimizer; every other process still owns state of its own (its RNG, ...)
+that belongs to the same checkpoint, taken at the same captured step (GoCkpt §4.2: K-1 updates
+after the request in the multi-step modes). :class:`RankCapture` counts optimizer updates with the
+same step post-hooks the engine uses, takes that state at the writer's captured step, and writes
+it into the checkpoint's staging directory, which the writer publishes once every share is there
+(see ``CheckpointWriter.before_publish``). Call sequence:
+
+1. (training thread, at the request on every process) the writer broadcasts the staging
+   directory, the captured step (the target) and which earlier checkpoints it captured during
+   this call (a flush when no snapshot slot was free): :meth:`add`, :meth:`capture`.
+2. (training thread, first step boundary at the target: an optimizer step pre-hook, the model's
+   forward pre-hook, or :meth:`boundary`) take this process's state.
+3. (writer thread) write it into the staging directory atomically (:func:`write_share`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ._hooks import EngineHook
+
+__all__ = ["RankCapture", "write_share"]
+
+log = logging.getLogger("gockpt")
+
+
+def write_share(staging: str, name: str, state: Any) -> bool:
+    """``torch.save`` ``state`` as file ``name`` of ``staging`` atomically (temp file, fsync, rename).
+
+    Returns:
+        False when ``staging`` is gone (the writer abandoned this checkpoint).
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    if not os.path.isdir(staging):
+        return False
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    tmp = os.path.join(staging, f".{name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(staging, name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+class RankCapture:
+    """Takes this process's share of checkpoints at the writer's captured steps.
+
+    Args:
+        models: the models (forward pre-hooks mark step boundaries).
+        optimizers: the torch optimizers (post-hooks count updates as the engine does).
+        take: returns this process's share (any ``torch.save``-able object).
+        name: the file name of the share in the staging directory (e.g. one per rank).
+    """
+
+    def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer],
+                 take: Callable[[], Any], name: str) -> None:
+        self.version = 0
+        self._take = take
+        self._name = name
+        self._pending: dict[int, tuple[str, int]] = {}
+        self._futures: list[Future[bool]] = []
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gockpt-rank-share")
+        self._hooks = []
+        for o in optimizers:
+            self._hooks.append(o.register_step_post_hook(EngineHook(self._on_update)))
+            self._hooks.append(o.register_step_pre_hook(EngineHook(self.boundary)))
+        for m in models:
+            self._hooks.append(m.register_forward_pre_hook(EngineHook(self.boundary)))
+
+    def add(self, seq: int, staging: str, target: int) -> None:
+        """Register checkpoint ``seq`` of the writer, captured at update ``target``."""
+        self._pending[seq] = (staging, target)
+
+    def boundary(self) -> None:
+        """A step boundary: take the state of checkpoints whose target is the current update."""
+        for seq, (_, target) in list(self._pending.items()):
+            if target == self.version:
+                self._capture(seq)
+
+    def capture(self, seqs: Sequence[int]) -> None:
+        """Take the state of checkpoints ``seqs`` now (the writer captured them here)."""
+        for seq in seqs:
+            if seq in self._pending:
+                self._capture(seq)
+
+    def check(self) -> None:
+        """Re-raise the first failed write on the calling (training) thread."""
+        for f in self._futures:
+            if f.done() and f.exception() is not None:
+                self._futures.remove(f)
+                raise RuntimeError("gockpt: writing this process's share of a checkpoint failed") from f.exception()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Take every pending checkpoint's state now and block until written.
+
+        Call where the writer flushes (its ``wait``/``close``, on every process).
+
+        Raises:
+            The first write error.
+        """
+        self.capture(list(self._pending))
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result(timeout_s)
+
+    def close(self) -> None:
+        """:meth:`wait`, then remove the hooks and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._writer.shutdown(wait=True)
+
+    def _on_update(self) -> None:
+        self.version += 1
+
+    def _capture(self, seq: int) -> None:
+        staging, _ = self._pending.pop(seq)
+        state = self._take()
+        self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
+        self._futures.append(self._writer.submit(self._write, staging, state))
+
+    def _write(self, staging: str, state: Any) -> bool:
+        written = write_share(staging, self._name, state)
+        if not written:
+            log.info("gockpt: checkpoint staging %s is gone (abandoned by its writer); %s not "
+                     "written", staging, self._name)
+        return written
