@@ -44,6 +44,7 @@ from accelerate.utils import (
 
 import gockpt
 from gockpt.layout import StateLayout
+from gockpt.snapshot import own_storage
 from gockpt.writer import CheckpointWriter, Snapshot, TensorFile
 
 SIDECAR_NAME = "gockpt.json"
@@ -182,26 +183,9 @@ def _untie(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _owned(obj: Any, memo: dict[tuple[int, int, tuple], torch.Tensor]) -> Any:
-    # The snapshot's tensors are views of one host buffer: torch.save would write all of it
-    # for each. Each gets storage of its own; views of one tensor (tied weights) stay one.
-    if isinstance(obj, torch.Tensor):
-        key = (obj.untyped_storage().data_ptr(), int(obj.storage_offset()), tuple(obj.shape))
-        if key not in memo:
-            memo[key] = obj.clone()
-        return memo[key]
-    if isinstance(obj, dict):
-        return {k: _owned(v, memo) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_owned(v, memo) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_owned(v, memo) for v in obj)
-    return obj
-
-
 def _saved(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save(_owned(obj, {}), buf)
+    torch.save(own_storage(obj), buf)
     return buf.getvalue()
 
 

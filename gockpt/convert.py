@@ -34,9 +34,9 @@ import torch
 
 from . import fsutil, storage
 from .restore import load_checkpoint
-from .snapshot import map_tree, save_tree
+from .snapshot import own_storage, save_tree
 
-__all__ = ["Source", "open_source", "to_dcp", "to_gockpt", "to_hf", "write_state_dicts"]
+__all__ = ["Source", "open_source", "own_storage", "to_dcp", "to_gockpt", "to_hf", "write_state_dicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -350,25 +350,6 @@ def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Sou
                 if isinstance(s, dict) and "step" in s), default=0)
     state = {"model": model, "optimizers": opt_list, "extra": extra}
     return Source(path, "accelerate", model, state, step, None, notes)
-
-
-def own_storage(tree: Any) -> Any:
-    """``tree`` with every tensor copied into a storage of its own (contiguous, detached).
-
-    Tensors loaded from a GoCkpt shard are views of one memory-mapped buffer, some of
-    different dtypes; ``torch.save`` and safetensors refuse such tensors. One tensor object
-    met twice (tied weights) stays one object.
-    """
-    memo: dict[int, torch.Tensor] = {}
-
-    def leaf(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if id(x) not in memo:
-            memo[id(x)] = x.detach().contiguous().clone()
-        return memo[id(x)]
-
-    return map_tree(tree, leaf)
 
 
 def _write_all(f: Any, *, data: bytes) -> None:

@@ -300,3 +300,24 @@ def save_tree(
         storage_options=dict(storage_options or {}), num_io_threads=num_io_threads,
         update_latest=update_latest, on_published=on_published or (lambda: None))
     return persist(req).bytes_written
+
+
+def own_storage(tree: Any) -> Any:
+    """``tree`` with every tensor copied into a storage of its own (contiguous, detached).
+
+    Tensors of a snapshot or of a loaded GoCkpt shard are views of one buffer: ``torch.save``
+    would write the whole buffer for each, and safetensors refuses them. Views of one place
+    (tied weights, the same tensor met twice) stay one tensor object.
+    """
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        where = (x.untyped_storage().data_ptr(), int(x.storage_offset()), tuple(x.shape),
+                 tuple(x.stride()), x.dtype)
+        if where not in memo:
+            memo[where] = x.detach().contiguous().clone()
+        return memo[where]
+
+    return map_tree(tree, leaf)
