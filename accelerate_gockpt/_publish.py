@@ -75,6 +75,8 @@ class AccelerateWriter(CheckpointWriter):
         pre_hooks: ``register_save_state_pre_hook`` hooks: ``hook(models, weights, output_dir)``.
         models: the accelerator's prepared models (passed to ``pre_hooks``).
         stopped: True => stop waiting for other processes (the checkpointer is closing).
+        claim_directory: claim the parent folder (``checkpoints/`` with automatic naming; not
+            the folder around an explicit ``output_dir``, which other jobs may share).
     """
 
     staging: str
@@ -89,6 +91,7 @@ class AccelerateWriter(CheckpointWriter):
     pre_hooks: list[Callable[..., Any]]
     models: list[Any]
     stopped: Callable[[], bool]
+    claim_directory: bool = True
 
     def _weights_name(self, i: int) -> str:
         base = SAFE_WEIGHTS_NAME if self.safe_serialization else WEIGHTS_NAME

@@ -400,7 +400,8 @@ class GoCkptCheckpointer:
                 total_limit=acc.project_configuration.total_limit if root else None,
                 timeout_s=float(self.plugin.publish_timeout_s or 600.0),
                 pre_hooks=list(acc._save_model_state_pre_hook.values()),
-                models=list(acc._models), stopped=lambda: self._stopping)
+                models=list(acc._models), stopped=lambda: self._stopping,
+                claim_directory=root is not None)
             assert self.engine is not None
             waiting = [s for s in self.saves if s.handle.captured_step is None]
             handle = self.engine.save(final, exact_step=self._exact_step, writer=writer,

@@ -167,7 +167,7 @@ class Engine:
         path = path.rstrip("/") or path
         t0 = time.perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
-        if parent not in self._cleaned_dirs:
+        if parent not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
             # One writing process per directory, then scratch files of writers killed mid-save.
             claim = claim_directory(parent, self.config.storage_options,
                                     timeout_s=self.config.storage_timeout_s)

@@ -82,9 +82,13 @@ class CheckpointWriter:
             ``.<anything>.gockpt-tmp-<pid>-<hex>``, to write into (the caller makes it at
             request time, e.g. so other processes can add their files); None: the storage
             target makes one.
+        claim_directory: the engine claims the checkpoint's parent directory for this process
+            (one writer per directory, see :func:`gockpt.storage.claim_directory`); False for a
+            parent other jobs may share (a user's folder of unrelated outputs).
     """
 
     staging: str | None = None
+    claim_directory: bool = True
 
     def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
         """The tensor files of this save; None: GoCkpt's shards of every tracked tensor.
