@@ -20,6 +20,7 @@ import faultfs
 import pytest
 import torch
 from conftest import Store
+from writers import another_writer
 
 from gockpt import storage
 from gockpt.errors import CheckpointError, CheckpointStorageError
@@ -332,15 +333,6 @@ def test_a_staging_directory_is_locked_while_it_is_written(faulty_local, make_re
 # --- one writer per directory ------------------------------------------------------------------
 
 
-CLAIM_AND_WAIT = (
-    "import sys\n"
-    "from gockpt.storage import claim_directory\n"
-    "claim = claim_directory(sys.argv[1])\n"
-    "print('claimed', flush=True)\n"
-    "sys.stdin.read()\n"
-)
-
-
 def _has_user_xattrs(path):
     try:
         os.setxattr(path, "user.gockpt.probe", b"1")
@@ -352,12 +344,7 @@ def _has_user_xattrs(path):
 
 def test_a_second_writer_process_is_refused_and_a_killed_one_does_not_block(tmp_path):
     directory = tmp_path / "ckpts"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", CLAIM_AND_WAIT, str(directory)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "claimed"
+    with another_writer(directory) as proc:
         with pytest.raises(CheckpointError) as info:
             claim_directory(str(directory))
         message = str(info.value)
@@ -380,9 +367,6 @@ def test_a_second_writer_process_is_refused_and_a_killed_one_does_not_block(tmp_
                 engine.save(str(directory / "ckpt"))
         finally:
             engine.close()
-    finally:
-        proc.kill()  # SIGKILL: no chance to release anything
-        proc.wait()
     # The kernel released the dead writer's lock: a restarted run claims at once.
     claim = claim_directory(str(directory))
     claim.release()

@@ -681,29 +681,15 @@ def test_an_unchanged_script_gets_gockpt_from_the_launch_command(tmp_path, enabl
     assert child.digest(plain) == digest
 
 
-CLAIM_AND_WAIT = (
-    "import sys\n"
-    "from gockpt.storage import claim_directory\n"
-    "claim = claim_directory(sys.argv[1])\n"
-    "print('claimed', flush=True)\n"
-    "sys.stdin.read()\n"
-)
-
-
 def test_an_explicit_output_dir_does_not_claim_the_folder_around_it(tmp_path):
     """Another job writing checkpoints in the same parent folder does not block save_state(dir):
     only the automatic ``checkpoints/`` folder is claimed, as the run's own."""
-    env = {**os.environ, "PYTHONPATH": str(_REPO)}
-    other = subprocess.Popen([sys.executable, "-c", CLAIM_AND_WAIT, str(tmp_path)], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == "claimed"
+    from writers import another_writer
+
+    with another_writer(tmp_path):
         run = child.build(str(tmp_path / "run"), automatic_naming=False)
         ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
         child.train(run, 2)
         run.acc.save_state(str(tmp_path / "mine"))
         ckpt.close()
         assert listing(tmp_path / "mine") == ACCELERATE_FILES
-    finally:
-        other.kill()
-        other.wait()
