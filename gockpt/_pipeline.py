@@ -170,6 +170,7 @@ class Pipeline:
                 "model_keys": s.layout.model_keys,
                 "num_optimizers": len(self._optimizers),
                 "replay": self._backends.info.get(0, {}),
+                **({"writer": type(s.writer).__name__} if s.writer is not None else {}),
                 "created_unix_s": time.time(),
             }
             blob = io.BytesIO()

@@ -140,11 +140,13 @@ def verify_checkpoint(
     problems = []
     for name, entry in manifest["files"].items():
         file_path = fsutil.join(root, name)
-        problem = _check_file(fs, file_path, entry, by_file.get(name, {}),
-                              name != manifest["extra_file"], progress)
+        # Shards are the files holding tensors; a writer's other files get their checksum only.
+        is_shard = name in by_file or (name.endswith(".safetensors") and name != manifest["extra_file"])
+        problem = _check_file(fs, file_path, entry, by_file.get(name, {}), is_shard, progress)
         if problem is not None:
             problems.append(Problem(file_path, problem))
-    if not problems and load:
+    # A writer's layout (e.g. Accelerate's folder) is read by its own loader, not gockpt's.
+    if not problems and load and not manifest["meta"].get("writer"):
         from .restore import load_checkpoint
 
         try:

@@ -148,7 +148,7 @@ def _describe(info: dict) -> str:
     when = (datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
             if isinstance(created, (int, float)) else "unknown")
     dtypes = Counter(t["dtype"] for t in info["tensors"].values())
-    num_shards = len(info["files"]) - 1
+    num_shards = len({t["file"] for t in info["tensors"].values()})
     rows = [
         ("checkpoint", info["path"]),
         ("complete", "yes (manifest.json written last is present)"),
@@ -158,7 +158,10 @@ def _describe(info: dict) -> str:
         ("mode", f"{info['mode']} (K={info['num_overlap_steps']})"),
         ("replay", backend),
         ("created", when),
-        ("files", f"{len(info['files'])}: {num_shards} shard(s) and {info['extra_file']}, "
+        ("layout", f"written by {info['meta']['writer']} (read it with its own loader)"
+         if info["meta"].get("writer") else "gockpt (gockpt.load_checkpoint, Engine.restore)"),
+        ("files", f"{len(info['files'])}: {num_shards} holding tensors, {info['extra_file']}"
+                  f"{', ' + str(len(info['files']) - num_shards - 1) + ' more' if len(info['files']) > num_shards + 1 else ''}, "
                   f"{_size(info['total_bytes'])} with the manifest"),
         ("tensors", f"{len(info['tensors'])} ({_size(info['tensor_bytes'])}; "
                     + ", ".join(f"{n} {d}" for d, n in sorted(dtypes.items()))

@@ -693,3 +693,22 @@ def test_an_explicit_output_dir_does_not_claim_the_folder_around_it(tmp_path):
         run.acc.save_state(str(tmp_path / "mine"))
         ckpt.close()
         assert listing(tmp_path / "mine") == ACCELERATE_FILES
+
+
+def test_the_cli_inspects_and_verifies_an_accelerate_checkpoint(tmp_path, capsys):
+    from gockpt import cli
+
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    child.train(run, 5)
+    ckpt.close()
+    capsys.readouterr()
+    assert cli.main(["verify", str(path)]) == 0
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "written by AccelerateWriter" in out and "1 holding tensors" in out
+    (path / "optimizer.bin").write_bytes(b"torn")  # a writer's own file is checksummed too
+    assert cli.main(["verify", str(path)]) == 1
+    assert "optimizer.bin" in capsys.readouterr().out
