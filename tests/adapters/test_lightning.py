@@ -450,7 +450,7 @@ def test_metrics_reach_the_logger_per_checkpoint(tmp_path):
         if "gockpt/stall_s" in m:
             first.setdefault(m["gockpt/requested_step"], (m, step))
     calls = list(first.values())
-    assert list(first) == [5, 10]
+    assert sorted(first) == [5, 10]  # in the order they became durable, which storage decides
     # Step 10 ends the epoch (10 batches): that checkpoint must not cross it, so it holds step 10.
     expect = {5: ("gockpt", 3), 10: ("lazy", 1)}
     for m, step in calls:
