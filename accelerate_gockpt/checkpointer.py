@@ -31,6 +31,7 @@ from torch import nn
 
 import gockpt
 from gockpt import _exit
+from gockpt._hooks import EngineHook
 from gockpt.ranks import RankCapture
 from gockpt.storage import cleanup_staging
 
@@ -291,7 +292,7 @@ class GoCkptCheckpointer:
             self.engine = gockpt.Engine(self._engine_model, self._optimizers, self._config)
             if len(self._models) > 1:
                 # The engine's forward pre-hook sits on a container that is never called.
-                self._model_hooks = [m.register_forward_pre_hook(lambda *_a: self._boundary())
+                self._model_hooks = [m.register_forward_pre_hook(EngineHook(self._boundary))
                                      for m in self._models]
         else:
             acc = self.accelerator
