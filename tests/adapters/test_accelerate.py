@@ -615,15 +615,21 @@ def test_published_checkpoints_reach_the_trackers(tmp_path):
     assert steps == [2, 4]
 
 
-def test_each_checkpoint_is_written_once(tmp_path):
-    """Accelerate's files come straight from the engine's snapshot: the bytes the save wrote
-    are the bytes of the published folder (no engine copy rewritten a second time)."""
+def _one_overlapped_save(tmp_path):
+    """A run with one K=2 save at update 2, trained on to 5 and closed: (checkpointer, path)."""
     run = child.build(str(tmp_path / "run"))
     ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
     child.train(run, 2)
     path = run.acc.save_state()
     child.train(run, 5)
     ckpt.close()
+    return ckpt, path
+
+
+def test_each_checkpoint_is_written_once(tmp_path):
+    """Accelerate's files come straight from the engine's snapshot: the bytes the save wrote
+    are the bytes of the published folder (no engine copy rewritten a second time)."""
+    ckpt, path = _one_overlapped_save(tmp_path)
     (m,) = ckpt.metrics
     published = sum(f.stat().st_size for f in path.iterdir())
     assert m.persist_bytes <= published <= 1.05 * m.persist_bytes
@@ -698,12 +704,7 @@ def test_an_explicit_output_dir_does_not_claim_the_folder_around_it(tmp_path):
 def test_the_cli_inspects_and_verifies_an_accelerate_checkpoint(tmp_path, capsys):
     from gockpt import cli
 
-    run = child.build(str(tmp_path / "run"))
-    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
-    child.train(run, 2)
-    path = run.acc.save_state()
-    child.train(run, 5)
-    ckpt.close()
+    _, path = _one_overlapped_save(tmp_path)
     capsys.readouterr()
     assert cli.main(["verify", str(path)]) == 0
     assert cli.main(["inspect", str(path)]) == 0
