@@ -126,6 +126,7 @@ def new_record(
 ) -> SaveRecord:
     """A record whose views map every tracked tensor (and gradient) onto ``slot``; ``files``:
     ``writer.tensor_files(layout)`` (None: GoCkpt's shards)."""
+    handle.metrics.host_bytes = slot.data.numel() + sum(g.numel() for g in slot.grads)
     views = {}
     for e in layout.entries:
         views[e.key] = host_view(slot.data, slot_layout.offsets[e.key], e.tensor)

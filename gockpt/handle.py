@@ -23,6 +23,8 @@ class CheckpointMetrics:
             guard, flush, persist for ``sync``).
         state_bytes / grad_bytes: bytes copied to the host (state, gradients).
         persist_bytes: bytes written to storage.
+        host_bytes: host memory this checkpoint held while in flight, in bytes (its snapshot slot
+            and gradient buffers, as allocated: a reused slot may be larger than needed).
         time_to_durable_s: seconds from the request to the publish.
         persist_s: seconds spent persisting; ``persist_gbps`` = persist_bytes / persist_s / 1e9.
         replay_backend: backend used for replay (empty when nothing was replayed).
@@ -40,6 +42,7 @@ class CheckpointMetrics:
     state_bytes: int = 0
     grad_bytes: int = 0
     persist_bytes: int = 0
+    host_bytes: int = 0
     time_to_durable_s: float = 0.0
     persist_s: float = 0.0
     persist_gbps: float = 0.0

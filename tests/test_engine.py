@@ -66,6 +66,7 @@ def test_replayed_state_equals_blocking_save(tmp_path, opt_name, mode):
             assert m.grad_bytes > 0 and m.replay_backend
         elif mode in ("sync", "async", "lazy"):
             assert v == m.requested_step
+        assert m.host_bytes >= m.state_bytes > 0  # the host memory it held (slot + gradients)
         assert_state_equal(state.model_state_dict, live[v]["model"], f"{mode}:model@{v}")
         assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{mode}:optim@{v}")
         # Non-tensor state describes the same step as the tensors.
