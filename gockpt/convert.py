@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from . import fsutil, storage
 from .restore import load_checkpoint
 from .snapshot import own_storage, save_tree
 
-__all__ = ["Source", "open_source", "own_storage", "to_dcp", "to_gockpt", "to_hf", "write_state_dicts"]
+__all__ = ["Source", "open_source", "own_storage", "to_dcp", "to_gockpt", "to_hf"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def to_gockpt(
     A Lightning ``.ckpt`` is saved by ``GoCkptIO.save_checkpoint`` itself (its blocking path
     outside ``fit``), so ``Trainer(plugins=[GoCkptIO()]).fit(model, ckpt_path=dst)`` resumes
     from it as from the original file. An Accelerate folder becomes an engine checkpoint
-    (:func:`write_state_dicts`): model, optimizers, and the folder's other files under
+    (:func:`gockpt.snapshot.save_tree`): model, optimizers, and the folder's other files under
     ``extra["accelerate"]``, for :meth:`gockpt.Engine.restore` / :func:`gockpt.load_checkpoint`.
 
     Raises:
@@ -248,55 +248,10 @@ def to_gockpt(
         save_gockpt_lightning(source.lightning, dst, storage_options=storage_options,
                               max_shard_bytes=max_shard_bytes)
         return
-    write_state_dicts(dst, source.model_state_dict, source.state["optimizers"],
-                      user={"accelerate": source.state["extra"]}, step=source.step,
-                      storage_options=storage_options, max_shard_bytes=max_shard_bytes,
-                      meta={"converted_from": source.path})
-
-
-def write_state_dicts(
-    path: str,
-    model_state_dict: Mapping[str, Any],
-    optimizer_state_dicts: Sequence[Mapping[str, Any]] = (),
-    *,
-    user: Any = None,
-    step: int = 0,
-    storage_options: Mapping[str, Any] | None = None,
-    max_shard_bytes: int = 1 << 30,
-    num_io_threads: int = 4,
-    update_latest: bool = True,
-    meta: Mapping[str, Any] | None = None,
-) -> int:
-    """Write state dicts as the checkpoint a :class:`gockpt.Engine` writes, blocking.
-
-    Written by :func:`gockpt.snapshot.save_tree`, the library's one blocking writer:
-    :func:`gockpt.load_checkpoint` returns ``model_state_dict``, ``optimizer_state_dicts`` and
-    ``user`` (as ``extra``) bit for bit, tensors that are one object in ``model_state_dict``
-    stay one, and :meth:`gockpt.Engine.restore` loads the checkpoint into a live model.
-
-    Args:
-        path: checkpoint directory (local path or fsspec URL).
-        model_state_dict: ``model.state_dict()``-shaped.
-        optimizer_state_dicts: ``optimizer.state_dict()``-shaped, one per optimizer.
-        user: what ``state_fn`` would return (``LoadedState.extra``).
-        step: recorded as the requested and captured step.
-        storage_options: fsspec options.
-        max_shard_bytes: tensor bytes per shard file.
-        num_io_threads: threads writing files.
-        update_latest: move the ``latest`` pointer beside ``path``.
-        meta: more JSON-able manifest metadata.
-
-    Returns:
-        Bytes written.
-
-    Raises:
-        ValueError: an optimizer state dict without ``state`` / ``param_groups``.
-        TypeError: a dtype safetensors cannot store.
-        OSError, gockpt.CheckpointError: the storage failed (no partial checkpoint is left).
-    """
-    return save_tree(path, user, model=model_state_dict, optimizers=optimizer_state_dicts,
-                     step=step, storage_options=storage_options, max_shard_bytes=max_shard_bytes,
-                     num_io_threads=num_io_threads, update_latest=update_latest, meta=meta)
+    save_tree(dst, {"accelerate": source.state["extra"]}, model=source.model_state_dict,
+              optimizers=source.state["optimizers"], step=source.step,
+              storage_options=storage_options, max_shard_bytes=max_shard_bytes,
+              meta={"converted_from": source.path})
 
 
 # --- sources -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Shared fixtures: stores for checkpoints (local, memory, S3 on loopback) and request builders.
 
 - ``store``: parametrized over a local ``tmp_path`` directory and a unique ``memory://`` root.
-- Faults are injected through the fsspec filesystems of ``tests/faultfs.py``.
+- ``faulty_store``: ``(store, fault)`` — the same two behind the fault-injecting fsspec
+  filesystems of ``tests/faultfs.py`` (the seam faults are injected through).
 - ``s3_store``: a fresh bucket on a moto S3 server on 127.0.0.1.
 - ``make_request`` / ``make_tensors``: build :class:`gockpt.persist.PersistRequest` objects
   whose slot holds the tensors at the planned offsets.
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import faultfs
 import fsspec
 import pytest
 import torch
@@ -209,3 +211,18 @@ def one_thread_fresh_selfcheck():
     yield
     selfcheck._cache.clear()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["local", "memory"])
+def faulty_store(request, tmp_path, monkeypatch):
+    """(store, fault): a local directory or an object store behind a fault-injecting fsspec
+    filesystem (tests/faultfs.py), with a disarmed fault on checkpoint writes."""
+    fault = faultfs.Fault()
+    if request.param == "local":
+        monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
+        yield Store(faultfs.local_url(tmp_path / "store"), kind="local"), fault
+        return
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    root = faultfs.memory_root()
+    yield Store(root, kind="memory"), fault
+    faultfs.clear_memory(root)

@@ -89,43 +89,50 @@ class _FaultyFile:
         self._f.close()
 
 
-class FaultLocalFileSystem(LocalFileSystem):
-    """The local filesystem under ``gockptfaultfile://``, with :attr:`fault`."""
+class _FaultHooks:
+    """The operations both fault filesystems pass through their :class:`Fault` first."""
 
-    protocol = LOCAL_PROTOCOL
-    fault = Fault()
+    fault: Fault
+    protocol: str
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
         if isinstance(path, str):
-            path = path.removeprefix(f"{LOCAL_PROTOCOL}://")
-        return super()._strip_protocol(path)
-
-    def unstrip_protocol(self, name: str) -> str:
-        return f"{LOCAL_PROTOCOL}://{self._strip_protocol(name)}"
+            path = path.removeprefix(f"{cls.protocol}://")
+        return super()._strip_protocol(path)  # type: ignore[misc]
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if "w" in mode:
             self.fault.before_op("open", path)
-        f = super()._open(path, mode=mode, **kwargs)
+        f = super()._open(path, mode=mode, **kwargs)  # type: ignore[misc]
         if "w" in mode:
             return _FaultyFile(f, self.fault, str(path).rpartition("/")[2])
         return f
 
     def rm_file(self, path: str) -> None:
         self.fault.before_op("rm", path)
-        super().rm_file(path)
+        super().rm_file(path)  # type: ignore[misc]
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: Any = None) -> None:
         self.fault.before_op("rm", str(path))
-        super().rm(path, recursive=recursive, maxdepth=maxdepth)
+        super().rm(path, recursive=recursive, maxdepth=maxdepth)  # type: ignore[misc]
 
     def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
         self.fault.before_op("cat", path)
-        return super().cat_file(path, start=start, end=end, **kwargs)
+        return super().cat_file(path, start=start, end=end, **kwargs)  # type: ignore[misc]
 
 
-class FaultMemoryFileSystem(MemoryFileSystem):
+class FaultLocalFileSystem(_FaultHooks, LocalFileSystem):
+    """The local filesystem under ``gockptfaultfile://``, with :attr:`fault`."""
+
+    protocol = LOCAL_PROTOCOL
+    fault = Fault()
+
+    def unstrip_protocol(self, name: str) -> str:
+        return f"{LOCAL_PROTOCOL}://{self._strip_protocol(name)}"
+
+
+class FaultMemoryFileSystem(_FaultHooks, MemoryFileSystem):
     """A memory filesystem of its own under ``gockptfaultmem://``, with :attr:`fault`."""
 
     protocol = MEMORY_PROTOCOL
@@ -133,35 +140,9 @@ class FaultMemoryFileSystem(MemoryFileSystem):
     pseudo_dirs: list = [""]
     fault = Fault()
 
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        if isinstance(path, str):
-            path = path.removeprefix(f"{MEMORY_PROTOCOL}://")
-        return super()._strip_protocol(path)
-
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if "w" in mode:
-            self.fault.before_op("open", path)
-        f = super()._open(path, mode=mode, **kwargs)
-        if "w" in mode:
-            return _FaultyFile(f, self.fault, path.rpartition("/")[2])
-        return f
-
     def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> None:
         self.fault.before_op("pipe", path)
         super().pipe_file(path, value, *args, **kwargs)
-
-    def rm_file(self, path: str) -> None:
-        self.fault.before_op("rm", path)
-        super().rm_file(path)
-
-    def rm(self, path: Any, recursive: bool = False, maxdepth: Any = None) -> None:
-        self.fault.before_op("rm", str(path))
-        super().rm(path, recursive=recursive, maxdepth=maxdepth)
-
-    def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
-        self.fault.before_op("cat", path)
-        return super().cat_file(path, start=start, end=end, **kwargs)
 
 
 fsspec.register_implementation(LOCAL_PROTOCOL, FaultLocalFileSystem, clobber=True)

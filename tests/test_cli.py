@@ -297,10 +297,10 @@ def _within(fn, timeout_s: float = 20.0):
 @pytest.mark.parametrize("kind", ["oversized", "fifo", "dev_zero"])
 def test_inspect_and_verify_refuse_a_hostile_manifest_without_reading_it(tmp_path, capsys, kind):
     from gockpt.audit import read_manifest
-    from gockpt.convert import write_state_dicts
+    from gockpt.snapshot import save_tree
 
     path = tmp_path / "ckpt"
-    write_state_dicts(str(path), {"w": torch.ones(3)}, update_latest=False)
+    save_tree(str(path), None, model={"w": torch.ones(3)}, update_latest=False)
     manifest = path / "manifest.json"
     manifest.unlink()
     if kind == "oversized":

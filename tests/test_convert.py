@@ -1,5 +1,4 @@
-"""``gockpt.convert.write_state_dicts`` (the Accelerate converter's writer), written through
-``gockpt.snapshot.save_tree``: what it writes loads bit for bit with ``load_checkpoint``, is
+"""``gockpt.snapshot.save_tree`` with state dicts (what the Accelerate converter writes): what it writes loads bit for bit with ``load_checkpoint``, is
 restored by ``Engine.restore``, and training resumed from it matches training that never
 stopped.
 """
@@ -12,7 +11,7 @@ from _loop import assert_state_equal, make, snapshot, train
 
 import gockpt
 from gockpt.audit import verify_checkpoint
-from gockpt.convert import write_state_dicts
+from gockpt.snapshot import save_tree
 
 STEPS = 4
 
@@ -24,8 +23,8 @@ def test_state_dicts_load_bit_for_bit_and_resume_exactly(tmp_path):
     want = snapshot(model, opt)
     user = {"sched": sched.state_dict(), "scaler": scaler.state_dict(),
             "ema": torch.randn(5, dtype=torch.bfloat16)}
-    write_state_dicts(path, model.state_dict(), [opt.state_dict()], user=user, step=STEPS,
-                      max_shard_bytes=4096, meta={"converted_from": "somewhere"})
+    save_tree(path, user, model=model.state_dict(), optimizers=[opt.state_dict()], step=STEPS,
+              max_shard_bytes=4096, meta={"converted_from": "somewhere"})
 
     state = gockpt.load_checkpoint(path)
     assert_state_equal(state.model_state_dict, want["model"], "model")
@@ -60,7 +59,7 @@ def test_tied_tensors_stay_one_and_extra_state_is_kept(tmp_path):
     weight = torch.randn(4, 3)
     sd = {"embed.weight": weight, "head.weight": weight, "head.bias": torch.zeros(4),
           "norm._extra_state": {"version": 2}, "row": weight[1]}
-    write_state_dicts(path, sd)
+    save_tree(path, None, model=sd)
     got = gockpt.load_checkpoint(path).model_state_dict
     assert_state_equal(got, sd)
     assert got["embed.weight"] is got["head.weight"]  # tied weights load tied
@@ -70,5 +69,5 @@ def test_tied_tensors_stay_one_and_extra_state_is_kept(tmp_path):
 def test_a_malformed_optimizer_state_dict_is_refused_before_writing(tmp_path):
     path = tmp_path / "ckpt"
     with pytest.raises(ValueError, match=r"optimizers\[0\]"):
-        write_state_dicts(str(path), {"w": torch.ones(2)}, [{"param_groups": []}])
+        save_tree(str(path), None, model={"w": torch.ones(2)}, optimizers=[{"param_groups": []}])
     assert not path.exists()

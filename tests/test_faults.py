@@ -205,19 +205,6 @@ def test_s3_options_the_user_sets_win(_moto_endpoint):
 # --- fault-injecting fsspec filesystems -------------------------------------------------------
 
 
-@pytest.fixture(params=["local", "memory"])
-def faulty(request, tmp_path, monkeypatch):
-    fault = faultfs.Fault()
-    if request.param == "local":
-        monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
-        yield Store(faultfs.local_url(tmp_path / "store"), kind="local"), fault
-        return
-    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
-    root = faultfs.memory_root()
-    yield Store(root, kind="memory"), fault
-    faultfs.clear_memory(root)
-
-
 def test_a_stalled_object_store_write_fails_with_a_timeout(make_request, make_tensors, monkeypatch):
     monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", faultfs.Fault())
     store = Store(faultfs.memory_root(), kind="memory")
@@ -261,8 +248,8 @@ def test_a_failing_cleanup_does_not_mask_the_write_error(
                for r in caplog.records)
 
 
-def test_enospc_on_the_pointer_does_not_fail_a_published_save(faulty, make_request, make_tensors):
-    store, fault = faulty
+def test_enospc_on_the_pointer_does_not_fail_a_published_save(faulty_store, make_request, make_tensors):
+    store, fault = faulty_store
     old, new = make_tensors(1), make_tensors(2)
     persist(make_request(store.path("a"), old, step=1))
 
@@ -296,8 +283,8 @@ def test_enospc_on_the_pointer_does_not_fail_a_published_save(faulty, make_reque
     assert latest_checkpoint(store.root) == store.path("c")
 
 
-def test_enospc_in_a_shard_names_the_file_and_keeps_the_previous(faulty, make_request, make_tensors):
-    store, fault = faulty
+def test_enospc_in_a_shard_names_the_file_and_keeps_the_previous(faulty_store, make_request, make_tensors):
+    store, fault = faulty_store
     old = make_tensors(1)
     persist(make_request(store.path("ckpt"), old, step=1))
     before = store.listing(), store.listing("ckpt")

@@ -7,31 +7,14 @@ import json
 import os
 import threading
 
-import faultfs
 import pytest
 import torch
-from conftest import Store
 
 from gockpt.errors import CheckpointStorageError
 from gockpt.load import read_checkpoint
 from gockpt.persist import CheckpointCancelledError, persist
 from gockpt.storage import is_complete, latest_checkpoint
 from gockpt.targets import LocalTarget
-
-
-@pytest.fixture(params=["local", "memory"])
-def faulty_store(request, tmp_path, monkeypatch):
-    """(store, fault): a local directory or an object store behind a fault-injecting fsspec
-    filesystem (tests/faultfs.py), with a disarmed fault on checkpoint writes."""
-    fault = faultfs.Fault()
-    if request.param == "local":
-        monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
-        yield Store(faultfs.local_url(tmp_path / "store"), kind="local"), fault
-        return
-    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
-    root = faultfs.memory_root()
-    yield Store(root, kind="memory"), fault
-    faultfs.clear_memory(root)
 
 
 def assert_loads_as(path, tensors, step, storage_options=None):
