@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import accelerate  # noqa: F401 - a missing extra fails here with a plain ModuleNotFoundError
 
-from .checkpointer import AccelerateSave, GoCkptCheckpointer
+from .checkpointer import GoCkptCheckpointer
 from .plugin import GoCkptPlugin, attach
 
-__all__ = ["AccelerateSave", "GoCkptCheckpointer", "GoCkptPlugin", "attach"]
+__all__ = ["GoCkptCheckpointer", "GoCkptPlugin", "attach"]

@@ -21,17 +21,13 @@ Call sequence of one ``save_state`` (main process):
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import re
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
-import torch
 from accelerate.utils import (
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
@@ -42,9 +38,10 @@ from accelerate.utils import (
     WEIGHTS_NAME,
 )
 
-import gockpt
 from gockpt.layout import StateLayout
-from gockpt.snapshot import own_storage
+from gockpt.ranks import wait_for_shares
+from gockpt.snapshot import to_bytes, untie
+from gockpt.storage import prune_numbered
 from gockpt.writer import CheckpointWriter, Snapshot, TensorFile
 
 SIDECAR_NAME = "gockpt.json"
@@ -54,9 +51,6 @@ the engine counted since ``attach`` or the last ``load_state``), ``mode``, ``num
 
 SIDECAR_FORMAT = "gockpt-accelerate"
 SIDECAR_VERSION = 1
-
-_NUMBER = re.compile(r"([0-9]+)")
-
 
 @dataclass(kw_only=True)
 class AccelerateWriter(CheckpointWriter):
@@ -125,24 +119,24 @@ class AccelerateWriter(CheckpointWriter):
                 hook(self.models, weights, self.staging)
             for i, sd in enumerate(weights):
                 if self.safe_serialization:
-                    out[self._weights_name(i)] = safetensors.torch.save(_untie(sd), {"format": "pt"})
+                    out[self._weights_name(i)] = safetensors.torch.save(untie(sd), {"format": "pt"})
                 else:
-                    out[self._weights_name(i)] = _saved(sd)
+                    out[self._weights_name(i)] = to_bytes(sd)
         host = snapshot.extra
         for i, osd in enumerate(snapshot.optimizer_state_dicts):
-            out[f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"] = _saved(osd)
+            out[f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"] = to_bytes(osd)
         for i, ssd in enumerate(host["schedulers"]):
-            out[f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"] = _saved(ssd)
+            out[f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"] = to_bytes(ssd)
         for i, (sampler, dl_state) in enumerate(zip(host["samplers"], host["dataloaders"], strict=True)):
             if sampler is not None:
-                out[f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"] = _saved(sampler)
+                out[f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"] = to_bytes(sampler)
             if dl_state is not None:
-                out["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = _saved(dl_state)
+                out["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = to_bytes(dl_state)
         if host["scaler"] is not None:
-            out[SCALER_NAME] = _saved(host["scaler"])
+            out[SCALER_NAME] = to_bytes(host["scaler"])
         for i, obj_state in enumerate(host["custom"]):
-            out[f"custom_checkpoint_{i}.pkl"] = _saved(obj_state)
-        out[f"{RNG_STATE_NAME}_0.pkl"] = _saved(host["rng"])
+            out[f"custom_checkpoint_{i}.pkl"] = to_bytes(obj_state)
+        out[f"{RNG_STATE_NAME}_0.pkl"] = to_bytes(host["rng"])
         m = snapshot.metrics
         out[SIDECAR_NAME] = json.dumps({
             "format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "iteration": self.iteration,
@@ -152,72 +146,12 @@ class AccelerateWriter(CheckpointWriter):
         return out
 
     def before_publish(self, snapshot: Snapshot) -> None:
-        # Files of other processes appear through a shared filesystem: nothing to block on.
-        staging = self.staging
-        assert staging is not None
-        missing = [f"{RNG_STATE_NAME}_{r}.pkl" for r in range(1, self.num_processes)]
-        deadline = time.monotonic() + self.timeout_s
-        while missing:
-            missing = [n for n in missing if not os.path.exists(os.path.join(staging, n))]
-            if not missing:
-                return
-            if self.stopped() or time.monotonic() > deadline:
-                raise TimeoutError(f"{snapshot.path}: other processes did not write {missing} "
-                                   f"within {self.timeout_s:.0f} s")
-            time.sleep(0.01)
+        wait_for_shares(self.staging, [f"{RNG_STATE_NAME}_{r}.pkl" for r in range(1, self.num_processes)],
+                        self.timeout_s, self.stopped)
 
     def after_publish(self, snapshot: Snapshot) -> None:
         if self.rotate_root is not None and self.total_limit is not None:
-            rotate(self.rotate_root, self.total_limit)
-
-
-def _untie(sd: dict[str, Any]) -> dict[str, Any]:
-    # Tied weights are one tensor under several names: keep the first (safetensors refuses
-    # shared memory; its load_model re-ties).
-    seen: set[tuple[int, int]] = set()
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            key = (v.untyped_storage().data_ptr(), int(v.storage_offset()))
-            if key in seen:
-                continue
-            seen.add(key)
-        out[k] = v
-    return out
-
-
-def _saved(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(own_storage(obj), buf)
-    return buf.getvalue()
-
-
-def checkpoint_number(name: str) -> int | None:
-    """The number Accelerate orders automatically named checkpoints by (first digits run)."""
-    m = _NUMBER.search(name)
-    return int(m.group(1)) if m else None
-
-
-def numbered(root: str) -> list[str]:
-    """The numbered entries of ``root`` (missing: none), oldest first, as Accelerate orders them."""
-    if not os.path.isdir(root):
-        return []
-    pairs = [(number, name) for name in os.listdir(root)
-             if not name.startswith(".") and (number := checkpoint_number(name)) is not None]
-    return [name for _, name in sorted(pairs)]
-
-
-def rotate(root: str, total_limit: int) -> list[str]:
-    """Delete the oldest numbered checkpoints in ``root`` beyond ``total_limit``.
-
-    Returns:
-        The names deleted.
-    """
-    names = numbered(root)
-    doomed = names[: max(0, len(names) - total_limit)]
-    for name in doomed:
-        gockpt.remove_checkpoint(os.path.join(root, name))  # renamed aside first: crash-safe
-    return doomed
+            prune_numbered(self.rotate_root, self.total_limit)
 
 
 def read_sidecar(directory: str) -> dict[str, Any] | None:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,9 +29,9 @@ from torch import nn
 
 import gockpt
 from gockpt import _exit
-from gockpt._hooks import EngineHook
-from gockpt.ranks import RankCapture
-from gockpt.storage import cleanup_staging
+from gockpt.fsutil import scratch_path
+from gockpt.replicated import ReplicatedEngine
+from gockpt.storage import checkpoint_number, cleanup_staging, numbered_checkpoints
 
 from . import _host_state, _publish
 from ._models import engine_model
@@ -44,33 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("accelerate_gockpt")
 
 _PATCHED = ("save_state", "load_state", "accumulate", "end_training")
-
-
-class AccelerateSave:
-    """One ``save_state`` request on the main process.
-
-    Attributes:
-        path: the checkpoint directory it publishes.
-        handle: the engine's :class:`gockpt.SaveHandle`; done when the folder is in place.
-    """
-
-    def __init__(self, seq: int, path: str, handle: gockpt.SaveHandle) -> None:
-        self._seq = seq
-        self.path = path
-        self.handle = handle
-
-    def done(self) -> bool:
-        """Whether it is published, failed or skipped."""
-        return self.handle.done()
-
-    def result(self, timeout_s: float | None = None) -> gockpt.CheckpointMetrics:
-        """Block until published in Accelerate's layout; returns the engine's metrics.
-
-        Raises:
-            TimeoutError: not done within ``timeout_s`` seconds.
-            The error of the save.
-        """
-        return self.handle.result(timeout_s)
 
 
 class GoCkptCheckpointer:
@@ -84,8 +55,8 @@ class GoCkptCheckpointer:
         accelerator: the accelerator.
         plugin: the resolved options.
         engine: the :class:`gockpt.Engine` (main process only, else None).
-        saves: the main process's requests not yet waited for, oldest first (empty on other
-            processes).
+        saves: the engine's handles of the main process's requests not yet waited for, oldest
+            first (empty on other processes); ``handle.path`` is the checkpoint folder.
         metrics: the engine's metrics of every checkpoint published so far, with ``path`` the
             published folder (main process).
     """
@@ -93,9 +64,8 @@ class GoCkptCheckpointer:
     def __init__(self, accelerator: Any, plugin: GoCkptPlugin) -> None:
         self.accelerator = accelerator
         self.plugin = plugin
-        self.engine: gockpt.Engine | None = None
-        self.saves: list[AccelerateSave] = []
-        self.metrics: list[gockpt.CheckpointMetrics] = []
+        self._rep: ReplicatedEngine | None = None
+        self._published: list[gockpt.CheckpointMetrics] = []  # of engines replaced since
         self._config = plugin.to_config()
         self._main = accelerator.is_main_process
         self._models = [accelerator.unwrap_model(m) for m in accelerator._models]
@@ -107,14 +77,9 @@ class GoCkptCheckpointer:
         if self._exact_step and not plugin.exact_step:
             log.warning("gockpt: %d optimizers: every checkpoint holds the step of its request "
                         "(exact_step)", len(self._optimizers))
-        self._ranks: RankCapture | None = None
-        self._model_hooks: list = []
-        self._seq = 0
         self._cleaned: set[str] = set()
         self._closed = False
         self._stopping = False
-        self._logged = 0  # self.metrics[:_logged] went to the trackers
-        self._finished: list[gockpt.CheckpointMetrics] = []  # since the last wait()
         self._start()
         self._originals = {name: getattr(accelerator, name) for name in _PATCHED}
         accelerator.save_state = self.save_state
@@ -126,6 +91,18 @@ class GoCkptCheckpointer:
         self._exit_token = _exit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def engine(self) -> gockpt.Engine | None:
+        return self._rep.engine if self._rep is not None else None
+
+    @property
+    def saves(self) -> list[gockpt.SaveHandle]:
+        return self._rep.saves if self._rep is not None else []
+
+    @property
+    def metrics(self) -> list[gockpt.CheckpointMetrics]:
+        return self._published + (self._rep.metrics if self._rep is not None else [])
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Path:
@@ -159,32 +136,11 @@ class GoCkptCheckpointer:
         self._check_open()
         self._follow_prepared()
         final, root = self._resolve_dir(output_dir)
-        if self._main:
-            desc, record = self._request(final, root, safe_serialization)
-        else:
-            assert self._ranks is not None
-            self._ranks.boundary()  # the main process's engine.save() is a boundary as well
-            desc, record = None, None
-        if self.accelerator.num_processes > 1:
-            sent = desc
-            if desc is not None and desc["error"] is not None:
-                sent = {**desc, "error": f"{type(desc['error']).__name__}: {desc['error']}"}
-            received = broadcast_object_list([sent])[0]
-            desc = desc if self._main else received
-        assert desc is not None
-        if desc["error"] is not None:
-            if isinstance(desc["error"], BaseException):
-                raise desc["error"]
-            raise RuntimeError(f"gockpt: save_state failed on the main process: {desc['error']}")
-        if self._ranks is not None:
-            if not desc["skipped"]:
-                self._ranks.add(desc["seq"], desc["staging"], desc["target"])
-            self._ranks.capture(desc["now"])
-            self._ranks.check()
-        if record is not None:
-            self.saves.append(record)
+        assert self._rep is not None
+        acc = self.accelerator
+        self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
+                       exact_step=self._exact_step, state_fn=lambda: _host_state.main_state(acc))
         self.accelerator.project_configuration.iteration += 1
-        self._harvest()
         self._log_published()
         return Path(final)
 
@@ -206,7 +162,7 @@ class GoCkptCheckpointer:
         pc = acc.project_configuration
         if input_dir is None and pc.automatic_checkpoint_naming:
             root = os.path.join(acc.project_dir, "checkpoints")
-            names = _publish.numbered(root)
+            names = numbered_checkpoints(root)
             if not names:
                 raise FileNotFoundError(f"no checkpoint in {root}")
             input_dir = os.path.join(root, names[-1])
@@ -221,7 +177,7 @@ class GoCkptCheckpointer:
         if sidecar is not None:
             pc.iteration = int(sidecar["iteration"]) + 1
         elif pc.automatic_checkpoint_naming:
-            number = _publish.checkpoint_number(os.path.basename(os.path.normpath(input_dir)))
+            number = checkpoint_number(os.path.basename(os.path.normpath(input_dir)))
             if number is not None:
                 pc.iteration = number + 1
 
@@ -238,34 +194,16 @@ class GoCkptCheckpointer:
         Raises:
             The first background error; TimeoutError after ``timeout_s`` seconds.
         """
-        if self.engine is not None:
-            self.engine.wait(timeout_s)
-            for s in list(self.saves):
-                try:
-                    s.result(timeout_s)
-                except TimeoutError:
-                    raise
-                except BaseException:  # noqa: BLE001 - raised once, below
-                    pass
-        self._harvest()
-        out, self._finished = self._finished, []
-        if self._ranks is not None:
-            self._ranks.wait(timeout_s)
+        out = self._rep.wait(timeout_s) if self._rep is not None else []
         self._log_published()
         return out
 
     def _log_published(self) -> None:
         # Training thread: trackers are not thread-safe. One entry per published checkpoint.
         acc = self.accelerator
-        new, self._logged = self.metrics[self._logged:], len(self.metrics)
-        if not acc.trackers:
-            return
-        for m in new:
-            acc.log({"gockpt/stall_s": m.stall_s, "gockpt/bytes": float(m.persist_bytes),
-                     "gockpt/time_to_durable_s": m.time_to_durable_s,
-                     "gockpt/num_overlap_steps": float(m.num_overlap_steps),
-                     "gockpt/requested_step": float(m.requested_step),
-                     "gockpt/captured_step": float(m.captured_step or 0)}, step=acc.step)
+        new = self._rep.take_published() if self._rep is not None else []
+        for m in new if acc.trackers else []:
+            acc.log(m.log_dict(), step=acc.step)
 
     def close(self) -> None:
         """:meth:`wait`, then detach: the accelerator's own methods are back, hooks removed.
@@ -288,29 +226,21 @@ class GoCkptCheckpointer:
     # ------------------------------------------------------------------ lifecycle
 
     def _start(self) -> None:
-        if self._main:
-            self.engine = gockpt.Engine(self._engine_model, self._optimizers, self._config)
-            if len(self._models) > 1:
-                # The engine's forward pre-hook sits on a container that is never called.
-                self._model_hooks = [m.register_forward_pre_hook(EngineHook(self._boundary))
-                                     for m in self._models]
-        else:
-            acc = self.accelerator
-            self._ranks = RankCapture(self._models, self._optimizers,
-                                      lambda: _host_state.rng_states(acc.step),
-                                      f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
+        acc = self.accelerator
+        broadcast = (lambda obj: broadcast_object_list([obj])[0]) if acc.num_processes > 1 else None
+        self._rep = ReplicatedEngine(
+            self._engine_model, self._optimizers, self._config, is_writer=self._main,
+            share=lambda: _host_state.rng_states(acc.step),
+            share_name=f"{RNG_STATE_NAME}_{acc.process_index}.pkl", broadcast=broadcast,
+            boundary_modules=self._models if len(self._models) > 1 else ())
 
     def _stop(self) -> None:
-        try:
-            if self.engine is not None:
-                self.engine.close()
-            if self._ranks is not None:
-                self._ranks.close()
-        finally:
-            self.engine, self._ranks = None, None
-            for h in self._model_hooks:
-                h.remove()
-            self._model_hooks = []
+        rep, self._rep = self._rep, None
+        if rep is not None:
+            try:
+                rep.close()
+            finally:
+                self._published += rep.metrics
 
     def _close_at_exit(self) -> None:
         if self._closed:
@@ -352,10 +282,8 @@ class GoCkptCheckpointer:
             yield
 
     def _boundary(self) -> None:
-        if self.engine is not None:
-            self.engine.step_end()
-        elif self._ranks is not None:
-            self._ranks.boundary()
+        if self._rep is not None:
+            self._rep.boundary()
 
     # ------------------------------------------------------------------ save helpers
 
@@ -369,83 +297,33 @@ class GoCkptCheckpointer:
             raise ValueError("save_state needs output_dir unless automatic_checkpoint_naming is set")
         return os.path.abspath(os.path.expanduser(os.fspath(output_dir))), None
 
-    def _request(self, final: str, root: str | None,
-                 safe_serialization: bool) -> tuple[dict[str, Any], AccelerateSave | None]:
-        """Main process: ask the engine for the checkpoint; the descriptor for the others."""
-        seq = self._seq
-        self._seq += 1
-        desc: dict[str, Any] = {"seq": seq, "error": None, "skipped": False, "staging": None,
-                                "target": None, "now": []}
-        staging = None
-        try:
-            if root is not None and (os.path.exists(final) or any(
-                    s.path == final and not s.done() for s in self.saves)):
-                raise ValueError(
-                    f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
-                    "exists. Please manually override `self.save_iteration` with what iteration "
-                    "to start with.")
-            parent = root if root is not None else os.path.dirname(final)
-            os.makedirs(parent, exist_ok=True)
-            if parent not in self._cleaned:
-                cleanup_staging(parent)  # left by processes that died mid-save
-                self._cleaned.add(parent)
-            # Named so that Accelerate's own ordering puts a leftover first (see _publish).
-            staging = os.path.join(
-                parent, f".0-{os.path.basename(final)}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
-            os.mkdir(staging)
-            acc = self.accelerator
-            writer = _publish.AccelerateWriter(
-                staging=staging, key_map=self._key_map, num_models=len(self._models),
-                safe_serialization=safe_serialization, iteration=acc.save_iteration,
-                num_processes=acc.num_processes, rotate_root=root,
-                total_limit=acc.project_configuration.total_limit if root else None,
-                timeout_s=float(self.plugin.publish_timeout_s or 600.0),
-                pre_hooks=list(acc._save_model_state_pre_hook.values()),
-                models=list(acc._models), stopped=lambda: self._stopping,
-                claim_directory=root is not None)
-            assert self.engine is not None
-            waiting = [s for s in self.saves if s.handle.captured_step is None]
-            handle = self.engine.save(final, exact_step=self._exact_step, writer=writer,
-                                      state_fn=lambda: _host_state.main_state(acc))
-        except BaseException as e:  # noqa: BLE001 - every process raises it after the broadcast
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-            desc["error"] = e
-            return desc, None
-        handle.add_done_callback(lambda h: self._on_done(h, staging))
-        now = [s._seq for s in waiting if s.handle.captured_step is not None]
-        if handle.captured_step is not None:
-            now.append(seq)
-        desc.update(skipped=handle.skipped, staging=staging, now=now,
-                    target=handle.requested_step + handle.metrics.num_overlap_steps - 1)
-        return desc, AccelerateSave(seq, final, handle)
-
-    def _on_done(self, handle: gockpt.SaveHandle, staging: str) -> None:
-        # Any thread. A save that published nothing (skipped, superseded, failed before its
-        # files) leaves no staging folder behind; a published one's was renamed into place.
-        try:
-            metrics = handle.result(0)
-        except BaseException:  # noqa: BLE001 - the engine raises it on the training thread
-            metrics = None
-        shutil.rmtree(staging, ignore_errors=True)
-        if metrics is not None and not metrics.skipped and not metrics.superseded:
-            log.info("gockpt: published %s (captured step %s, stall %.4f s)",
-                     metrics.path, metrics.captured_step, metrics.stall_s)
-
-    def _harvest(self) -> list[gockpt.CheckpointMetrics]:
-        # Training thread: move finished saves out of self.saves; published ones into metrics.
-        out = []
-        for s in [s for s in self.saves if s.done()]:
-            self.saves.remove(s)
-            try:
-                m = s.result(0)
-            except BaseException:  # noqa: BLE001 - the engine raises it on the training thread
-                continue
-            out.append(m)
-            self._finished.append(m)
-            if not m.skipped and not m.superseded:
-                self.metrics.append(m)
-        return out
+    def _prepare(self, final: str, root: str | None,
+                 safe_serialization: bool) -> tuple[str, _publish.AccelerateWriter]:
+        """Main process, at the request: the staging folder and the checkpoint's writer."""
+        if root is not None and (os.path.exists(final) or any(
+                h.path == final and not h.done() for h in self.saves)):
+            raise ValueError(
+                f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
+                "exists. Please manually override `self.save_iteration` with what iteration "
+                "to start with.")
+        parent = root if root is not None else os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        if parent not in self._cleaned:
+            cleanup_staging(parent)  # left by processes that died mid-save
+            self._cleaned.add(parent)
+        # "0-": Accelerate orders by the first digits in a name, so a leftover sorts first.
+        staging = scratch_path(parent, f"0-{os.path.basename(final)}")
+        os.mkdir(staging)
+        acc = self.accelerator
+        return staging, _publish.AccelerateWriter(
+            staging=staging, key_map=self._key_map, num_models=len(self._models),
+            safe_serialization=safe_serialization, iteration=acc.save_iteration,
+            num_processes=acc.num_processes, rotate_root=root,
+            total_limit=acc.project_configuration.total_limit if root else None,
+            timeout_s=float(self.plugin.publish_timeout_s or 600.0),
+            pre_hooks=list(acc._save_model_state_pre_hook.values()),
+            models=list(acc._models), stopped=lambda: self._stopping,
+            claim_directory=root is not None)
 
     # ------------------------------------------------------------------ errors
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from accelerate.utils import DistributedType
@@ -29,9 +29,26 @@ ENV_PREFIX = _env.ENV_PREFIX
 CONFIG_FILE_ENV = _env.CONFIG_FILE_ENV
 
 
+_NOT_OPTIONS = ("storage_options", "update_latest")
+"""Engine fields the plugin does not offer: checkpoints go to the local ``project_dir``, and
+the engine's ``latest`` pointer is off (the folders are Accelerate's, ordered by number)."""
+
+_ENGINE_KINDS = _env.option_kinds(GoCkptConfig, exclude=_NOT_OPTIONS)
+
+# Every scalar GoCkptConfig field, as an optional field of the plugin (same name and meaning;
+# None: from the environment, the config file, or the engine's default), so none can drift.
+_EngineOptions = make_dataclass(
+    "_EngineOptions", [(name, kind | None, field(default=None)) for name, kind in _ENGINE_KINDS.items()],
+    kw_only=True)
+
+
 @dataclass(kw_only=True)
-class GoCkptPlugin:
+class GoCkptPlugin(_EngineOptions):  # type: ignore[misc, valid-type]
     """Options of GoCkpt under Accelerate; pass it to :func:`accelerate_gockpt.attach`.
+
+    It takes every scalar option of :class:`gockpt.GoCkptConfig` (``mode``,
+    ``max_overlap_steps``, ``host_buffer_bytes`` ...: same names, meanings and units; ``None``
+    resolves as the module doc says) and the fields below.
 
     Example::
 
@@ -49,28 +66,6 @@ class GoCkptPlugin:
     enabled: bool | None = field(default=None, metadata={"help": (
         "Route save_state through GoCkpt (default True). False leaves Accelerate's blocking "
         "save_state in place, so a launch environment can switch GoCkpt off.")})
-    mode: str | None = field(default=None, metadata={"help": (
-        "Checkpoint mode: one of gockpt.MODES (default 'auto').")})
-    max_overlap_steps: int | None = field(default=None, metadata={"help": (
-        "Upper bound on K, the optimizer updates one checkpoint's copy may span (default 7).")})
-    min_overlap_steps: int | None = field(default=None, metadata={"help": (
-        "Lower bound on K in the multi-step modes (default 1).")})
-    host_buffer_bytes: int | None = field(default=None, metadata={"help": (
-        "Host memory for snapshot slots in bytes (default: room for max_inflight checkpoints).")})
-    max_inflight: int | None = field(default=None, metadata={"help": (
-        "Checkpoints in flight at once (default 2).")})
-    when_full: str | None = field(default=None, metadata={"help": (
-        "'wait' or 'skip' when no snapshot slot is free (default 'wait').")})
-    num_io_threads: int | None = field(default=None, metadata={"help": (
-        "Threads writing the engine's shard files (default 4).")})
-    max_shard_bytes: int | None = field(default=None, metadata={"help": (
-        "Tensor bytes per engine shard file (default 1 GiB).")})
-    chunk_bytes: int | None = field(default=None, metadata={"help": (
-        "Copy and write granularity in bytes (default 4 MiB).")})
-    replay_backend: str | None = field(default=None, metadata={"help": (
-        "CPU replay backend: 'auto', 'torch' or 'native' (default 'auto').")})
-    host_link_bytes_per_s: float | None = field(default=None, metadata={"help": (
-        "Emulated device-to-host bandwidth in bytes/s, for benchmarks without an accelerator.")})
     exact_step: bool | None = field(default=None, metadata={"help": (
         "Every checkpoint holds exactly the step at which save_state was called (K = 1), for "
         "scripts that take the resume point from the folder name (default False: in the "
@@ -88,7 +83,7 @@ class GoCkptPlugin:
     def __post_init__(self) -> None:
         if self.config_file is None:
             self.config_file = os.environ.get(CONFIG_FILE_ENV) or None
-        kinds = {f.name: _kind(f.name) for f in fields(self) if f.name != "config_file"}
+        kinds = {**_ENGINE_KINDS, **_env.option_kinds(GoCkptPlugin, exclude=[*_ENGINE_KINDS, "config_file"])}
         sources = _env.fill_unset(self, kinds, self.config_file)
         if self.gockpt_dir is not None:
             warnings.warn("GoCkptPlugin(gockpt_dir=...) is ignored: checkpoints are written once, "
@@ -107,35 +102,17 @@ class GoCkptPlugin:
             raise _env.name_source(e, sources) from None
 
     def to_config(self) -> GoCkptConfig:
-        """The engine configuration these options describe.
-
-        The engine's ``latest`` pointer is off: its checkpoints are intermediate copies.
+        """The engine configuration these options describe (``latest`` pointer off).
 
         Raises:
             ValueError: a value out of range, naming the field.
         """
-        kwargs = {name: getattr(self, name) for name in _ENGINE_FIELDS if getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in _ENGINE_KINDS if getattr(self, name) is not None}
         return GoCkptConfig(update_latest=False, **kwargs)
 
     def attach(self, accelerator: Any) -> GoCkptCheckpointer | None:
         """Attach GoCkpt to a prepared ``accelerator``; see :func:`accelerate_gockpt.attach`."""
         return attach(accelerator, self)
-
-
-_ENGINE_FIELDS = (
-    "mode", "max_overlap_steps", "min_overlap_steps", "host_buffer_bytes", "max_inflight",
-    "when_full", "num_io_threads", "max_shard_bytes", "chunk_bytes", "replay_backend",
-    "host_link_bytes_per_s",
-)
-_BOOL_FIELDS = ("enabled", "exact_step")
-_INT_FIELDS = ("max_overlap_steps", "min_overlap_steps", "host_buffer_bytes", "max_inflight",
-               "num_io_threads", "max_shard_bytes", "chunk_bytes")
-_FLOAT_FIELDS = ("host_link_bytes_per_s", "publish_timeout_s")
-
-
-def _kind(name: str) -> type:
-    return bool if name in _BOOL_FIELDS else int if name in _INT_FIELDS else \
-        float if name in _FLOAT_FIELDS else str
 
 
 def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckpointer | None:

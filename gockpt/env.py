@@ -23,7 +23,10 @@ import logging
 import os
 import re
 import threading
+import types
+import typing
 from collections.abc import Iterable, Mapping
+from dataclasses import fields
 from typing import Any
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "env_name",
     "fill_unset",
     "name_source",
+    "option_kinds",
     "parse_env_value",
     "read_config_file",
     "warn_unknown",
@@ -52,6 +56,21 @@ _warned_lock = threading.Lock()
 def env_name(field: str) -> str:
     """The variable that sets option ``field``: ``"max_inflight"`` -> ``"GOCKPT_MAX_INFLIGHT"``."""
     return ENV_PREFIX + field.upper()
+
+
+def option_kinds(cls: type, exclude: Iterable[str] = ()) -> dict[str, type]:
+    """Field -> ``bool``, ``int``, ``float`` or ``str`` for each field of dataclass ``cls`` whose
+    annotation is one of them, alone or with ``None`` (others, e.g. mappings, are left out)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, type] = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or \
+            typing.get_origin(hint) is typing.Union else (hint,)
+        kinds = [a for a in args if a is not type(None)]
+        if f.name not in exclude and len(kinds) == 1 and kinds[0] in (bool, int, float, str):
+            out[f.name] = kinds[0]
+    return out
 
 
 def parse_env_value(raw: str, kind: type, where: str) -> Any:

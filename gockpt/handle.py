@@ -8,6 +8,8 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .config import MODES
+
 
 @dataclass
 class CheckpointMetrics:
@@ -53,6 +55,21 @@ class CheckpointMetrics:
     def add_stall(self, phase: str, seconds: float) -> None:
         self.stall_by_phase_s[phase] = self.stall_by_phase_s.get(phase, 0.0) + seconds
         self.stall_s += seconds
+
+    def log_dict(self) -> dict[str, float]:
+        """The scalars adapters send to the user's loggers, under ``gockpt/``: stall (s), bytes,
+        throughput (GB/s), time to durable (s), K, mode (index in :data:`gockpt.MODES`),
+        requested and captured step (0 when none)."""
+        return {
+            "gockpt/stall_s": self.stall_s,
+            "gockpt/bytes": float(self.persist_bytes),
+            "gockpt/gbps": self.persist_gbps,
+            "gockpt/time_to_durable_s": self.time_to_durable_s,
+            "gockpt/num_overlap_steps": float(self.num_overlap_steps),
+            "gockpt/mode": float(MODES.index(self.mode)) if self.mode in MODES else -1.0,
+            "gockpt/requested_step": float(self.requested_step),
+            "gockpt/captured_step": float(self.captured_step or 0),
+        }
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-able copy."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,8 +32,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._hooks import EngineHook
+from .handle import SaveHandle
 
-__all__ = ["RankCapture", "write_share"]
+__all__ = ["RankCapture", "describe_request", "exchange_request", "wait_for_shares", "write_share"]
 
 log = logging.getLogger("gockpt")
 
@@ -60,6 +62,86 @@ def write_share(staging: str, name: str, state: Any) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def describe_request(seq: int, staging: str | None = None, handle: SaveHandle | None = None,
+                     waiting: Sequence[tuple[int, SaveHandle]] = (),
+                     error: BaseException | None = None) -> dict[str, Any]:
+    """The writer's account of request ``seq`` for the other processes (step 1 of the module doc).
+
+    Args:
+        seq: the writer's request number.
+        staging: the staging directory the shares go to.
+        handle: the engine's handle of the request (None when it failed: ``error``).
+        waiting: ``(seq, handle)`` of earlier requests not yet captured before this one; those
+            captured by it (a flush for want of a slot) are captured now on every process.
+        error: what the request raised on the writer.
+
+    Returns:
+        ``{"seq", "staging", "target", "now", "skipped", "error"}``: ``target`` the update at
+        which it is captured (GoCkpt §4.2: requested + K - 1), ``now`` the requests captured at
+        this call.
+    """
+    desc: dict[str, Any] = {"seq": seq, "staging": staging, "target": None, "now": [],
+                            "skipped": False, "error": error}
+    if handle is not None:
+        now = [q for q, h in waiting if h.captured_step is not None]
+        if handle.captured_step is not None:
+            now.append(seq)
+        desc.update(target=handle.requested_step + handle.metrics.num_overlap_steps - 1,
+                    now=now, skipped=handle.skipped)
+    return desc
+
+
+def exchange_request(desc: dict[str, Any] | None,
+                     broadcast: Callable[[Any], Any] | None) -> dict[str, Any]:
+    """Give every process the writer's descriptor, then raise the writer's error everywhere.
+
+    Args:
+        desc: :func:`describe_request` on the writer, None elsewhere.
+        broadcast: sends the writer's object to every process and returns it (e.g. one
+            ``broadcast_object_list`` element); None with one process.
+
+    Raises:
+        The writer's error: its own exception on the writer, a ``RuntimeError`` naming it on
+        the others (exceptions need not pickle).
+    """
+    if broadcast is not None:
+        sent = desc
+        if desc is not None and desc["error"] is not None:
+            sent = {**desc, "error": f"{type(desc['error']).__name__}: {desc['error']}"}
+        received = broadcast(sent)
+        desc = desc if desc is not None else received
+    assert desc is not None, "the writer's descriptor"
+    error = desc["error"]
+    if isinstance(error, BaseException):
+        raise error
+    if error is not None:
+        raise RuntimeError(f"gockpt: the checkpoint request failed on the writing process: {error}")
+    return desc
+
+
+def wait_for_shares(staging: str, names: Sequence[str], timeout_s: float,
+                    stopped: Callable[[], bool] = lambda: False) -> None:
+    """Block until every file of ``names`` is in ``staging`` (the other processes' shares).
+
+    They arrive through a shared filesystem, with nothing to block on: polled every 10 ms.
+    Meant for ``CheckpointWriter.before_publish`` on a persist thread.
+
+    Raises:
+        TimeoutError: some are missing after ``timeout_s`` seconds or once ``stopped()`` is true
+            (names them).
+    """
+    deadline = time.monotonic() + timeout_s
+    missing = list(names)
+    while missing:
+        missing = [n for n in missing if not os.path.exists(os.path.join(staging, n))]
+        if not missing:
+            return
+        if stopped() or time.monotonic() > deadline:
+            raise TimeoutError(f"{staging}: other processes did not write {missing} "
+                               f"within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 class RankCapture:
@@ -90,6 +172,13 @@ class RankCapture:
     def add(self, seq: int, staging: str, target: int) -> None:
         """Register checkpoint ``seq`` of the writer, captured at update ``target``."""
         self._pending[seq] = (staging, target)
+
+    def follow(self, desc: dict[str, Any]) -> None:
+        """Apply the writer's descriptor (:func:`exchange_request`): register, capture, check."""
+        if not desc["skipped"]:
+            self.add(desc["seq"], desc["staging"], desc["target"])
+        self.capture(desc["now"])
+        self.check()
 
     def boundary(self) -> None:
         """A step boundary: take the state of checkpoints whose target is the current update."""

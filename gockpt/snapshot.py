@@ -321,3 +321,28 @@ def own_storage(tree: Any) -> Any:
         return memo[where]
 
     return map_tree(tree, leaf)
+
+
+def untie(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each tensor kept once, under the first name that holds it.
+
+    Tied weights are one tensor under several names; safetensors refuses shared memory, and
+    its loaders (``load_model``) tie them again. Non-tensor values are kept as they are.
+    """
+    seen: set[StorageKey] = set()
+    out: dict[str, Any] = {}
+    for k, v in state_dict.items():
+        if isinstance(v, torch.Tensor):
+            key = storage_key(v)
+            if key in seen:
+                continue
+            seen.add(key)
+        out[k] = v
+    return out
+
+
+def to_bytes(obj: Any) -> bytes:
+    """``torch.save`` of ``obj`` into memory, each tensor with a storage of its own (:func:`own_storage`)."""
+    buf = io.BytesIO()
+    torch.save(own_storage(obj), buf)
+    return buf.getvalue()

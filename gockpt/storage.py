@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,13 +77,16 @@ __all__ = [
     "DirectoryClaim",
     "advance_latest",
     "claim_directory",
+    "checkpoint_number",
     "cleanup_staging",
     "fsync_path",
     "is_complete",
     "is_local",
     "latest_checkpoint",
     "lock_staging",
+    "numbered_checkpoints",
     "open_local_regular",
+    "prune_numbered",
     "read_bounded",
     "read_manifest",
     "remove_checkpoint",
@@ -90,6 +94,8 @@ __all__ = [
     "unlock_staging",
     "url_to_fs",
 ]
+
+_NUMBER = re.compile(r"([0-9]+)")
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +260,45 @@ def remove_checkpoint(
         raise
     except Exception as e:
         raise storage_error(e, path, root, action="deleting checkpoint") from e
+
+
+def checkpoint_number(name: str) -> int | None:
+    """The number of a numbered checkpoint name: its first run of digits (``checkpoint_12`` -> 12),
+    the order Accelerate's automatic naming uses; None without digits."""
+    m = _NUMBER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def numbered_checkpoints(directory: str) -> list[str]:
+    """Names in local ``directory`` with a :func:`checkpoint_number`, oldest (lowest) first.
+
+    Hidden names (staging, scratch) are left out; a missing directory has none.
+    """
+    if not os.path.isdir(directory):
+        return []
+    pairs = [(number, name) for name in os.listdir(directory)
+             if not name.startswith(".") and (number := checkpoint_number(name)) is not None]
+    return [name for _, name in sorted(pairs)]
+
+
+def prune_numbered(directory: str, keep: int) -> list[str]:
+    """Delete the oldest numbered checkpoints in local ``directory`` beyond the newest ``keep``.
+
+    Each goes through :func:`remove_checkpoint` (renamed aside first), so a crash leaves whole
+    checkpoints only. Call it after a publish: the newest checkpoint is already in place
+    (PCcheck §4.1: no old checkpoint is touched before the new one is complete).
+
+    Returns:
+        The names deleted, oldest first.
+
+    Raises:
+        CheckpointStorageError: a deletion failed (naming the file); the rest are kept.
+    """
+    names = numbered_checkpoints(directory)
+    doomed = names[: max(0, len(names) - keep)]
+    for name in doomed:
+        remove_checkpoint(os.path.join(directory, name))
+    return doomed
 
 
 def cleanup_staging(directory: str, storage_options: Mapping[str, Any] | None = None) -> int:

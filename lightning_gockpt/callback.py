@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 
 import gockpt
-from gockpt import MODES, Engine, SaveHandle, _exit
+from gockpt import Engine, SaveHandle, _exit
 from gockpt.storage import cleanup_staging
 
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
@@ -329,16 +329,7 @@ class GoCkptCallback(Callback):
             if not _durable(handle):
                 continue
             m = handle.result(0)
-            metrics = {
-                "gockpt/stall_s": m.stall_s,
-                "gockpt/bytes": float(m.persist_bytes),
-                "gockpt/gbps": m.persist_gbps,
-                "gockpt/time_to_durable_s": m.time_to_durable_s,
-                "gockpt/num_overlap_steps": float(m.num_overlap_steps),
-                "gockpt/mode": float(MODES.index(m.mode)),
-                "gockpt/requested_step": float(m.requested_step),
-                "gockpt/captured_step": float(m.captured_step or 0),
-            }
+            metrics = m.log_dict()
             module = trainer.lightning_module
             if in_step and module is not None:
                 for name, value in metrics.items():

@@ -2,7 +2,8 @@
 
 - GoCkptConfig: every field of ``gockpt.config.GoCkptConfig`` with its default, its unit (from
   the field's name: ``*_bytes``, ``*_s``, ...), the first sentence of its docstring, and its
-  ``GOCKPT_*`` variable when ``accelerate_gockpt.GoCkptPlugin`` reads one for it;
+  ``GOCKPT_*`` variable when ``accelerate_gockpt.GoCkptPlugin`` reads one for it (every field
+  but the plugin's ``_NOT_OPTIONS``);
 - GoCkptPlugin: the Accelerate plugin's own fields (their ``help`` metadata).
 
 Both files are read as source (``ast``), so neither torch nor accelerate is imported.
@@ -99,8 +100,17 @@ def _text(doc: str, sentences: int = 1) -> str:
     return " ".join(parts[:sentences])
 
 
+def plugin_excluded() -> set[str]:
+    """GoCkptConfig fields the plugin does not offer (its ``_NOT_OPTIONS``)."""
+    tree = ast.parse(PLUGIN.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_NOT_OPTIONS" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
 def config_table() -> str:
-    env_fields = set(plugin_fields())
+    env_fields = {f["name"] for f in config_fields()} - plugin_excluded()
     rows = ["| option | environment | default | unit | meaning |", "|---|---|---|---|---|"]
     for f in config_fields():
         env = f"`{ENV_PREFIX}{f['name'].upper()}`" if f["name"] in env_fields else "-"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from gockpt.ranks import RankCapture, write_share
+from gockpt.ranks import RankCapture, describe_request, exchange_request, wait_for_shares, write_share
 
 
 def test_the_share_is_taken_at_the_captured_step_and_written_into_the_staging(tmp_path):
@@ -33,3 +34,73 @@ def test_the_share_is_taken_at_the_captured_step_and_written_into_the_staging(tm
     rank.boundary()
     rank.close()
     assert write_share(str(tmp_path / "gone"), "x.pkl", {}) is False
+
+
+def test_a_missing_share_times_out_naming_it(tmp_path):
+    (tmp_path / "random_states_1.pkl").write_bytes(b"x")
+    with pytest.raises(TimeoutError, match="random_states_2.pkl"):
+        wait_for_shares(str(tmp_path), ["random_states_1.pkl", "random_states_2.pkl"], timeout_s=0.05)
+    wait_for_shares(str(tmp_path), ["random_states_1.pkl"], timeout_s=0.05)  # present: returns
+
+
+def test_the_writers_error_is_raised_on_every_process():
+    desc = describe_request(3, error=ValueError("exists"))
+    sent = []
+
+    def broadcast(obj):  # what every other process receives
+        sent.append(obj)
+        return obj
+
+    with pytest.raises(ValueError, match="exists"):
+        exchange_request(desc, broadcast)
+    assert sent[0]["error"] == "ValueError: exists"  # text: exceptions need not pickle
+    with pytest.raises(RuntimeError, match="ValueError: exists"):
+        exchange_request(None, lambda _obj: sent[0])
+
+
+def test_a_writer_and_a_share_taker_checkpoint_one_step_together(tmp_path):
+    """Two ReplicatedEngines, writer and other, in one process: one folder with both parts."""
+    from gockpt import GoCkptConfig
+    from gockpt.replicated import ReplicatedEngine
+    from gockpt.writer import CheckpointWriter
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    config = GoCkptConfig(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2, update_latest=False)
+    box: list = []
+    writer_rep = ReplicatedEngine(models[0], opts[0:1], config, is_writer=True, broadcast=lambda o: box.append(o) or o)
+    other = ReplicatedEngine(models[1], opts[1:2], config, is_writer=False, share=lambda: {"rank": 1},
+                             share_name="share_1.pt", broadcast=lambda _o: box[-1])
+    staging = tmp_path / ".0-ckpt.gockpt-tmp-1-ab"
+
+    class Writer(CheckpointWriter):
+        def before_publish(self, snapshot):
+            wait_for_shares(str(staging), ["share_1.pt"], timeout_s=30)
+
+    def prepare():
+        staging.mkdir()
+        writer = Writer()
+        writer.staging = str(staging)
+        return str(staging), writer
+
+    def step():
+        for m, o in zip(models, opts):
+            m(torch.ones(1, 4)).sum().backward()
+            o.step()
+            o.zero_grad()
+
+    step()
+    handle = writer_rep.save(str(tmp_path / "ckpt"), prepare)
+    other.save(str(tmp_path / "ckpt"), prepare)
+    for _ in range(3):
+        step()
+    other.wait(30)
+    assert [m.captured_step for m in writer_rep.wait(30)] == [2]  # K = 2: one update later
+    assert handle is not None and handle.done()
+    assert torch.load(tmp_path / "ckpt" / "share_1.pt") == {"rank": 1}
+    assert [m.path for m in writer_rep.take_published()] == [str(tmp_path / "ckpt")]
+    assert writer_rep.take_published() == []
+    writer_rep.close()
+    other.close()

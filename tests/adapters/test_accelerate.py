@@ -156,7 +156,7 @@ def test_loop_without_accumulate_resumes_exactly(tmp_path, reference):
                 on_batch_end=lambda r: r.acc.save_state() if r.progress.batches in SAVE_AT else None)
     metrics = ckpt.wait()
     ckpt.close()
-    assert [m.captured_step for m in metrics] == [4, 6, 10]
+    assert sorted(m.captured_step for m in metrics) == [4, 6, 10]  # published in any order
     for name in ("checkpoint_0", "checkpoint_2"):
         _assert_resumes_exactly(tmp_path / "run" / "checkpoints" / name, live, accumulate=False)
 
@@ -223,7 +223,7 @@ def test_exact_step_holds_the_step_of_the_request(tmp_path, reference):
     live = reference(1)
     plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3, exact_step=True)
     _, calls, metrics, _ = _train_with_gockpt(tmp_path / "run", plugin)
-    assert [(m.requested_step, m.captured_step) for m in metrics] == [(2, 2), (4, 4), (8, 8)]
+    assert sorted((m.requested_step, m.captured_step) for m in metrics) == [(2, 2), (4, 4), (8, 8)]
     assert _assert_resumes_exactly(calls[1], live) == 4
 
 
@@ -525,7 +525,7 @@ def _free_port() -> int:
 
 
 def test_public_surface():
-    assert set(accelerate_gockpt.__all__) == {"AccelerateSave", "GoCkptCheckpointer", "GoCkptPlugin", "attach"}
+    assert set(accelerate_gockpt.__all__) == {"GoCkptCheckpointer", "GoCkptPlugin", "attach"}
 
 
 @pytest.mark.parametrize("mode", ["async", "gockpt"])
