@@ -10,9 +10,29 @@ machine runs on any other.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+PTH = "gockpt-accelerate.pth"
+
+
+class BuildPyWithPth(build_py):
+    """Also put ``gockpt-accelerate.pth`` at the root of the build, i.e. into site-packages.
+
+    Its one line imports ``_gockpt_autoattach`` at interpreter start-up only when
+    ``GOCKPT_ENABLED`` is true (GoCkpt attached to every Accelerator with no change to the
+    script). Editable installs do not carry it.
+    """
+
+    def run(self) -> None:
+        super().run()
+        self.copy_file(PTH, os.path.join(self.build_lib, PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
 
 
 def _native_extensions() -> list[Extension]:
@@ -54,4 +74,4 @@ def _native_extensions() -> list[Extension]:
     ]
 
 
-setup(ext_modules=_native_extensions())
+setup(ext_modules=_native_extensions(), cmdclass={"build_py": BuildPyWithPth})

@@ -59,12 +59,15 @@ class GoCkptCheckpointer:
             first (empty on other processes); ``handle.path`` is the checkpoint folder.
         metrics: the engine's metrics of every checkpoint published so far, with ``path`` the
             published folder (main process).
+        automatic: attached at ``prepare`` without a call in the script (``GOCKPT_ENABLED=1``
+            or ``accelerate_gockpt.run``); an explicit :func:`attach` replaces it.
     """
 
     def __init__(self, accelerator: Any, plugin: GoCkptPlugin) -> None:
         self.accelerator = accelerator
         self.plugin = plugin
         self._rep: ReplicatedEngine | None = None
+        self.automatic = False  # attached at prepare (accelerate_gockpt.run): attach() replaces it
         self._published: list[gockpt.CheckpointMetrics] = []  # of engines replaced since
         self._config = plugin.to_config()
         self._main = accelerator.is_main_process

@@ -141,7 +141,8 @@ def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckp
             formats), or ``save_on_each_node`` across several machines.
         ValueError: nothing prepared, or a wrapper whose state_dict keys do not map onto the
             unwrapped model's.
-        RuntimeError: already attached.
+        RuntimeError: already attached (by an earlier ``attach``; one made automatically at
+            ``prepare``, see :mod:`accelerate_gockpt.run`, is replaced).
         TypeError: an optimizer that is not a ``torch.optim.Optimizer``.
     """
     plugin = plugin if plugin is not None else GoCkptPlugin()
@@ -154,6 +155,9 @@ def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckp
         raise NotImplementedError("GoCkpt does not support save_on_each_node across machines")
     if not accelerator._models or not accelerator._optimizers:
         raise ValueError("attach GoCkpt after accelerator.prepare(model, optimizer, ...)")
-    if isinstance(getattr(accelerator.save_state, "__self__", None), GoCkptCheckpointer):
-        raise RuntimeError("GoCkpt is already attached to this accelerator")
+    current = getattr(accelerator.save_state, "__self__", None)
+    if isinstance(current, GoCkptCheckpointer):
+        if not current.automatic:
+            raise RuntimeError("GoCkpt is already attached to this accelerator")
+        current.close()  # attached at prepare by GOCKPT_ENABLED / the launcher: the script's wins
     return GoCkptCheckpointer(accelerator, plugin)

@@ -8,8 +8,9 @@
 Every ``Accelerator`` of the script gets GoCkpt (options from ``GOCKPT_*`` variables or
 ``GOCKPT_CONFIG_FILE``; ``GOCKPT_ENABLED=0`` leaves Accelerate's own ``save_state``) as soon as a
 ``prepare`` call has left it a model and an optimizer; models prepared later (after
-``free_memory()``) are followed at the next ``save_state``. Accelerate's config file rejects
-unknown keys and has no plugin registry, so the launch command is where this is switched on.
+``free_memory()``) are followed at the next ``save_state``. With the package installed from a
+wheel, ``GOCKPT_ENABLED=1 accelerate launch train.py`` does the same without the ``-m``
+(``_gockpt_autoattach``, started from a ``.pth`` file; not in editable installs).
 """
 
 from __future__ import annotations
@@ -18,27 +19,33 @@ import runpy
 import sys
 from typing import Any
 
-from accelerate import Accelerator
+from accelerate.accelerator import Accelerator  # not `from accelerate`: may run inside its import
 
 from .checkpointer import GoCkptCheckpointer
 from .plugin import GoCkptPlugin, attach
 
-_ORIGINAL_PREPARE = Accelerator.prepare
 
+def install(cls: type = Accelerator) -> None:
+    """Make every ``cls.prepare`` of this process attach GoCkpt once it can (idempotent).
 
-def install() -> None:
-    """Make every ``Accelerator.prepare`` of this process attach GoCkpt once it can (idempotent)."""
-    if Accelerator.prepare is not _ORIGINAL_PREPARE:
+    The checkpointer attached this way is marked ``automatic``: an explicit :func:`attach`
+    in the script replaces it with its own options.
+    """
+    original = cls.prepare
+    if getattr(original, "_gockpt_installed", False):
         return
 
-    def prepare(self: Accelerator, *args: Any, **kwargs: Any) -> Any:
-        out = _ORIGINAL_PREPARE(self, *args, **kwargs)
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
         attached = isinstance(getattr(self.save_state, "__self__", None), GoCkptCheckpointer)
         if not attached and self._models and self._optimizers:
-            attach(self, GoCkptPlugin())
+            ckpt = attach(self, GoCkptPlugin())
+            if ckpt is not None:
+                ckpt.automatic = True
         return out
 
-    Accelerator.prepare = prepare  # type: ignore[method-assign]
+    prepare._gockpt_installed = True  # type: ignore[attr-defined]
+    cls.prepare = prepare  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

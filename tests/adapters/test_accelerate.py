@@ -687,6 +687,66 @@ def test_an_unchanged_script_gets_gockpt_from_the_launch_command(tmp_path, enabl
     assert child.digest(plain) == digest
 
 
+_SITE_START = """
+import runpy, site, sys
+site.addsitedir(sys.argv[1])  # as site-packages is read at start-up: runs gockpt-accelerate.pth
+assert "torch" not in sys.modules and "accelerate" not in sys.modules, "the .pth imported them"
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_gockpt_enabled_in_the_environment_attaches_gockpt_to_an_unchanged_script(tmp_path, enabled):
+    """The installed .pth line (copied into a site dir here, as a wheel installs it) attaches
+    GoCkpt at prepare when GOCKPT_ENABLED is true, and imports nothing otherwise."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "gockpt-accelerate.pth").write_text((_REPO / "gockpt-accelerate.pth").read_text())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "GOCKPT_ENABLED": enabled,
+           "GOCKPT_MODE": "lazy"}
+    proc = subprocess.run([sys.executable, "-c", _SITE_START, str(site_dir), str(_HERE / "test_accelerate_child.py"),
+                           "plain", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attached, digest = proc.stdout.split()[-2:]
+    path = tmp_path / "checkpoints" / "checkpoint_0"
+    assert (attached == "GoCkptCheckpointer") == (enabled == "1")
+    assert ("gockpt.json" in os.listdir(path)) == (enabled == "1")
+    plain = child.build(str(tmp_path), seed=9)
+    plain.acc.load_state(str(path))
+    assert child.digest(plain) == digest
+
+
+def test_an_explicit_attach_replaces_the_automatic_one(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(f"""
+import torch
+from accelerate import Accelerator
+from accelerate_gockpt import GoCkptPlugin, attach
+from accelerate_gockpt.run import install
+install()
+acc = Accelerator(cpu=True)
+model, opt = acc.prepare(torch.nn.Linear(4, 4), torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1))
+auto = acc.save_state.__self__
+assert auto.automatic, "attached at prepare"
+mine = attach(acc, GoCkptPlugin(mode="async"))
+assert acc.save_state.__self__ is mine and not mine.automatic and auto._closed
+try:
+    attach(acc)
+except RuntimeError as e:
+    assert "already attached" in str(e)
+else:
+    raise AssertionError("a second explicit attach must be refused")
+acc.save_state({str(tmp_path / 'ckpt')!r})
+acc.end_training()
+print("ok")
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stderr[-3000:]
+    assert "model.safetensors" in os.listdir(tmp_path / "ckpt")
+
+
 def test_an_explicit_output_dir_does_not_claim_the_folder_around_it(tmp_path):
     """Another job writing checkpoints in the same parent folder does not block save_state(dir):
     only the automatic ``checkpoints/`` folder is claimed, as the run's own."""
