@@ -1,81 +1,45 @@
-"""The non-tensor state ``Accelerator.save_state`` writes, taken at one step boundary.
+"""The non-tensor files of ``Accelerator.save_state``, made by Accelerate's own functions.
 
 Called on the training thread at the captured step (the engine's ``state_fn`` on the main
-process, the rank tracker elsewhere), so RNG, counters, schedulers and registered objects
-describe the same step as the tensors. The result is plain picklable data: the engine
-serializes it at once, which is the deep copy.
+process, the share of every other process), so RNG, counters, schedulers, sampler and
+dataloader state, the scaler and registered objects describe the same step as the tensors.
+``accelerate.checkpointing.save_accelerator_state`` and ``save_custom_state`` write them, with
+no model and no optimizer, into a temporary directory; their bytes are the snapshot (they are
+small), written into the checkpoint by the persist thread. Accelerate's layout and keys are thus
+its own, whatever its version adds (device RNGs, XLA seeds, ...).
 """
 
 from __future__ import annotations
 
-import random
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-from accelerate.utils import (
-    is_cuda_available,
-    is_hpu_available,
-    is_mlu_available,
-    is_musa_available,
-    is_neuron_available,
-    is_sdaa_available,
-    is_xpu_available,
-)
+from accelerate.checkpointing import save_accelerator_state, save_custom_state
+from accelerate.utils import RNG_STATE_NAME
 
 
-def rng_states(step: int) -> dict[str, Any]:
-    """The content of ``random_states_<rank>.pkl``, keyed as Accelerate's loader expects.
+def rng_file_name(process_index: int) -> str:
+    """``random_states_<rank>.pkl``."""
+    return f"{RNG_STATE_NAME}_{process_index}.pkl"
+
+
+def host_files(accelerator: Any, *, rng_only: bool = False) -> dict[str, bytes]:
+    """File name -> bytes of what ``save_state`` writes besides model weights and optimizers.
 
     Args:
-        step: ``Accelerator.step`` (micro-batches seen by ``accumulate``).
+        accelerator: the ``Accelerator``.
+        rng_only: only this process's ``random_states_<rank>.pkl`` (the other processes' share;
+            the main process writes the rest).
     """
-    states: dict[str, Any] = {
-        "step": step,
-        "random_state": random.getstate(),
-        "numpy_random_seed": np.random.get_state(),
-        "torch_manual_seed": torch.get_rng_state(),
-    }
-    if is_xpu_available():
-        states["torch_xpu_manual_seed"] = torch.xpu.get_rng_state_all()
-    if is_mlu_available():
-        states["torch_mlu_manual_seed"] = torch.mlu.get_rng_state_all()  # type: ignore[attr-defined]
-    elif is_sdaa_available():
-        states["torch_sdaa_manual_seed"] = torch.sdaa.get_rng_state_all()  # type: ignore[attr-defined]
-    elif is_musa_available():
-        states["torch_musa_manual_seed"] = torch.musa.get_rng_state_all()  # type: ignore[attr-defined]
-    if is_hpu_available():
-        states["torch_hpu_manual_seed"] = torch.hpu.get_rng_state_all()  # type: ignore[attr-defined]
-    if is_neuron_available():
-        states["torch_neuron_manual_seed"] = torch.neuron.get_rng_state_all()  # type: ignore[attr-defined]
-    if is_cuda_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def main_state(accelerator: Any) -> dict[str, Any]:
-    """Everything the main process writes besides model and optimizer tensors.
-
-    Returns:
-        ``{"rng", "schedulers", "samplers", "dataloaders", "scaler", "custom"}``: the RNG dict
-        of this process, scheduler state_dicts, per dataloader the sampler object Accelerate
-        pickles (or None) and the stateful-dataloader state_dict (or None), the GradScaler
-        state_dict (or None), and the state_dicts of objects registered for checkpointing.
-    """
-    samplers, loaders = [], []
-    for dl in accelerator._dataloaders:
-        sampler = None
-        if isinstance(dl.dataset, IterableDatasetShard):
-            s = dl.get_sampler()
-            sampler = s if isinstance(s, SeedableRandomSampler) else None
-        samplers.append(sampler)
-        loaders.append(dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None)
-    return {
-        "rng": rng_states(accelerator.step),
-        "schedulers": [s.state_dict() for s in accelerator._schedulers],
-        "samplers": samplers,
-        "dataloaders": loaders,
-        "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-        "custom": [obj.state_dict() for obj in accelerator._custom_objects],
-    }
+    on_each_node = accelerator.project_configuration.save_on_each_node
+    with tempfile.TemporaryDirectory(prefix="gockpt-accelerate-") as d:
+        save_accelerator_state(d, [], [], [] if rng_only else accelerator._schedulers,
+                               [] if rng_only else accelerator._dataloaders, accelerator.process_index,
+                               accelerator.step, None if rng_only else accelerator.scaler,
+                               save_on_each_node=on_each_node)
+        for i, obj in enumerate([] if rng_only else accelerator._custom_objects):
+            save_custom_state(obj, d, i, save_on_each_node=on_each_node)
+        names = [rng_file_name(accelerator.process_index)] if rng_only else sorted(os.listdir(d))
+        return {name: Path(d, name).read_bytes() for name in names}

@@ -9,9 +9,9 @@ Call sequence of one ``save_state`` (main process):
    :class:`AccelerateWriter`; the other processes learn the folder (broadcast).
 2. (engine's io threads) ``model.safetensors`` is written zero-copy from the engine's host
    snapshot, under Accelerate's key names (tied weights once, under their first name).
-3. (persist thread) ``optimizer.bin``, ``scheduler.bin``, ``sampler.bin`` / ``dl_state_dict.bin``,
-   ``scaler.pt``, ``random_states_0.pkl``, ``custom_checkpoint_<i>.pkl``, ``gockpt.json`` from the
-   snapshot at the captured step (``register_save_state_pre_hook`` hooks run first, as
+3. (persist thread) ``optimizer.bin`` from the snapshot, the files Accelerate's own functions
+   made at the captured step (scheduler, sampler, dataloader, scaler, RNG, registered objects:
+   :mod:`._host_state`), ``gockpt.json`` (``register_save_state_pre_hook`` hooks run first, as
    Accelerate runs them); other processes rename their ``random_states_<rank>.pkl`` in.
 4. (persist thread) every rank's file present: the manifest, then the folder is renamed into
    place (PCcheck §4.1: the old checkpoint is never touched before the new one is complete);
@@ -28,21 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
-from accelerate.utils import (
-    OPTIMIZER_NAME,
-    RNG_STATE_NAME,
-    SAFE_WEIGHTS_NAME,
-    SAMPLER_NAME,
-    SCALER_NAME,
-    SCHEDULER_NAME,
-    WEIGHTS_NAME,
-)
+from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from gockpt.layout import StateLayout
 from gockpt.ranks import wait_for_shares
 from gockpt.snapshot import to_bytes, untie
 from gockpt.storage import prune_numbered
 from gockpt.writer import CheckpointWriter, Snapshot, TensorFile
+
+from ._host_state import rng_file_name
 
 SIDECAR_NAME = "gockpt.json"
 """Beside Accelerate's files (its loader ignores it): ``iteration`` (the save's
@@ -122,21 +116,9 @@ class AccelerateWriter(CheckpointWriter):
                     out[self._weights_name(i)] = safetensors.torch.save(untie(sd), {"format": "pt"})
                 else:
                     out[self._weights_name(i)] = to_bytes(sd)
-        host = snapshot.extra
         for i, osd in enumerate(snapshot.optimizer_state_dicts):
             out[f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"] = to_bytes(osd)
-        for i, ssd in enumerate(host["schedulers"]):
-            out[f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"] = to_bytes(ssd)
-        for i, (sampler, dl_state) in enumerate(zip(host["samplers"], host["dataloaders"], strict=True)):
-            if sampler is not None:
-                out[f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"] = to_bytes(sampler)
-            if dl_state is not None:
-                out["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = to_bytes(dl_state)
-        if host["scaler"] is not None:
-            out[SCALER_NAME] = to_bytes(host["scaler"])
-        for i, obj_state in enumerate(host["custom"]):
-            out[f"custom_checkpoint_{i}.pkl"] = to_bytes(obj_state)
-        out[f"{RNG_STATE_NAME}_0.pkl"] = to_bytes(host["rng"])
+        out.update(snapshot.extra)  # Accelerate's own files of the captured step (_host_state)
         m = snapshot.metrics
         out[SIDECAR_NAME] = json.dumps({
             "format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "iteration": self.iteration,
@@ -146,7 +128,7 @@ class AccelerateWriter(CheckpointWriter):
         return out
 
     def before_publish(self, snapshot: Snapshot) -> None:
-        wait_for_shares(self.staging, [f"{RNG_STATE_NAME}_{r}.pkl" for r in range(1, self.num_processes)],
+        wait_for_shares(self.staging, [rng_file_name(r) for r in range(1, self.num_processes)],
                         self.timeout_s, self.stopped)
 
     def after_publish(self, snapshot: Snapshot) -> None:

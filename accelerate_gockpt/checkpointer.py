@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from accelerate.utils import RNG_STATE_NAME, broadcast_object_list
+from accelerate.utils import broadcast_object_list
 from torch import nn
 
 import gockpt
@@ -142,7 +142,7 @@ class GoCkptCheckpointer:
         assert self._rep is not None
         acc = self.accelerator
         self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
-                       exact_step=self._exact_step, state_fn=lambda: _host_state.main_state(acc))
+                       exact_step=self._exact_step, state_fn=lambda: _host_state.host_files(acc))
         self.accelerator.project_configuration.iteration += 1
         self._log_published()
         return Path(final)
@@ -233,8 +233,8 @@ class GoCkptCheckpointer:
         broadcast = (lambda obj: broadcast_object_list([obj])[0]) if acc.num_processes > 1 else None
         self._rep = ReplicatedEngine(
             self._engine_model, self._optimizers, self._config, is_writer=self._main,
-            share=lambda: _host_state.rng_states(acc.step),
-            share_name=f"{RNG_STATE_NAME}_{acc.process_index}.pkl", broadcast=broadcast,
+            share=lambda: _host_state.host_files(acc, rng_only=True)[_host_state.rng_file_name(acc.process_index)],
+            share_name=_host_state.rng_file_name(acc.process_index), broadcast=broadcast,
             boundary_modules=self._models if len(self._models) > 1 else ())
 
     def _stop(self) -> None:

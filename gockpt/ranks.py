@@ -40,7 +40,8 @@ log = logging.getLogger("gockpt")
 
 
 def write_share(staging: str, name: str, state: Any) -> bool:
-    """``torch.save`` ``state`` as file ``name`` of ``staging`` atomically (temp file, fsync, rename).
+    """Write ``state`` as file ``name`` of ``staging`` atomically (temp file, fsync, rename):
+    ``bytes`` as they are (a file already serialized), anything else with ``torch.save``.
 
     Returns:
         False when ``staging`` is gone (the writer abandoned this checkpoint).
@@ -50,12 +51,16 @@ def write_share(staging: str, name: str, state: Any) -> bool:
     """
     if not os.path.isdir(staging):
         return False
-    buf = io.BytesIO()
-    torch.save(state, buf)
+    if isinstance(state, bytes):
+        data: Any = state
+    else:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getbuffer()
     tmp = os.path.join(staging, f".{name}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, os.path.join(staging, name))
@@ -150,7 +155,7 @@ class RankCapture:
     Args:
         models: the models (forward pre-hooks mark step boundaries).
         optimizers: the torch optimizers (post-hooks count updates as the engine does).
-        take: returns this process's share (any ``torch.save``-able object).
+        take: returns this process's share (any ``torch.save``-able object, or the file's bytes).
         name: the file name of the share in the staging directory (e.g. one per rank).
     """
 

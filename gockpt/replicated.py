@@ -46,7 +46,8 @@ class ReplicatedEngine:
         optimizers: the torch optimizers (their step hooks count updates on every process).
         config: engine options.
         is_writer: whether this process writes the checkpoint.
-        share: on the others, returns this process's share (any ``torch.save``-able object).
+        share: on the others, returns this process's share (any ``torch.save``-able object, or
+            the file's bytes).
         share_name: its file name in the staging directory (e.g. one per rank).
         broadcast: sends the writer's object to every process and returns it; None with one
             process.
