@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,12 @@ from .snapshot import SlotLayout, plan_slot
 from .transfer import PRIORITY_GRAD
 
 _ALIGN = 64
+
+#: Optimizers whose update of an element reads only that element's parameter, gradient and
+#: state (and scalars): replaying them on a local shard of a ``DTensor`` is exact (issue 13).
+ELEMENTWISE_OPTIMIZERS = frozenset({
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "NAdam", "RAdam", "ASGD",
+})
 
 
 def _align(n: int) -> int:
@@ -76,6 +83,9 @@ class Planner:
         self._layout: StateLayout | None = None
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
+        # Sharded engines (gockpt.sharded): turns each rank's plan into the one every rank
+        # follows (a collective); called at the end of every plan().
+        self.agree: Callable[[CopyPlan, list[int]], CopyPlan] | None = None
 
     def forget_layout(self) -> None:
         """Rebuild the layout at the next save (the live tensors were replaced)."""
@@ -99,7 +109,17 @@ class Planner:
         """The copy plan of one save (``window_s``: the measured copy window, None if unknown)."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
-        if mode in MULTI_STEP_MODES + ("auto",) and not all(is_replayable(o) for o in opts):
+        local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
+        if layout.sharded and mode in MULTI_STEP_MODES + ("auto",) and local_update:
+            # A shard's update would read elements another rank holds: copy in one step.
+            replayable = False
+            if not self._warned_fallback:
+                names = sorted({type(o).__name__ for o in local_update})
+                warnings.warn(f"gockpt: {', '.join(names)} does not update a parameter shard "
+                              "elementwise; sharded checkpoints use mode 'lazy'", stacklevel=3)
+                self._warned_fallback = True
+            mode = "lazy"
+        elif mode in MULTI_STEP_MODES + ("auto",) and not all(is_replayable(o) for o in opts):
             if not self._warned_fallback:
                 names = sorted({type(o).__name__ for o in opts if not is_replayable(o)})
                 # stacklevel: this, Engine.save, its caller.
@@ -111,9 +131,10 @@ class Planner:
         unit_bytes = [u.state_bytes for u in layout.units]
         grad_bytes = [u.grad_bytes for u in layout.units]
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
-        return make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s),
+        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s),
                          max_overlap_steps=hi, replayable=replayable,
                          min_overlap_steps=min(self._config.min_overlap_steps, hi))
+        return plan if self.agree is None else self.agree(plan, unit_bytes)
 
     def _replayable(self, layout: StateLayout, version: int) -> bool:
         # With several optimizers, K-1 updates could end between two optimizers' steps of one

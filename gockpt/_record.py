@@ -131,7 +131,7 @@ def new_record(
     for e in layout.entries:
         views[e.key] = host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
     grad_views = [
-        {i: host_view(g, off, layout.units[i].param) for i, off in grad_offsets.items()}
+        {i: host_view(g, off, layout.units[i].param_entry.tensor) for i, off in grad_offsets.items()}
         for g in slot.grads
     ]
     # File names unique to this save: overwriting a file that the checkpoint published at the

@@ -22,7 +22,7 @@ from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord
 from .errors import CheckpointTornError
 from .handle import SaveHandle
-from .layout import Unit
+from .layout import Unit, local, localize
 from .replay import snapshot_hparams
 from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
@@ -43,6 +43,7 @@ class Windows:
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._guard_handles: list = []
+        self._wait_at_forward = False  # sharded gradient copies in flight: wait at the next forward
         # Parameter versions after each optimizer's latest update: a save requested after an
         # edit outside optimizer.step() (a weight swap, load_state_dict) is copied at once.
         self._updated_versions = {i: self._param_versions(i) for i in range(len(optimizers))}
@@ -204,7 +205,7 @@ class Windows:
                 u = s.layout.units[i]
                 for e in (u.param_entry, *u.state_entries.values()):
                     pairs.append((e.tensor, s.views[e.key]))
-                    s.versions.append((e.tensor, e.tensor._version))
+                    s.versions.append((e.versioned, e.versioned._version))
         nbytes = sum(d.numel() * d.element_size() for _, d in pairs)
         s.metrics.state_bytes += nbytes
         ticket = self._copier.copy(pairs, PRIORITY_STATE)
@@ -240,7 +241,8 @@ class Windows:
         s.metrics.add_stall("grad_buffer", time.perf_counter() - t0)
         s.slot.grad_busy[turn].clear()
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (s.layout.units[i].param.grad, s.grad_views[turn][i]) for i in units  # type: ignore[misc]
+            (local(s.layout.units[i].param.grad), s.grad_views[turn][i])  # type: ignore[arg-type]
+            for i in units
         ]
         hparams = [snapshot_hparams(g) for g in opt.param_groups]
         ticket = self._copier.copy(pairs, PRIORITY_GRAD, check_versions=True)
@@ -250,6 +252,11 @@ class Windows:
             t0 = time.perf_counter()
             ticket.wait()
             s.metrics.add_stall("grad_copy", time.perf_counter() - t0)
+        elif s.layout.sharded:
+            # FSDP2 accumulates into sharded gradients outside autograd, where no tensor hook
+            # fires: the copy overlaps only until the next forward starts (forward_start).
+            self._pending_grads.append((ticket, pairs))
+            self._wait_at_forward = True
         else:
             self._guard(ticket, pairs)
         self._pipeline.submit_replay(s, (opt_index, type(opt), hparams, units, turn), ticket)
@@ -265,7 +272,7 @@ class Windows:
         for o in self._optimizers:
             for group in o.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None and id(p.grad) in by_grad and p.requires_grad:
+                    if p.grad is not None and id(local(p.grad)) in by_grad and p.requires_grad:
                         self._guard_handles.append(p.register_hook(self._guard_hook(p, ticket)))
 
     def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket):
@@ -276,6 +283,17 @@ class Windows:
                 for s in self.saves:
                     s.metrics.add_stall("guard", (time.perf_counter() - t0) / max(1, len(self.saves)))
         return hook
+
+    def forward_start(self, version: int) -> None:
+        """The model's forward begins: guarded sharded gradient copies end; a due capture."""
+        if self._wait_at_forward:
+            self._wait_at_forward = False
+            t0 = time.perf_counter()
+            self.release_guards(wait=True)
+            for s in self.saves:
+                s.metrics.add_stall("guard", (time.perf_counter() - t0) / max(1, len(self.saves)))
+        if self.saves and self.capture_due(version):
+            self.boundary(version)
 
     def release_guards(self, wait: bool) -> None:
         """Drop the gradient guards whose copies ended (``wait``: wait for all of them first)."""
@@ -326,6 +344,8 @@ class Windows:
         t0 = time.perf_counter()
         # One traversal of the module tree serves both the state tree and the buffers.
         current = self._model.state_dict(keep_vars=True)
+        if s.layout.sharded:  # DTensors: their local shards are what this rank stores
+            current = localize(current)  # type: ignore[assignment]
         live: dict[tuple, str] = {}
         for u in s.layout.units:
             if self._dirty(u):
@@ -351,7 +371,9 @@ class Windows:
         # later on the persist thread.
         s.extra = {
             "user": to_skeleton(s.state_fn(), live) if s.state_fn is not None else None,
-            "optimizers": [to_skeleton(o.state_dict(), live) for o in self._optimizers],
+            "optimizers": [
+                to_skeleton(localize(o.state_dict()) if s.layout.sharded else o.state_dict(), live)
+                for o in self._optimizers],
             "model": to_skeleton(current, live),
         }
         s.metrics.captured_step = version
@@ -360,5 +382,5 @@ class Windows:
     def _dirty(self, u: Unit) -> bool:
         """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from."""
         st = self._optimizers[u.optimizer_index].state.get(u.param, {})
-        now = {n: storage_key(t) for n, t in st.items() if isinstance(t, torch.Tensor)}
+        now = {n: storage_key(local(t)) for n, t in st.items() if isinstance(t, torch.Tensor)}
         return now != {n: storage_key(e.tensor) for n, e in u.state_entries.items()}

@@ -396,5 +396,4 @@ class Engine:
             self._flush_windows()
 
     def _on_forward(self) -> None:
-        if self._windows.saves and self._windows.capture_due(self.version):
-            self._windows.boundary(self.version)
+        self._windows.forward_start(self.version)

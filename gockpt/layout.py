@@ -10,6 +10,11 @@ Keys in a checkpoint:
 A *unit* is one optimizer parameter with all of its optimizer state (GoCkpt §4.2.2 keeps them in
 one block so a block can be replayed on its own). Buffers and parameters that no optimizer owns
 form the *static* part, taken at the captured step.
+
+Sharded tensors (FSDP2's ``DTensor`` parameters and optimizer state) are stored as their local
+shard (``DTensor.to_local()``): each rank's engine copies and replays only what it holds. The
+entry keeps the ``DTensor`` (:attr:`Entry.owner`: in-place updates bump its version counter, not
+the local tensor's) and where the shard lies in the global tensor (:class:`ShardInfo`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,90 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .format import TensorSpec, dtype_code
+
+
+_DTENSOR: list[type] = []
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch lacks it)."""
+    if not isinstance(t, torch.Tensor) or type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return False
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch built without distributed
+            return False
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a ``DTensor`` (a view of its memory, detached); other tensors as they are."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local().detach()  # type: ignore[attr-defined]
+    return t
+
+
+def localize(tree: object) -> object:
+    """``tree`` (dicts, lists, tuples) with every ``DTensor`` replaced by :func:`local` of it."""
+    if is_dtensor(tree):
+        return local(tree)  # type: ignore[arg-type]
+    if isinstance(tree, dict):
+        out = {k: localize(v) for k, v in tree.items()}
+        return out if type(tree) is dict else _same_kind(tree, out)
+    if isinstance(tree, list):
+        return [localize(v) for v in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(localize(v) for v in tree)
+    return tree
+
+
+def _same_kind(tree: dict, out: dict) -> dict:
+    try:
+        copy = tree.copy()  # keeps the mapping's type (OrderedDict)
+        copy.update(out)
+        if hasattr(tree, "_metadata"):
+            copy._metadata = tree._metadata  # type: ignore[attr-defined]  # state_dict versions
+        return copy
+    except Exception:  # noqa: BLE001 - a mapping that cannot be copied: a plain dict
+        return out
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a stored local shard lies in its global (``DTensor``) tensor.
+
+    Attributes:
+        global_shape: shape of the whole tensor (elements per dimension).
+        offsets: index of the shard's first element in each dimension.
+        placements: ``str()`` of each placement (``"S(0)"``: sharded on dim 0, ``"R"``: replicated).
+        mesh_shape: shape of the device mesh.
+        replica: 0 for the copy of a shard that a reader should use; > 0 for the same shard
+            held again by another rank (a ``Replicate`` mesh dimension).
+    """
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    replica: int = 0
+
+    @staticmethod
+    def of(t: torch.Tensor) -> ShardInfo:
+        """The shard of this rank of the ``DTensor`` ``t`` (DCP's ``__create_chunk_list__``)."""
+        from torch.distributed.tensor import Replicate
+
+        chunk = t.__create_chunk_list__()[0]  # type: ignore[attr-defined]
+        mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+        coord = mesh.get_coordinate() or [0] * mesh.ndim
+        replica = 0
+        for dim, pl in enumerate(placements):
+            if isinstance(pl, Replicate):
+                replica = replica * mesh.size(dim) + coord[dim]
+        return ShardInfo(tuple(t.shape), tuple(chunk.offsets), tuple(str(p) for p in placements),
+                         tuple(mesh.shape), replica)
 
 
 @dataclass
@@ -36,6 +125,13 @@ class Entry:
     key: str
     tensor: torch.Tensor
     spec: TensorSpec
+    owner: torch.Tensor | None = None
+    shard: ShardInfo | None = None
+
+    @property
+    def versioned(self) -> torch.Tensor:
+        """The tensor whose ``_version`` counts in-place updates: the ``DTensor``, or ``tensor``."""
+        return self.tensor if self.owner is None else self.owner
 
 
 @dataclass
@@ -81,6 +177,11 @@ class StateLayout:
         signature: (key, dtype, shape) of every stored tensor, to notice when the layout changes.
     """
 
+    @property
+    def sharded(self) -> bool:
+        """Whether some entry is the local shard of a ``DTensor``."""
+        return any(e.shard is not None for e in self.entries)
+
     units: list[Unit]
     static: list[Entry]
     aliases: dict[str, str]
@@ -99,6 +200,10 @@ class StateLayout:
 
 
 def _entry(key: str, t: torch.Tensor) -> Entry:
+    if is_dtensor(t):
+        e = _entry(key, local(t))
+        e.owner, e.shard = t, ShardInfo.of(t)
+        return e
     # Stored in logical (contiguous) order; a non-contiguous but dense tensor (channels_last) is
     # copied element-wise and the state tree records its strides, so it loads as it was saved.
     if t.layout != torch.strided or not _dense(t):
@@ -188,7 +293,7 @@ def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
     """
 
     def ident(t: object) -> object:
-        return (id(t), t.data_ptr()) if isinstance(t, torch.Tensor) else None
+        return (id(t), local(t).data_ptr()) if isinstance(t, torch.Tensor) else None
 
     sig: list = [tuple((k, ident(v)) for k, v in model.state_dict(keep_vars=True).items())]
     for opt in optimizers:

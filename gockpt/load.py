@@ -71,6 +71,7 @@ def read_checkpoint(
 
     Raises:
         FileNotFoundError: no ``manifest.json`` at ``path`` (missing or incomplete checkpoint).
+        ValueError: a sharded checkpoint (:mod:`gockpt.sharded`): see :mod:`gockpt.dcp`.
         CheckpointCorruptError: malformed manifest, wrong format or version, a file name
             escaping the directory, a missing file, a size or checksum mismatch, a shard header
             disagreeing with the manifest, an undecodable extra blob; the message names the
@@ -83,6 +84,9 @@ def read_checkpoint(
         raise FileNotFoundError(
             f"{path} is not a complete GoCkpt checkpoint (no manifest.json)"
         ) from None
+    if "sharded" in manifest["meta"]:
+        raise ValueError(f"{path} is a sharded checkpoint (one part per saving rank): load it with "
+                         "gockpt.dcp.load_sharded or gockpt.dcp.load_full")
 
     by_file: dict[str, dict[str, dict]] = {}
     for key, entry in manifest["tensors"].items():

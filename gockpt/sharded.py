@@ -1,0 +1,455 @@
+"""Sharded checkpoints: one engine per rank over its local shards, committed together (issue 13).
+
+Under FSDP2 (``torch.distributed.fsdp.fully_shard``: ``DTensor`` parameters and optimizer state)
+every rank runs a :class:`ShardedEngine`. Its :class:`gockpt.Engine` copies, and in the
+multi-step modes replays, only the rank's local shards (``DTensor.to_local()``; GoCkpt §4.2-§4.3
+per rank: the elementwise optimizers replay exactly on a shard, and gradient clipping is already
+applied when the step post-hook sees the gradients). An optimizer that is not elementwise on a
+shard makes the save ``lazy``, with a warning.
+
+Layout of a sharded checkpoint ``<path>``::
+
+    manifest.json     the global manifest, written last: meta.sharded = {world_size, parts}
+    sharded.json      the index: captured step, world size, each part's manifest checksum
+    rank-00000/       rank 0's part: a complete GoCkpt checkpoint of its local shards
+                      (manifest.json, shard-*.safetensors, its non-tensor state)
+    rank-00000.sharding.json   per tensor of that part: its DCP key, dtype, global shape,
+                      offsets, placements, mesh shape and replica number
+    rank-00001/, rank-00001.sharding.json, ...
+
+Two-phase commit (PCcheck §4.1 across ranks). Every call is collective over ``group`` (gloo):
+
+1. (every rank, training thread, :meth:`ShardedEngine.save`) rank 0 makes the staging directory
+   beside ``path`` and broadcasts its name; inside ``Engine.save`` the ranks agree on one plan
+   (mode and K: gathered, rank 0's multi-step mode with the smallest K, ``async`` if any rank
+   must copy at once, ``lazy`` if any rank cannot replay); then they all-gather the requested
+   and captured steps and abort the save unless every rank holds the same.
+2. (every rank, engine threads) each rank's engine writes its part to ``<staging>/rank-<r>``:
+   files fsynced, the part's manifest last, an atomic rename inside the staging directory. When
+   the part's handle resolves, the rank writes ``rank-<r>.done`` (or ``rank-<r>.failed``).
+3. (rank 0, commit thread) waits at most ``commit_timeout_s`` for every ``.done`` marker, checks
+   each part's manifest (complete, at the agreed captured step), writes ``sharded.json`` and the
+   global manifest, fsyncs, renames the staging directory to ``path`` (atomic, GoCkpt's local
+   target) and moves ``latest``. A failed or missing part (a crashed rank) leaves no complete
+   checkpoint: the staging directory is removed and the previous checkpoint stays the latest.
+
+Loading, with any number of ranks, goes through ``torch.distributed.checkpoint``: see
+:mod:`gockpt.dcp`. Sharded checkpoints are local (or shared-filesystem) paths only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from . import fsutil, storage
+from .config import GoCkptConfig
+from .engine import Engine
+from .handle import CheckpointMetrics, SaveHandle
+from .layout import StateLayout
+from .plan import MULTI_STEP_MODES, CopyPlan, split_blocks
+from .writer import CheckpointWriter, Snapshot
+
+__all__ = ["ShardedEngine", "ShardedHandle", "INDEX_FILE", "part_name", "sharding_name"]
+
+log = logging.getLogger("gockpt")
+
+SHARDING_FILE = "sharding.json"
+INDEX_FILE = "sharded.json"
+
+
+def part_name(rank: int) -> str:
+    """The directory of rank ``rank``'s part in a sharded checkpoint."""
+    return f"rank-{rank:05d}"
+
+
+def sharding_name(rank: int) -> str:
+    """The file describing where rank ``rank``'s stored tensors lie in the global tensors."""
+    return f"{part_name(rank)}.{SHARDING_FILE}"
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def dcp_keys(layout: StateLayout) -> dict[str, str]:
+    """Layout key -> the key ``torch.distributed.checkpoint`` flattens the same tensor to.
+
+    ``model.<fqn>`` stays; ``optim.<i>.<param index>.<name>`` becomes ``optim.state.<fqn>.<name>``
+    (DCP's ``get_optimizer_state_dict`` names state by parameter FQN); state of a parameter
+    outside the model keeps its layout key.
+    """
+    out = {}
+    for u in layout.units:
+        out[u.param_entry.key] = u.param_entry.key
+        fqn = u.param_entry.key[len("model."):] if u.param_entry.key.startswith("model.") else None
+        for name, e in u.state_entries.items():
+            out[e.key] = f"optim.state.{fqn}.{name}" if fqn is not None else e.key
+    for e in layout.static:
+        out[e.key] = e.key
+    return out
+
+
+class _PartWriter(CheckpointWriter):
+    """GoCkpt's own shards for one rank's part; notes the part's sharding (``tensor_files``)."""
+
+    claim_directory = False
+
+    def __init__(self, rank: int, world: int, user: CheckpointWriter | None) -> None:
+        self.rank, self.world, self.user = rank, world, user
+        self.sharding: bytes = b""
+
+    def tensor_files(self, layout: StateLayout) -> None:
+        keys = dcp_keys(layout)
+        tensors = {}
+        for e in layout.entries:
+            sh = e.shard
+            tensors[e.key] = {
+                "fqn": keys[e.key],
+                "dtype": str(e.spec.dtype).removeprefix("torch."),
+                "global_shape": list(sh.global_shape if sh else e.spec.shape),
+                "offsets": list(sh.offsets if sh else (0,) * len(e.spec.shape)),
+                "placements": list(sh.placements) if sh else None,
+                "mesh_shape": list(sh.mesh_shape) if sh else None,
+                # A plain tensor is the same on every rank (data parallel): rank 0's copy is read.
+                "replica": sh.replica if sh else self.rank,
+            }
+        aliases = {a: keys.get(t, t) for a, t in layout.aliases.items()}
+        self.sharding = json.dumps({"format": "gockpt-sharding", "rank": self.rank,
+                                    "world_size": self.world, "tensors": tensors,
+                                    "aliases": aliases}, sort_keys=True).encode()
+        if self.user is not None and self.user.tensor_files(layout) is not None:
+            raise ValueError("a sharded save keeps GoCkpt's shards: the writer must not name tensor files")
+        return None
+
+    def files(self, snapshot: Snapshot) -> Mapping[str, bytes]:
+        return dict(self.user.files(snapshot)) if self.user is not None else {}
+
+    def before_publish(self, snapshot: Snapshot) -> None:
+        if self.user is not None:
+            self.user.before_publish(snapshot)
+
+
+class ShardedHandle:
+    """One sharded save as seen by this rank.
+
+    Attributes:
+        path: the checkpoint directory.
+        part: the handle of this rank's part (its own engine's save).
+    """
+
+    def __init__(self, path: str, part: SaveHandle, commit: Future[CheckpointMetrics] | None) -> None:
+        self.path, self.part, self._commit = path, part, commit
+
+    @property
+    def skipped(self) -> bool:
+        return self.part.skipped
+
+    def done(self) -> bool:
+        return self.part.done() and (self._commit is None or self._commit.done())
+
+    def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
+        """This rank's part's metrics once durable; on rank 0 once the checkpoint is committed.
+
+        Raises:
+            The part's error; on rank 0 also the commit's (a failed or missing part:
+            ``RuntimeError``, ``TimeoutError`` after ``commit_timeout_s``).
+        """
+        m = self.part.result(timeout_s)
+        return m if self._commit is None else self._commit.result(timeout_s)
+
+
+class ShardedEngine:
+    """A :class:`gockpt.Engine` over this rank's local shards, committing saves with all ranks.
+
+    Args:
+        model: this rank's (``fully_shard``-ed) model.
+        optimizers: its optimizer(s).
+        config: engine options (``update_latest`` is applied by rank 0's commit only).
+        group: the process group of the ranks saving together (None: the default group). The
+            engine makes a gloo group over the same ranks for its own collectives.
+        commit_timeout_s: seconds rank 0 waits for the other parts once its own is durable,
+            and the timeout of the engine's collectives.
+        **engine_kwargs: passed to :class:`gockpt.Engine` (``start_step``, ...).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Optimizer | Sequence[Optimizer],
+                 config: GoCkptConfig | None = None, *, group: Any = None,
+                 commit_timeout_s: float = 300.0, **engine_kwargs: Any) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedEngine needs torch.distributed initialized (init_process_group)")
+        self.config = config or GoCkptConfig()
+        self.commit_timeout_s = commit_timeout_s
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=commit_timeout_s))
+        self.rank, self.world = dist.get_rank(self._group), dist.get_world_size(self._group)
+        self.engine = Engine(model, optimizers, dataclasses.replace(self.config, update_latest=False),
+                             **engine_kwargs)
+        self.engine._planner.agree = self._agree
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if self.rank == 0 else None
+        self._handles: list[ShardedHandle] = []
+        self._claimed: set[str] = set()
+        self._claims: list = []
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        """Optimizer updates applied (the engine's step)."""
+        return self.engine.version
+
+    def step_end(self) -> None:
+        """:meth:`gockpt.Engine.step_end`."""
+        self.engine.step_end()
+
+    def save(self, path: str, *, state_fn: Callable[[], Any] | None = None,
+             mode: str | None = None, max_overlap_steps: int | None = None,
+             writer: CheckpointWriter | None = None) -> ShardedHandle:
+        """Request a sharded checkpoint at ``path`` (a local directory); collective.
+
+        Call on every rank at the same step boundary. Arguments as :meth:`gockpt.Engine.save`
+        (``state_fn`` is called on every rank, its result stored in the rank's part; ``writer``
+        may add files to each rank's part and veto it in ``before_publish``).
+
+        Returns:
+            A :class:`ShardedHandle` (skipped on every rank when any rank had no free slot).
+
+        Raises:
+            RuntimeError: the ranks disagree on the captured step, or the request failed on a
+                rank (every rank raises; nothing is written).
+            ValueError: ``path`` is not local.
+        """
+        path = path.rstrip("/") or path
+        fs, root = fsutil.url_to_fs(path, self.config.storage_options)
+        if not fsutil.is_local(fs):
+            raise ValueError(f"sharded checkpoints are written to local paths only, got {path}")
+        parent, name = fsutil.split(root)
+        stage, problem = None, None
+        try:
+            # A background error of an earlier save is raised here, on every rank alike.
+            self.engine._pipeline.raise_errors()  # noqa: SLF001
+            if self.rank == 0:
+                if parent not in self._claimed:
+                    self._claims.append(storage.claim_directory(
+                        parent, self.config.storage_options, timeout_s=self.config.storage_timeout_s))
+                    storage.cleanup_staging(parent, self.config.storage_options)
+                    self._claimed.add(parent)
+                stage = fsutil.scratch_path(parent, name)
+                os.mkdir(stage)
+        except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
+            problem = e
+        ready: list[Any] = [None] * self.world
+        dist.all_gather_object(ready, (stage, None if problem is None else f"{type(problem).__name__}: {problem}"),
+                               group=self._group)
+        if any(err is not None for _, err in ready):
+            if stage is not None:
+                fsutil.remove_local(stage)
+            if problem is not None:
+                raise problem
+            raise RuntimeError("gockpt: sharded checkpoint not taken: " + "; ".join(
+                f"rank {r}: {err}" for r, (_, err) in enumerate(ready) if err is not None))
+        stage = ready[0][0]
+        part_path = os.path.join(stage, part_name(self.rank))
+        handle, error = None, None
+        mine: tuple[Any, ...]
+        try:
+            part_writer = _PartWriter(self.rank, self.world, writer)
+            handle = self.engine.save(part_path, state_fn=state_fn, mode=mode,
+                                      max_overlap_steps=max_overlap_steps, writer=part_writer)
+            if not handle.skipped:
+                _write_atomic(os.path.join(stage, sharding_name(self.rank)), part_writer.sharding)
+            m = handle.metrics
+            mine = (m.requested_step, m.requested_step + m.num_overlap_steps - 1, handle.skipped, None)
+        except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
+            error = e
+            mine = (None, None, False, f"{type(e).__name__}: {e}")
+        views: list[Any] = [None] * self.world
+        dist.all_gather_object(views, mine, group=self._group)
+        failed = [f"rank {r}: {v[3]}" for r, v in enumerate(views) if v[3] is not None]
+        steps = {(v[0], v[1]) for v in views if v[3] is None}
+        skipped = {v[2] for v in views}
+        if failed or len(steps) != 1 or len(skipped) != 1:
+            if handle is not None and not handle.skipped:
+                self.engine.remove(part_path)
+            dist.barrier(group=self._group)
+            if self.rank == 0:
+                fsutil.remove_local(stage)
+            if error is not None:
+                raise error
+            why = "; ".join(failed) or f"the ranks disagree (requested, captured, skipped): {views}"
+            raise RuntimeError(f"gockpt: sharded checkpoint {path} not taken: {why}")
+        assert handle is not None
+        if handle.skipped:
+            if self.rank == 0:
+                fsutil.remove_local(stage)
+            return ShardedHandle(path, handle, None)
+        target = views[0][1]
+        handle.add_done_callback(lambda h: _mark(stage, self.rank, h))
+        commit = None
+        if self._commits is not None:
+            commit = self._commits.submit(self._commit, path, stage, target, handle)
+        sh = ShardedHandle(path, handle, commit)
+        self._handles = [h for h in self._handles if not h.done()] + [sh]
+        return sh
+
+    def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
+        """Finish every pending save on every rank; collective.
+
+        Returns:
+            Metrics of the saves finished (on rank 0: committed).
+
+        Raises:
+            RuntimeError: on every rank, when a save failed on any rank (the message names it).
+        """
+        out, error = [], None
+        try:
+            self.engine.wait(timeout_s)
+            for h in self._handles:
+                out.append(h.result(timeout_s))
+        except BaseException as e:  # noqa: BLE001 - raised on every rank, below
+            error = e
+        self._handles = [h for h in self._handles if not h.done()]
+        errors: list[Any] = [None] * self.world
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
+                               group=self._group)
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if error is not None:
+            raise error
+        if bad:
+            raise RuntimeError("gockpt: a sharded checkpoint failed on another rank: " + "; ".join(bad))
+        return out
+
+    def close(self) -> None:
+        """:meth:`wait`, then close the engine and release the directory claims; collective."""
+        try:
+            self.wait()
+        finally:
+            self.engine.close()
+            if self._commits is not None:
+                self._commits.shutdown(wait=True)
+            for c in self._claims:
+                c.release()
+
+    # ------------------------------------------------------------------ agreement and commit
+
+    def _agree(self, plan: CopyPlan, unit_bytes: list[int]) -> CopyPlan:
+        """The plan every rank follows (training thread, inside ``Engine.save``; collective)."""
+        views: list[Any] = [None] * self.world
+        dist.all_gather_object(views, (plan.mode, plan.num_overlap_steps), group=self._group)
+        modes = [m for m, _ in views]
+        if any(m in ("sync", "async") for m in modes):
+            mode, k = ("sync" if "sync" in modes else "async"), 1
+        elif "lazy" in modes:
+            mode, k = "lazy", 1
+        else:
+            mode, k = modes[0], min(k for _, k in views)
+        if (mode, k) == (plan.mode, plan.num_overlap_steps):
+            return plan
+        assert mode in MULTI_STEP_MODES + ("sync", "async", "lazy")
+        return CopyPlan(mode, split_blocks(unit_bytes, k), plan.predicted_stall_s)
+
+    def _commit(self, path: str, stage: str, target: int, own: SaveHandle) -> CheckpointMetrics:
+        """Phase two on rank 0: wait for every part, then publish (commit thread)."""
+        from .targets import LocalTarget  # the publish of every local GoCkpt checkpoint
+
+        published = False
+        try:
+            metrics = own.result()
+            deadline = time.monotonic() + self.commit_timeout_s
+            for r in range(self.world):
+                _await_part(stage, r, deadline)
+            fs, root = fsutil.url_to_fs(path, None)
+            parts, files = [], {}
+            for r in range(self.world):
+                part = os.path.join(stage, part_name(r))
+                manifest = storage.read_manifest(fs, part)
+                step = manifest["meta"].get("captured_step")
+                if step != target or not storage.is_complete(part):
+                    raise RuntimeError(f"gockpt: part {part_name(r)} holds step {step}, not {target}")
+                raw = open(os.path.join(part, storage.MANIFEST_NAME), "rb").read()
+                parts.append({"name": part_name(r), "manifest_bytes": len(raw),
+                              "manifest_xxh3_64": _xxh3(raw)})
+                os.unlink(os.path.join(stage, f"{part_name(r)}.done"))
+                raw = open(os.path.join(stage, sharding_name(r)), "rb").read()
+                files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": _xxh3(raw)}
+            index = json.dumps({"format": "gockpt-sharded", "world_size": self.world,
+                                "captured_step": target, "parts": parts}, sort_keys=True).encode()
+            target_dir = LocalTarget(fs, root, staging=stage)
+            try:
+                nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
+                meta = {"requested_step": metrics.requested_step, "captured_step": target,
+                        "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
+                        "sharded": {"world_size": self.world, "parts": [p["name"] for p in parts]}}
+                manifest = {"format": "gockpt", "format_version": 1,
+                            "files": {**files, INDEX_FILE: {"bytes": nbytes, "xxh3_64": digest}},
+                            "tensors": {}, "aliases": {}, "extra_file": INDEX_FILE, "meta": meta}
+                blob = json.dumps(manifest, sort_keys=True).encode()
+                target_dir.prepare(blob)
+                target_dir.publish(blob)
+                published = True
+            finally:
+                target_dir.cleanup(published)
+            if self.config.update_latest:
+                storage.advance_latest(path, target, self.config.storage_options,
+                                       self.config.storage_timeout_s)
+            return metrics
+        finally:
+            if not published:
+                fsutil.remove_local(stage)
+                log.warning("gockpt: sharded checkpoint %s not committed", path)
+
+
+def _xxh3(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def _mark(stage: str, rank: int, handle: SaveHandle) -> None:
+    """Phase one's outcome for rank 0: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic)."""
+    try:
+        handle.result(0)
+        kind = "done"
+    except BaseException:  # noqa: BLE001 - the outcome is what the marker tells
+        kind = "failed"
+    if not os.path.isdir(stage):
+        return
+    try:
+        _write_atomic(os.path.join(stage, f"{part_name(rank)}.{kind}"), b"")
+    except OSError as e:  # the staging directory was removed by an abort
+        log.info("gockpt: could not mark part %d of %s: %s", rank, stage, e)
+
+
+def _await_part(stage: str, rank: int, deadline: float) -> None:
+    """Wait for rank ``rank``'s marker until ``deadline`` (``time.monotonic()``)."""
+    done = os.path.join(stage, f"{part_name(rank)}.done")
+    failed = os.path.join(stage, f"{part_name(rank)}.failed")
+    delay = 0.002
+    while not os.path.exists(done):
+        if os.path.exists(failed):
+            raise RuntimeError(f"gockpt: rank {rank}'s part of the sharded checkpoint failed")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "
+                               f"arrive within commit_timeout_s (crashed or stalled rank)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+

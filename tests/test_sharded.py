@@ -1,0 +1,221 @@
+"""Sharded checkpoints under FSDP2 (issue 13): 2 processes over gloo on the CPU.
+
+Each test spawns its ranks once (``torch.multiprocessing.spawn``); a rank that fails an
+assertion makes ``spawn`` raise with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import gockpt
+from gockpt.dcp import load_full, load_sharded
+from gockpt.sharded import ShardedEngine
+from gockpt.writer import CheckpointWriter
+
+STEPS = 10
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+
+def _model() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    # 5 output rows: shards of 3 and 2 rows (uneven offsets).
+    m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(m)
+    return m
+
+
+def _step(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+    ((m(x) - y) ** 2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)  # clipping over DTensor grads
+    opt.step()
+    opt.zero_grad()
+
+
+def _full(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The gathered live state, under DCP's keys (collective)."""
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+    out = {f"model.{k}": whole(v) for k, v in m.state_dict().items()}
+    for name, p in m.named_parameters():
+        for k, v in opt.state[p].items():
+            out[f"optim.state.{name}.{k}"] = whole(v)
+    return out
+
+
+def _equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys()))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+
+
+def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    cfg = gockpt.GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3)
+    eng = ShardedEngine(m, opt, cfg, commit_timeout_s=30)
+    saves, live = {}, {}
+    for step in range(STEPS):
+        _step(m, opt, step)
+        eng.step_end()
+        if step == 2:
+            h = eng.save(f"{root}/lazy", mode="lazy", state_fn=lambda: {"version": eng.version})
+            saves["lazy"] = h
+        if step == 4:
+            h = eng.save(f"{root}/gockpt_o", state_fn=lambda: {"version": eng.version})
+            saves["gockpt_o"] = h
+        for name, h in saves.items():
+            target = h.part.metrics.requested_step + h.part.metrics.num_overlap_steps - 1
+            if target == eng.version and name not in live:
+                live[name] = (target, _full(m, opt))
+    eng.wait()
+    assert saves["gockpt_o"].part.metrics.num_overlap_steps == 3
+    assert saves["gockpt_o"].part.metrics.mode == "gockpt_o"
+    assert saves["lazy"].part.metrics.num_overlap_steps == 1
+    final = _full(m, opt)
+    eng.close()
+    if rank == 0:
+        torch.save({"live": live, "final": final}, f"{root}/expected.pt")
+    for name, (target, state) in live.items():
+        # Resume with 2 ranks from the checkpoint: equal at the captured step, and at the end.
+        m2 = _model()
+        opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1)
+        extra = load_sharded(f"{root}/{name}", m2, opt2)
+        assert extra == {"version": target}
+        _equal(_full(m2, opt2), state, f"{name} loaded")
+        for step in range(target, STEPS):
+            _step(m2, opt2, step)
+        _equal(_full(m2, opt2), final, f"{name} resumed")
+    assert gockpt.latest_checkpoint(root).endswith("gockpt_o")
+    dist.destroy_process_group()
+
+
+def _reload_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    expected = torch.load(f"{root}/expected.pt")
+    for name, (_, state) in expected["live"].items():
+        m = _model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        load_sharded(f"{root}/{name}", m, opt)
+        _equal(_full(m, opt), state, f"{name} with {world} ranks")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_resume_exact_and_reshard(tmp_path):
+    """lazy and gockpt_o (K=3) checkpoints of a 2-rank FSDP2 run: a 2-rank resume ends bit-identical
+    to the uninterrupted run; 1 and 4 processes load the same full weights and optimizer state."""
+    root = str(tmp_path)
+    mp.spawn(_resume_worker, args=(2, _port(), root), nprocs=2)
+    expected = torch.load(f"{root}/expected.pt")
+    assert set(expected["live"]) == {"lazy", "gockpt_o"}
+    for name, (target, state) in expected["live"].items():
+        full = load_full(f"{root}/{name}")
+        assert full.captured_step == target
+        flat = {f"model.{k}": v for k, v in full.model_state_dict.items()}
+        flat.update({f"optim.state.{p}.{k}": v for p, st in full.optimizer_state.items() for k, v in st.items()})
+        _equal(flat, state, f"{name} loaded by 1 process")
+        assert full.param_groups[0][0]["lr"] == 1e-2
+        with pytest.raises(ValueError, match="sharded"):
+            gockpt.load_checkpoint(f"{root}/{name}")
+    mp.spawn(_reload_worker, args=(4, _port(), root), nprocs=4)
+
+
+class _FailingWriter(CheckpointWriter):
+    def before_publish(self, snapshot):
+        raise OSError(28, "injected: no space left on device")
+
+
+class _RowNormSGD(torch.optim.Optimizer):
+    """An update that is not elementwise (it normalizes each parameter by its norm)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    st = self.state[p]
+                    st["m"] = st.get("m", torch.zeros_like(p)) + p.grad
+                    p.sub_(g["lr"] * st["m"] / (st["m"].norm() + 1))
+
+
+def _fault_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    eng = ShardedEngine(m, opt, gockpt.GoCkptConfig(mode="lazy"), commit_timeout_s=30)
+    for step in range(2):
+        _step(m, opt, step)
+        eng.step_end()
+    eng.save(f"{root}/ck-1")
+    eng.wait()
+    _step(m, opt, 2)
+    eng.step_end()
+    # Rank 1's part fails in its last phase: no rank may see a complete checkpoint.
+    eng.save(f"{root}/ck-2", writer=_FailingWriter() if rank == 1 else None)
+    with pytest.raises((RuntimeError, OSError), match="injected|rank 1"):
+        eng.wait()
+    assert not os.path.exists(f"{root}/ck-2")
+    assert gockpt.latest_checkpoint(root) == f"{root}/ck-1"
+    assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == []
+    # The engine goes on: the next save commits.
+    _step(m, opt, 3)
+    eng.step_end()
+    eng.save(f"{root}/ck-3")
+    eng.wait()
+    assert gockpt.latest_checkpoint(root) == f"{root}/ck-3"
+    eng.close()
+    # An optimizer that is not elementwise on a shard: lazy, with a warning.
+    m2 = _model()
+    opt2 = _RowNormSGD(m2.parameters())
+    _step(m2, opt2, 0)
+    eng2 = ShardedEngine(m2, opt2, gockpt.GoCkptConfig(mode="gockpt_o", min_overlap_steps=2,
+                                                        max_overlap_steps=2), commit_timeout_s=30)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = eng2.save(f"{root}/norm")
+    assert any("elementwise" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert h.part.metrics.mode == "lazy" and h.part.metrics.num_overlap_steps == 1
+    _step(m2, opt2, 1)
+    eng2.close()
+    dist.destroy_process_group()
+
+
+def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):
+    """An error on one rank's part: no complete checkpoint, the previous one stays latest and loads."""
+    root = str(tmp_path)
+    mp.spawn(_fault_worker, args=(2, _port(), root), nprocs=2)
+    assert load_full(f"{root}/ck-1").captured_step == 2
+    assert load_full(f"{root}/ck-3").captured_step == 4
+    assert not os.path.exists(f"{root}/ck-2")
