@@ -374,6 +374,8 @@ class ShardedEngine:
         published = False
         try:
             metrics = own.result()
+            # Planned for `target`; a collective wait() captures every rank earlier, at one step.
+            target = metrics.captured_step if metrics.captured_step is not None else target
             deadline = time.monotonic() + self.commit_timeout_s
             for r in range(self.world):
                 _await_part(stage, r, deadline)
