@@ -13,12 +13,12 @@ import gockpt
 from gockpt import Engine, SaveHandle, _exit
 from gockpt.storage import cleanup_staging
 
+from . import sharded
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
 
 log = logging.getLogger("lightning_gockpt")
 
-# Strategies that write sharded checkpoints themselves and never call CheckpointIO.
-_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+_Handle = SaveHandle | sharded.ShardedSave  # one device and DDP | ModelParallelStrategy
 
 
 class GoCkptCallback(Callback):
@@ -26,13 +26,16 @@ class GoCkptCallback(Callback):
 
     Added by the ``lightning.pytorch.callbacks_factory`` entry point to every Trainer whose
     plugins hold a ``GoCkptIO`` (other Trainers get nothing); passing one in ``callbacks``
-    works too. Only global rank 0 runs an engine, since Lightning's CheckpointIO saves there.
+    works too. Under one device and DDP only global rank 0 runs an engine, since Lightning's
+    CheckpointIO saves there; under ``ModelParallelStrategy`` every rank runs a sharded engine
+    (:mod:`lightning_gockpt.sharded`), installed on the strategy in ``setup``.
     In ``setup`` it moves itself to the front of ``trainer.callbacks``, so that its hooks run
     before any other callback's.
 
     Call sequence (training thread, rank 0):
 
-    1. ``setup``: link to the ``GoCkptIO``; refuse strategies that bypass CheckpointIO.
+    1. ``setup``: link to the ``GoCkptIO``; route ``ModelParallelStrategy``'s checkpoints
+       through GoCkpt; refuse the other strategies that bypass CheckpointIO (``ValueError``).
     2. ``on_train_start``: build the engine over ``trainer.lightning_module`` and the raw torch
        optimizers, with ``explicit_before_update`` (Lightning runs forward and backward inside
        ``optimizer.step(closure)``, so the step pre-hook fires before the forward). It runs
@@ -61,12 +64,14 @@ class GoCkptCallback(Callback):
 
     def _reset(self) -> None:
         self.io: GoCkptIO | None = None
-        self.engine: Engine | None = None
+        self.engine: Engine | sharded.ShardedAdapterEngine | None = None
+        self._sharded = False  # ModelParallelStrategy: an engine on every rank (lightning_gockpt.sharded)
+        self._zero = True  # global rank 0
         self._trainer: Trainer | None = None
-        self._finished: list[SaveHandle] = []
+        self._finished: list[_Handle] = []
         self._finished_lock = threading.Lock()
-        self._pending: list[SaveHandle] = []
-        self._deferred: list[tuple[str, list[SaveHandle]]] = []  # removals waiting for newer saves
+        self._pending: list[_Handle] = []
+        self._deferred: list[tuple[str, list[_Handle]]] = []  # removals waiting for newer saves
         self._num_batches = 0
         self._ended = False
         self._failed = False
@@ -90,13 +95,12 @@ class GoCkptCallback(Callback):
             raise ValueError("GoCkptIO already saves in the background; do not wrap it in AsyncCheckpointIO")
         if not isinstance(io, GoCkptIO) or _linking_callback(trainer) is not self:
             return
-        names = [c.__name__ for c in type(trainer.strategy).__mro__]
-        unsupported = next((n for n in names if n in _UNSUPPORTED_STRATEGIES), None)
-        if unsupported is not None:
-            raise ValueError(
-                f"GoCkptIO does not support {type(trainer.strategy).__name__} ({unsupported}): it "
-                "writes sharded checkpoints itself and bypasses CheckpointIO. Use one device or "
-                "strategy='ddp'; FSDP and DeepSpeed support is planned.")
+        kind = sharded.strategy_kind(trainer.strategy)
+        if kind not in (None, "sharded"):
+            raise sharded.unsupported_error(trainer.strategy, kind)
+        self._sharded, self._zero = kind == "sharded", trainer.is_global_zero
+        if self._sharded:
+            sharded.install(trainer.strategy, self)
         self.io, self._trainer = io, trainer
         io._callback = self
         cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -111,13 +115,14 @@ class GoCkptCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ended = self._failed = False
-        if self.io is None or not trainer.is_global_zero:
+        if self.io is None or not (trainer.is_global_zero or self._sharded):
             return
-        self._logging = True
-        for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
-                cleanup_staging(str(cb.dirpath), self.io.config.storage_options)
-                tidy_placeholders(str(cb.dirpath), self.io.config.storage_options)
+        if trainer.is_global_zero:
+            self._logging = True
+            for cb in trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
+                    cleanup_staging(str(cb.dirpath), self.io.config.storage_options)
+                    tidy_placeholders(str(cb.dirpath), self.io.config.storage_options)
         if self.engine is None:
             self.engine = self._build(trainer)
             # A run can end without teardown (an exception in a ddp_spawn worker runs no hook):
@@ -178,7 +183,8 @@ class GoCkptCallback(Callback):
             isinstance(cb, ModelCheckpoint) and cb.monitor is not None and path in cb.best_k_models
             for cb in self._trainer.checkpoint_callbacks)
 
-    def request(self, checkpoint: dict[str, Any], path: str, *, exact_step: bool) -> SaveHandle:
+    def request(self, checkpoint: dict[str, Any], path: str, *,
+                exact_step: bool) -> _Handle:
         """Request a checkpoint of Lightning's ``checkpoint`` dict at ``path`` (training thread).
 
         The dict is the source of truth: its tensors that are the live parameters and optimizer
@@ -198,14 +204,16 @@ class GoCkptCallback(Callback):
             return {"lightning": trainer._checkpoint_connector.dump_checkpoint(weights_only)}
 
         self._deferred = [(p, hs) for p, hs in self._deferred if p != path]  # replaced, not removed
-        make_placeholder(path, self.io.config.storage_options)
+        if self._zero:
+            make_placeholder(path, self.io.config.storage_options)
         cap = 1 if exact_step else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
         options = self.io.config.storage_options
         try:
             handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap,
                                  mode="async" if self._ended else None)
         except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
-            remove_placeholder(path, options)
+            if self._zero:
+                remove_placeholder(path, options)
             raise
         handle.add_done_callback(lambda h: self._on_done(h, options))
         self._pending = [h for h in self._pending if not h.done()] + [handle]
@@ -269,9 +277,9 @@ class GoCkptCallback(Callback):
         if self.engine is not None:
             self.engine.flush()
 
-    def _on_done(self, handle: SaveHandle, storage_options: Any) -> None:
+    def _on_done(self, handle: _Handle, storage_options: Any) -> None:
         # Runs on an engine thread. A save that left no checkpoint leaves no placeholder either.
-        if not _durable(handle):
+        if not _durable(handle) and self._zero:
             try:
                 remove_placeholder(handle.path, storage_options)
             except OSError:
@@ -302,12 +310,14 @@ class GoCkptCallback(Callback):
             else:
                 gockpt.remove_checkpoint(path, self.io.config.storage_options)
 
-    def _build(self, trainer: Trainer) -> Engine:
+    def _build(self, trainer: Trainer) -> Engine | sharded.ShardedAdapterEngine:
         assert self.io is not None
         # Steps in manifests and in the `latest` pointer are Lightning's global steps, so the
         # checkpoints of a resumed run rank above the ones it resumed from. Before any optimizer
         # holds state the engine counts from 0, as it must to plan multi-step copies safely.
         restored = trainer.global_step and all(opt.state for opt in trainer.optimizers)
+        if self._sharded:
+            return sharded.build_engine(self, trainer, trainer.global_step if restored else None)
         return Engine(trainer.lightning_module, list(trainer.optimizers), self.io.config,
                       explicit_before_update=True, start_step=trainer.global_step if restored else None)
 
@@ -394,7 +404,7 @@ def _updates_left(trainer: Trainer, limit: int) -> int:
     return count
 
 
-def _durable(handle: SaveHandle) -> bool:
+def _durable(handle: _Handle) -> bool:
     if not handle.done():
         return False
     try:

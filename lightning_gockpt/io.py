@@ -66,8 +66,11 @@ class GoCkptIO(CheckpointIO):
     The ``latest`` pointer of the engine is off by default here (``update_latest=False``):
     ModelCheckpoint's folder holds only checkpoints, and Lightning has ``last.ckpt``.
 
-    Strategies: one device and DDP (global rank 0 saves). FSDP, DeepSpeed and ModelParallel
-    write their own sharded checkpoints, bypassing CheckpointIO; they are refused in ``setup``.
+    Strategies: one device and DDP (global rank 0 saves); ``ModelParallelStrategy`` (FSDP2):
+    every rank saves its shards, committed together as one sharded checkpoint
+    (:mod:`lightning_gockpt.sharded`; resume with ``fit(ckpt_path=...)`` with any number of
+    ranks). ``FSDPStrategy`` and ``DeepSpeedStrategy`` write their own checkpoints, bypassing
+    CheckpointIO; they are refused in ``setup`` with a ``ValueError``.
 
     The callback half (:class:`~lightning_gockpt.GoCkptCallback`) is added to every Trainer by the
     ``lightning.pytorch.callbacks_factory`` entry point and links itself to this plugin in

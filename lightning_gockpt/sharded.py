@@ -1,0 +1,358 @@
+"""``GoCkptIO`` under Lightning's ``ModelParallelStrategy`` (FSDP2): one sharded engine per rank.
+
+``ModelParallelStrategy`` writes its own distributed checkpoints and never calls CheckpointIO,
+so the callback half (:class:`~lightning_gockpt.GoCkptCallback`) installs the checkpoint hooks
+on the strategy itself in ``setup``: the strategy instance becomes an instance of a subclass of
+its own class (:func:`install`) whose ``save_checkpoint`` / ``load_checkpoint`` go through
+:class:`gockpt.sharded.ShardedEngine` and :func:`gockpt.dcp.load_sharded`; everything else is
+the user's strategy, unchanged.
+
+Call sequence of one checkpoint (every rank, training thread, the same step on all of them):
+
+1. ``ModelCheckpoint`` calls ``Trainer.save_checkpoint``, which dumps Lightning's dict. While
+   the engine runs, the strategy's ``lightning_module_state_dict`` / ``optimizer_state`` give
+   the live sharded state (``DTensor`` views, no copy, no collective) instead of stock's
+   CPU-offloaded copy.
+2. ``save_checkpoint`` drops the model and optimizer tensors from the dict (the engine copies
+   them from the live shards) and requests the save through the callback's ``request``, as under
+   one device: the same copy-window cap, placeholder, removal and logging logic. The request is
+   :meth:`gockpt.sharded.ShardedEngine.save`, collective: it returns after the stall.
+3. At the captured step every rank's ``state_fn`` runs (Lightning's dict is dumped again there
+   when the capture is later than the request, on every rank, as stock runs its hooks on every
+   rank); rank 0's part stores it, the other parts store nothing.
+4. Resuming (``fit(ckpt_path=...)``, every rank): :func:`gockpt.dcp.load_sharded` puts the
+   model and optimizer shards in place (any world size); rank 0's non-tensor dict is broadcast
+   and returned to Lightning, which restores loops, callbacks, schedulers and precision state.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+import gockpt
+from gockpt import GoCkptConfig
+from gockpt.sharded import INDEX_FILE, ShardedEngine, ShardedHandle
+
+if TYPE_CHECKING:
+    from .callback import GoCkptCallback
+
+# Lightning strategies whose checkpoints GoCkpt writes as sharded checkpoints.
+SHARDED_STRATEGIES = ("ModelParallelStrategy",)
+# Strategies that write their own checkpoints, bypass CheckpointIO, and are not wired yet.
+UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+# Entries of Lightning's dict that the engine stores from the live shards.
+_TENSOR_KEYS = ("state_dict", "optimizer_states")
+
+
+def strategy_kind(strategy: Any) -> str | None:
+    """``"sharded"`` for a strategy GoCkpt saves sharded, the class name of an unsupported one, else None."""
+    names = [c.__name__ for c in type(strategy).__mro__]
+    if any(n in SHARDED_STRATEGIES for n in names):
+        return "sharded"
+    return next((n for n in names if n in UNSUPPORTED_STRATEGIES), None)
+
+
+def install(strategy: Any, callback: GoCkptCallback) -> None:
+    """Route ``strategy``'s checkpoints through ``callback``'s sharded engine (idempotent).
+
+    The instance's class becomes a subclass of its own class (one per strategy class) whose
+    checkpoint methods are :class:`_ShardedCheckpoints`'s; a later ``install`` only relinks
+    the callback.
+    """
+    cls = type(strategy)
+    if "_gockpt_base" not in cls.__dict__:
+        sub = _SUBCLASSES.get(cls)
+        if sub is None:
+            methods = {k: v for k, v in vars(_ShardedCheckpoints).items() if callable(v)}
+            sub = _SUBCLASSES[cls] = type(f"GoCkpt{cls.__name__}", (cls,),
+                                          {**methods, "__module__": __name__, "_gockpt_base": cls})
+        strategy.__class__ = sub
+    strategy._gockpt_callback = callback
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+class _ShardedCheckpoints:
+    """The checkpoint methods of a ``ModelParallelStrategy`` under ``GoCkptIO``.
+
+    Not a base class: :func:`install` copies these methods into a direct subclass of the
+    strategy's class (a mixin base would change the instance layout, and ``__class__`` could
+    not be reassigned); ``_gockpt_base`` is that strategy class, whose methods they extend.
+    """
+
+    _gockpt_base: Any
+    _gockpt_callback: GoCkptCallback | None = None
+
+    def _gockpt_running(self) -> GoCkptCallback | None:
+        cb = self._gockpt_callback
+        return cb if cb is not None and cb.active else None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """While the engine runs: the live sharded state dict (no copy); else stock's."""
+        if self._gockpt_running() is None:
+            return self._gockpt_base.lightning_module_state_dict(self)  # type: ignore[misc]
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)  # type: ignore[attr-defined]
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """While the engine runs: the live sharded optimizer state dict (no copy); else stock's."""
+        if self._gockpt_running() is None:
+            return self._gockpt_base.optimizer_state(self, optimizer)  # type: ignore[misc]
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return get_optimizer_state_dict(self.lightning_module, optimizer)  # type: ignore[attr-defined]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        """During ``fit``: request a sharded GoCkpt checkpoint at ``filepath``; collective.
+
+        Call on every rank at the same step (``Trainer.save_checkpoint`` does). Returns after
+        the stall; the checkpoint is committed in the background, at the latest when ``fit``
+        returns. Outside ``fit`` (no engine running) the strategy's own format is written.
+
+        Raises:
+            TypeError: ``storage_options`` given (set them on ``GoCkptIO(storage_options=...)``).
+            RuntimeError, OSError: as :meth:`gockpt.sharded.ShardedEngine.save`.
+        """
+        if storage_options is not None:
+            raise TypeError("GoCkptIO takes fsspec options once, as GoCkptIO(storage_options=...), "
+                            "not per Trainer.save_checkpoint call")
+        cb = self._gockpt_running()
+        if cb is None:
+            self._gockpt_base.save_checkpoint(self, checkpoint, filepath)  # type: ignore[misc]
+            return
+        path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]
+        assert cb.io is not None
+        exact = cb.io.exact_step or (cb.io.exact_monitored and cb.is_monitored(path))
+        cb.request(checkpoint, path, exact_step=exact)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded GoCkpt checkpoint into the live shards; collective.
+
+        Any world size: ``torch.distributed.checkpoint`` reshards. The model and (when fitting)
+        the optimizers are loaded here; the returned dict is Lightning's non-tensor state at
+        the captured step (rank 0's). A path that is not a GoCkpt checkpoint is loaded by the
+        strategy itself. An incomplete ``last*.ckpt`` resolves, with a warning, to the newest
+        complete checkpoint beside it.
+
+        Raises:
+            FileNotFoundError: no complete checkpoint at ``checkpoint_path``.
+            ValueError: a GoCkpt checkpoint that is not sharded (saved by one device or DDP).
+            gockpt.CheckpointCorruptError: a file that does not match its checksum.
+        """
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if not _is_gockpt(path, io):
+            return self._gockpt_base.load_checkpoint(self, path, weights_only=weights_only)  # type: ignore[misc]
+        path = io._resolve(path)  # noqa: SLF001 - the same resolution as GoCkptIO.load_checkpoint
+        if not os.path.isfile(os.path.join(path, INDEX_FILE)):
+            raise ValueError(
+                f"{path} is a GoCkpt checkpoint saved without sharding (one device or DDP); "
+                "under ModelParallelStrategy GoCkptIO loads sharded GoCkpt checkpoints only")
+        allow_pickle = io.allow_pickle or weights_only is False
+        verify = io.config.verify_on_load
+        module = self.lightning_module  # type: ignore[attr-defined]
+        optimizers = list(self.optimizers)  # type: ignore[attr-defined]
+        from gockpt.dcp import load_sharded
+
+        if optimizers:
+            extra = load_sharded(path, module, optimizers, verify=verify, allow_pickle=allow_pickle)
+        else:  # validate / test / predict: the model only
+            _load_model_only(path, module, verify)
+            extra = _rank0_extra(path, allow_pickle) if self.global_rank == 0 else None  # type: ignore[attr-defined]
+        extra = self.broadcast(extra)  # type: ignore[attr-defined]
+        if not isinstance(extra, dict) or not isinstance(extra.get("lightning"), dict):
+            raise gockpt.CheckpointCorruptError(f"{path}: a sharded GoCkpt checkpoint not written by GoCkptIO",
+                                                path=path)
+        return dict(extra["lightning"])
+
+
+def _is_gockpt(path: str, io: Any) -> bool:
+    """Whether ``path`` is (or, for ``last*.ckpt``, stands for) a GoCkpt checkpoint directory."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from .io import GoCkptIO
+
+    if not isinstance(io, GoCkptIO) or not os.path.isdir(path):
+        return False
+    return not os.path.isfile(os.path.join(path, _METADATA_FILENAME))  # stock's DCP directory
+
+
+def _load_model_only(path: str, module: nn.Module, verify: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from gockpt.dcp import GoCkptStorageReader
+
+    msd = get_model_state_dict(module)
+    dcp.load({"model": msd}, storage_reader=GoCkptStorageReader(path, verify=verify))
+    set_model_state_dict(module, msd)
+
+
+def _rank0_extra(path: str, allow_pickle: bool) -> Any:
+    from gockpt.sharded import part_name
+
+    return gockpt.load_checkpoint(os.path.join(path, part_name(0)), allow_pickle=allow_pickle).extra
+
+
+class ShardedSave:
+    """A :class:`gockpt.sharded.ShardedHandle` seen through :class:`gockpt.SaveHandle`'s interface.
+
+    On rank 0 it is done once the checkpoint is committed (or failed to be); on the other ranks
+    once the rank's own part is durable (or failed).
+    """
+
+    def __init__(self, handle: ShardedHandle) -> None:
+        self.handle = handle
+        self.path = handle.path
+        self.metrics = handle.part.metrics
+        self._commit = getattr(handle, "_commit", None)  # rank 0: the commit's future
+
+    @property
+    def skipped(self) -> bool:
+        return self.handle.skipped
+
+    @property
+    def requested_step(self) -> int:
+        return self.metrics.requested_step
+
+    @property
+    def captured_step(self) -> int | None:
+        return self.metrics.captured_step
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The part's metrics once durable (rank 0: once committed); raises the save's error."""
+        return self.handle.result(timeout_s)
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(self)`` once :meth:`done` (on the thread that finishes it)."""
+        if self._commit is None:
+            self.handle.part.add_done_callback(lambda _h: fn(self))
+        else:
+            self._commit.add_done_callback(lambda _f: fn(self))
+
+
+class ShardedAdapterEngine:
+    """The engine interface :class:`~lightning_gockpt.GoCkptCallback` drives, over a ShardedEngine.
+
+    Args:
+        model, optimizers, config: as :class:`gockpt.sharded.ShardedEngine`.
+        rank: this process's global rank (rank 0's part stores Lightning's dict).
+        collective: whether the ranks still meet (False once this rank's run failed: waits and
+            closes are then local, never a collective another rank may not reach).
+        **engine_kwargs: passed to :class:`gockpt.Engine` (``explicit_before_update``, ``start_step``).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[Optimizer], config: GoCkptConfig, *,
+                 rank: int, collective: Callable[[], bool], **engine_kwargs: Any) -> None:
+        self.sharded = ShardedEngine(model, list(optimizers), config, **engine_kwargs)
+        self.config = self.sharded.config
+        self.rank = rank
+        self._collective = collective
+        self._latest: dict[str, ShardedSave] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self.sharded.version
+
+    def before_update(self) -> None:
+        self.sharded.engine.before_update()
+
+    def step_end(self) -> None:
+        self.sharded.step_end()
+
+    def flush(self) -> None:
+        self.sharded.engine.flush()
+
+    def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
+             mode: str | None = None) -> ShardedSave:
+        """:meth:`gockpt.sharded.ShardedEngine.save`; only rank 0's part keeps Lightning's dict."""
+        def part_state() -> Any:
+            tree = state_fn()  # on every rank: Lightning's hooks run where stock runs them
+            if self.rank != 0:
+                return None
+            return {"lightning": {k: v for k, v in tree["lightning"].items() if k not in _TENSOR_KEYS}}
+
+        handle = ShardedSave(self.sharded.save(path, state_fn=part_state, mode=mode,
+                                               max_overlap_steps=max_overlap_steps))
+        with self._lock:
+            self._latest[path] = handle
+        return handle
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        """Finish every pending save: collective while the ranks meet, else this rank's own."""
+        if self._collective():
+            return self.sharded.wait(timeout_s)
+        return self.sharded.engine.wait(timeout_s)
+
+    def remove(self, path: str) -> None:
+        """Delete the sharded checkpoint at ``path`` (rank 0); a save of it in flight first commits.
+
+        A sharded save cannot be cancelled on one rank alone: one in flight is deleted once it
+        has ended, unless ``path`` was requested again meanwhile.
+        """
+        with self._lock:
+            handle = self._latest.get(path)
+        if handle is None or handle.done():
+            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
+            return
+
+        def drop(h: ShardedSave) -> None:
+            with self._lock:
+                if self._latest.get(path) is not h:
+                    return  # saved again since: that save is the checkpoint now
+            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
+
+        handle.add_done_callback(drop)
+
+    def close(self) -> None:
+        """Finish the pending saves and stop (collective while the ranks meet)."""
+        if self._collective():
+            self.sharded.close()
+            return
+        s = self.sharded
+        try:
+            s.engine.close()
+        finally:
+            # ShardedEngine.close without its collective wait (see the module notes).
+            if s._commits is not None:  # noqa: SLF001
+                s._commits.shutdown(wait=True)  # noqa: SLF001
+            for c in s._claims:  # noqa: SLF001
+                c.release()
+
+
+def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None) -> ShardedAdapterEngine:
+    """The sharded engine of ``callback`` over ``trainer``'s module and optimizers (every rank)."""
+    assert callback.io is not None
+    return ShardedAdapterEngine(trainer.lightning_module, list(trainer.optimizers), callback.io.config,
+                                rank=trainer.global_rank, collective=lambda: not callback._failed,  # noqa: SLF001
+                                explicit_before_update=True, start_step=start_step)
+
+
+def unsupported_error(strategy: Any, name: str) -> ValueError:
+    """The error for a strategy that bypasses CheckpointIO and is not wired to GoCkpt."""
+    return ValueError(
+        f"GoCkptIO does not support {type(strategy).__name__} ({name}): it writes its own "
+        "checkpoints and bypasses CheckpointIO. Use one device, strategy='ddp', or "
+        "ModelParallelStrategy (FSDP2, fully_shard in configure_model), which GoCkptIO saves as "
+        "sharded GoCkpt checkpoints.")
+
+
+__all__ = ["SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES", "ShardedAdapterEngine", "ShardedSave",
+           "build_engine", "install", "strategy_kind", "unsupported_error"]

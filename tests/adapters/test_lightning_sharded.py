@@ -1,0 +1,244 @@
+"""``GoCkptIO`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 processes over gloo (issue 13).
+
+Each test spawns its ranks (``torch.multiprocessing.spawn``; Lightning sees an external launcher
+through ``LOCAL_RANK``): one spawn trains the uninterrupted stock run and the GoCkpt run that
+checkpoints mid-epoch, a fresh spawn resumes from that checkpoint with ``fit(ckpt_path=...)``.
+A rank that fails an assertion makes ``spawn`` raise with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+import gockpt
+from gockpt.dcp import load_full
+from lightning_gockpt import GoCkptIO
+
+BATCHES = 8  # per epoch and rank
+TOTAL = 12  # optimizer steps of the full run (the resume crosses an epoch end)
+STOP = 8  # the interrupted run stops here
+EVERY = 4  # ModelCheckpoint(every_n_train_steps=EVERY): the checkpoint resumed is step=4.ckpt
+K = {"lazy": 1, "gockpt_o": 3}
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        # 5 output rows: shards of 3 and 2 rows (uneven offsets).
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.body:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.body, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, t = batch
+        return (self.body(x) - t).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return _Resumable(self.global_rank)
+
+
+class _Resumable:
+    """Batches of 4 of this rank's data in a fixed order, with a position Lightning checkpoints."""
+
+    def __init__(self, rank: int) -> None:
+        self.x = torch.randn(BATCHES * 4, 16, generator=torch.Generator().manual_seed(7 + rank))
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return BATCHES
+
+    def __iter__(self):
+        if self.pos >= BATCHES:
+            self.pos = 0
+        while self.pos < BATCHES:
+            b = self.x[self.pos * 4:(self.pos + 1) * 4]
+            self.pos += 1
+            yield b, b[:, :5].flip(1)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def _full(trainer: pl.Trainer) -> dict:
+    """The gathered live state under DCP's keys, plus the learning rates (collective)."""
+    module, opt = trainer.lightning_module, trainer.optimizers[0]
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+    out = {f"model.{k}": whole(v) for k, v in module.state_dict().items()}
+    for name, p in module.named_parameters():
+        for k, v in opt.state[p].items():
+            out[f"optim.state.{name}.{k}"] = whole(v)
+    return {"tensors": out, "lr": [g["lr"] for g in opt.param_groups], "step": trainer.global_step}
+
+
+class _Record(Callback):
+    """Keeps the gathered state after every optimizer step (all ranks gather; rank 0 keeps)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.states[trainer.global_step] = _full(trainer)
+
+
+class _Probe(Callback):
+    """Checks, in the GoCkpt run, that the save of step 4 returned before it was durable."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        self.path, self.mode, self.seen = path, mode, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # ModelCheckpoint requested step=4.ckpt at the end of step 4 (it runs after this hook).
+        if trainer.global_step == EVERY + 1 and self.mode == "gockpt_o":
+            # Captured at step 6: the request cannot have waited for the checkpoint.
+            assert not gockpt.storage.is_complete(self.path), "the save blocked until durable"
+            assert os.path.isdir(self.path)  # rank 0's placeholder, for ModelCheckpoint's links
+            self.seen = True
+
+
+def _trainer(root: str, *, max_steps: int, callbacks=(), io=None) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=max_steps, default_root_dir=root,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        plugins=[io] if io is not None else None, callbacks=list(callbacks), logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
+
+
+def _io(mode: str) -> GoCkptIO:
+    return GoCkptIO(mode=mode, min_overlap_steps=K[mode], max_overlap_steps=K[mode])
+
+
+def _worker(rank: int, port: int, root: str, mode: str, phase: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    ckpt = f"{root}/ckpt/step={EVERY}.ckpt"
+    if phase == "train":
+        # The uninterrupted stock run, recording the gathered state after every step.
+        pl.seed_everything(0, verbose=False)
+        record = _Record()
+        trainer = _trainer(f"{root}/ref", max_steps=TOTAL, callbacks=[record])
+        trainer.fit(Net())
+        # The GoCkpt run, checkpointed every EVERY steps, stopped at STOP.
+        pl.seed_everything(0, verbose=False)
+        probe = _Probe(ckpt, mode)
+        mc = ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{step}", save_top_k=-1,
+                             every_n_train_steps=EVERY)
+        # Keeps the newest only: each older checkpoint is removed once the next is committed.
+        top = ModelCheckpoint(dirpath=f"{root}/top", filename="top-{step}", save_top_k=1,
+                              every_n_train_steps=2)
+        trainer = _trainer(f"{root}/a", max_steps=STOP, callbacks=[probe, mc, top], io=_io(mode))
+        trainer.fit(Net())
+        assert probe.seen == (mode == "gockpt_o")
+        assert type(trainer.strategy).__name__ == "GoCkptModelParallelStrategy"
+        if rank == 0:
+            torch.save(record.states, f"{root}/ref.pt")
+    else:
+        # A fresh pair of processes resumes from the mid-epoch checkpoint.
+        pl.seed_everything(0, verbose=False)
+        trainer = _trainer(f"{root}/b", max_steps=TOTAL, io=_io(mode))
+        trainer.fit(Net(), ckpt_path=ckpt)
+        final = _full(trainer)
+        if rank == 0:
+            torch.save(final, f"{root}/resumed.pt")
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys()))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+
+
+@pytest.mark.parametrize("mode", list(K))
+def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
+    """2-rank FSDP2 under ModelParallelStrategy with GoCkptIO: a checkpoint requested at step 4
+    (captured at 4 in lazy, at 6 in gockpt_o with K=3), resumed by a fresh 2-process run, ends
+    bit-identical to the uninterrupted stock run; load_full of it in one process equals the
+    gathered state at its captured step."""
+    root = str(tmp_path)
+    mp.spawn(_worker, args=(_port(), root, mode, "train"), nprocs=2)
+    ref = torch.load(f"{root}/ref.pt")
+    path = f"{root}/ckpt/step={EVERY}.ckpt"
+    full = load_full(path)
+    captured = EVERY + K[mode] - 1
+    assert full.captured_step == captured
+    flat = {f"model.{k}": v for k, v in full.model_state_dict.items()}
+    flat.update({f"optim.state.{p}.{k}": v for p, st in full.optimizer_state.items() for k, v in st.items()})
+    _equal(flat, ref[captured]["tensors"], "load_full")
+    assert [g["lr"] for g in full.param_groups[0]] == ref[captured]["lr"]
+    lightning = full.extra["lightning"]  # rank 0's part: Lightning's dict at the captured step
+    assert lightning["global_step"] == captured and "state_dict" not in lightning
+    fit_loop = lightning["loops"]["fit_loop"]
+    assert fit_loop["epoch_loop.batch_progress"]["total"]["processed"] == captured
+    assert fit_loop["state_dict"]["combined_loader"] == [{"pos": captured}]  # this rank's data position
+    assert gockpt.load_checkpoint(f"{root}/ckpt/step={EVERY}.ckpt/rank-00001").extra is None
+    assert load_full(f"{root}/ckpt/step={STOP}.ckpt").captured_step == STOP
+    assert os.listdir(f"{root}/top") == [f"top-step={STOP}.ckpt"]
+    assert load_full(f"{root}/top/top-step={STOP}.ckpt").captured_step == STOP
+    mp.spawn(_worker, args=(_port(), root, mode, "resume"), nprocs=2)
+    resumed = torch.load(f"{root}/resumed.pt")
+    assert resumed["step"] == TOTAL
+    _equal(resumed["tensors"], ref[TOTAL]["tensors"], "resumed")
+    assert resumed["lr"] == ref[TOTAL]["lr"]
+
+
+def test_unsupported_strategies_are_refused(tmp_path):
+    """FSDPStrategy and DeepSpeedStrategy bypass CheckpointIO: a clear error in setup, no hang."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    from lightning_gockpt import sharded
+
+    assert sharded.strategy_kind(ModelParallelStrategy()) == "sharded"
+    assert sharded.strategy_kind(FSDPStrategy()) == "FSDPStrategy"
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # the deepspeed package is not needed
+    assert sharded.strategy_kind(deepspeed) == "DeepSpeedStrategy"
+    assert "DeepSpeedStrategy" in str(sharded.unsupported_error(deepspeed, "DeepSpeedStrategy"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_port())
+    class CpuFSDP(FSDPStrategy):  # Lightning refuses FSDPStrategy itself on the CPU before setup
+        pass
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CpuFSDP(), plugins=[GoCkptIO()],
+                         max_steps=1, logger=False, enable_progress_bar=False,
+                         default_root_dir=str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match="does not support CpuFSDP .FSDPStrategy."):
+            trainer.fit(Net())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
