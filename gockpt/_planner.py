@@ -86,6 +86,9 @@ class Planner:
         # Sharded engines (gockpt.sharded): turns each rank's plan into the one every rank
         # follows (a collective); called at the end of every plan().
         self.agree: Callable[[CopyPlan, list[int]], CopyPlan] | None = None
+        # Partitioned engines (replicated state, gockpt.partition): the share of the layout
+        # this rank stores; applied to every layout built.
+        self.select: Callable[[StateLayout], StateLayout] | None = None
 
     def forget_layout(self) -> None:
         """Rebuild the layout at the next save (the live tensors were replaced)."""
@@ -94,7 +97,8 @@ class Planner:
     def current_layout(self) -> StateLayout:
         sig = layout_signature(self._model, self._optimizers)
         if self._layout is None or self._layout.signature != sig:
-            self._layout = build_layout(self._model, self._optimizers)
+            layout = build_layout(self._model, self._optimizers)
+            self._layout = layout if self.select is None else self.select(layout)
             self._slot_cache = None
         return self._layout
 

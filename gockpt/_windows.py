@@ -23,6 +23,7 @@ from ._record import Phase, SaveRecord
 from .errors import CheckpointTornError
 from .handle import SaveHandle
 from .layout import Unit, local, localize
+from .partition import prune_model, prune_optimizer
 from .replay import snapshot_hparams
 from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
@@ -337,7 +338,8 @@ class Windows:
         The tree (``state_fn()``, the model's state_dict, the optimizers' state_dicts) is copied
         at once with :func:`gockpt.snapshot.to_skeleton`: a tensor that is a tracked tensor of
         this save becomes a reference to its shard entry, any other tensor (a hook's edit,
-        optimizer state created inside the copy window) is copied to the CPU now. Units whose
+        optimizer state created inside the copy window) is copied to the CPU now, except the
+        tensors another rank stores when the write is shared (:mod:`gockpt.partition`). Units whose
         optimizer state appeared or was replaced during the windows are not referenced: their
         host copies were not brought forward, so their live values are copied here instead.
         """
@@ -346,6 +348,9 @@ class Windows:
         current = self._model.state_dict(keep_vars=True)
         if s.layout.sharded:  # DTensors: their local shards are what this rank stores
             current = localize(current)  # type: ignore[assignment]
+        part = s.layout.partition  # a shared write: other ranks' tensors are in their parts
+        if part is not None:
+            current = prune_model(current, part)
         live: dict[tuple, str] = {}
         for u in s.layout.units:
             if self._dirty(u):
@@ -371,13 +376,20 @@ class Windows:
         # later on the persist thread.
         s.extra = {
             "user": to_skeleton(s.state_fn(), live) if s.state_fn is not None else None,
-            "optimizers": [
-                to_skeleton(localize(o.state_dict()) if s.layout.sharded else o.state_dict(), live)
-                for o in self._optimizers],
+            "optimizers": [to_skeleton(self._optimizer_state(s, i), live)
+                           for i in range(len(self._optimizers))],
             "model": to_skeleton(current, live),
         }
         s.metrics.captured_step = version
         s.metrics.add_stall("capture", time.perf_counter() - t0)
+
+    def _optimizer_state(self, s: SaveRecord, i: int) -> dict:
+        """Optimizer ``i``'s state_dict as this rank stores it (local shards; its own units)."""
+        sd = self._optimizers[i].state_dict()
+        if s.layout.sharded:
+            return localize(sd)  # type: ignore[return-value]
+        part = s.layout.partition
+        return sd if part is None else prune_optimizer(sd, i, part)
 
     def _dirty(self, u: Unit) -> bool:
         """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from."""

@@ -8,7 +8,9 @@ with any number of ranks and any ``DTensor`` placements plans the reads (DCP's
 ``DefaultLoadPlanner`` intersects the requested and the stored chunks: the resharding is
 DCP's). Keys are the ones DCP flattens ``{"model": get_model_state_dict(model), "optim":
 get_optimizer_state_dict(model, optimizers)}`` to: ``model.<fqn>`` and
-``optim.state.<fqn>.<name>``. Parameter groups and the non-tensor state are not DCP tensors:
+``optim.state.<fqn>.<name>``. The parts of a replicated run's checkpoint (DDP ranks sharing the
+write, ``ShardedEngine(..., replicated=True)``) hold disjoint whole tensors: each is one chunk at
+offsets 0, read from the part of the rank that stored it. Parameter groups and the non-tensor state are not DCP tensors:
 :func:`load_sharded` and :func:`load_full` take them from a part's own non-tensor state.
 """
 

@@ -20,12 +20,16 @@ the local tensor's) and where the shard lies in the global tensor (:class:`Shard
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from .format import TensorSpec, dtype_code
+
+if TYPE_CHECKING:
+    from .partition import Partition
 
 
 _DTENSOR: list[type] = []
@@ -175,6 +179,8 @@ class StateLayout:
         aliases: alias key -> canonical key (tied parameters).
         model_keys: ``model.state_dict()`` keys in order (tensor keys only).
         signature: (key, dtype, shape) of every stored tensor, to notice when the layout changes.
+        partition: for a rank sharing the write of a replicated state (DDP), which units it
+            stores (:mod:`gockpt.partition`); None when the layout is everything this rank holds.
     """
 
     @property
@@ -187,6 +193,7 @@ class StateLayout:
     aliases: dict[str, str]
     model_keys: list[str]
     signature: tuple = field(default=())
+    partition: Partition | None = None
 
     @property
     def entries(self) -> list[Entry]:

@@ -7,6 +7,11 @@ per rank: the elementwise optimizers replay exactly on a shard, and gradient cli
 applied when the step post-hook sees the gradients). An optimizer that is not elementwise on a
 shard makes the save ``lazy``, with a warning.
 
+Under DDP (``replicated=True``: plain tensors, the same on every rank) the ranks share the
+write instead: each rank's engine tracks a distinct share of the units, balanced by bytes
+(:mod:`gockpt.partition`), and stores it whole (offsets 0); rank 0 also stores the buffers.
+The parts are committed exactly as below.
+
 Layout of a sharded checkpoint ``<path>``::
 
     manifest.json     the global manifest, written last: meta.sharded = {world_size, parts}
@@ -58,6 +63,7 @@ from .config import GoCkptConfig
 from .engine import Engine
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
+from .partition import partition_layout
 from .plan import MULTI_STEP_MODES, CopyPlan, split_blocks
 from .writer import CheckpointWriter, Snapshot
 
@@ -127,8 +133,9 @@ class _PartWriter(CheckpointWriter):
                 "offsets": list(sh.offsets if sh else (0,) * len(e.spec.shape)),
                 "placements": list(sh.placements) if sh else None,
                 "mesh_shape": list(sh.mesh_shape) if sh else None,
-                # A plain tensor is the same on every rank (data parallel): rank 0's copy is read.
-                "replica": sh.replica if sh else self.rank,
+                # A plain tensor is the same on every rank (data parallel): rank 0's copy is
+                # read, or the one copy of a shared write (each unit stored by its owner).
+                "replica": sh.replica if sh else 0 if layout.partition is not None else self.rank,
             }
         aliases = {a: keys.get(t, t) for a, t in layout.aliases.items()}
         self.sharding = json.dumps({"format": "gockpt-sharding", "rank": self.rank,
@@ -186,6 +193,13 @@ class ShardedEngine:
             engine makes a gloo group over the same ranks for its own collectives.
         commit_timeout_s: seconds rank 0 waits for the other parts once its own is durable,
             and the timeout of the engine's collectives.
+        replicated: the state is replicated (DDP: plain tensors, the same on every rank): each
+            rank stores a distinct share of the units, balanced by bytes
+            (:func:`gockpt.partition.partition_layout`), so each rank copies, replays and writes
+            about 1/N of the state; rank 0 also stores the buffers. A
+            ``DistributedDataParallel`` wrapper is unwrapped (its ``module`` is checkpointed,
+            under the keys DCP uses). A save of a model holding ``DTensor`` shards raises
+            ValueError.
         **engine_kwargs: passed to :class:`gockpt.Engine` (``start_step``, ...).
 
     Raises:
@@ -194,9 +208,12 @@ class ShardedEngine:
 
     def __init__(self, model: nn.Module, optimizers: Optimizer | Sequence[Optimizer],
                  config: GoCkptConfig | None = None, *, group: Any = None,
-                 commit_timeout_s: float = 300.0, **engine_kwargs: Any) -> None:
+                 commit_timeout_s: float = 300.0, replicated: bool = False,
+                 **engine_kwargs: Any) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ShardedEngine needs torch.distributed initialized (init_process_group)")
+        if replicated and isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
         self.config = config or GoCkptConfig()
         self.commit_timeout_s = commit_timeout_s
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -205,6 +222,9 @@ class ShardedEngine:
         self.engine = Engine(model, optimizers, dataclasses.replace(self.config, update_latest=False),
                              **engine_kwargs)
         self.engine._planner.agree = self._agree
+        self._layout_digest: str | None = None  # replicated: what each rank partitions
+        if replicated:
+            self.engine._planner.select = self._partition
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if self.rank == 0 else None
         self._handles: list[ShardedHandle] = []
         self._claimed: set[str] = set()
@@ -351,17 +371,32 @@ class ShardedEngine:
 
     # ------------------------------------------------------------------ agreement and commit
 
+    def _partition(self, layout: StateLayout) -> StateLayout:
+        """This rank's share of the replicated ``layout`` (training thread, at a save)."""
+        self._layout_digest = _xxh3(repr([(e.key, str(e.spec.dtype), e.spec.shape)
+                                          for e in layout.entries]).encode())
+        return partition_layout(layout, self.rank, self.world)
+
     def _agree(self, plan: CopyPlan, unit_bytes: list[int]) -> CopyPlan:
-        """The plan every rank follows (training thread, inside ``Engine.save``; collective)."""
+        """The plan every rank follows (training thread, inside ``Engine.save``; collective).
+
+        Raises:
+            RuntimeError: replicated, and the ranks partitioned different states (every rank
+                raises: the partition would not cover each tensor once).
+        """
         views: list[Any] = [None] * self.world
-        dist.all_gather_object(views, (plan.mode, plan.num_overlap_steps), group=self._group)
-        modes = [m for m, _ in views]
+        dist.all_gather_object(views, (plan.mode, plan.num_overlap_steps, self._layout_digest),
+                               group=self._group)
+        if len({d for _, _, d in views}) > 1:
+            raise RuntimeError("gockpt: replicated=True needs the same parameters and optimizer "
+                               "state on every rank; the ranks hold different tensors")
+        modes = [m for m, _, _ in views]
         if any(m in ("sync", "async") for m in modes):
             mode, k = ("sync" if "sync" in modes else "async"), 1
         elif "lazy" in modes:
             mode, k = "lazy", 1
         else:
-            mode, k = modes[0], min(k for _, k in views)
+            mode, k = modes[0], min(k for _, k, _ in views)
         if (mode, k) == (plan.mode, plan.num_overlap_steps):
             return plan
         assert mode in MULTI_STEP_MODES + ("sync", "async", "lazy")

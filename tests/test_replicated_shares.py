@@ -1,0 +1,196 @@
+"""DDP ranks share the write of the replicated state (issue 13, item 3): 2 processes over gloo.
+
+Each rank's engine stores a distinct share of the units (a parameter with its optimizer state),
+balanced by bytes; rank 0 also stores the buffers; the parts are committed together and load
+through ``gockpt.dcp`` with any number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_sharded import _equal, _full, _init, _port
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gockpt
+from gockpt import storage
+from gockpt.dcp import load_full, load_sharded
+from gockpt.layout import build_layout
+from gockpt.partition import balance, partition_layout, prune_model, prune_optimizer
+from gockpt.sharded import ShardedEngine, part_name, sharding_name
+
+STEPS = 9
+BUFFERS = {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # Enough units that each of 2 ranks holds 3 or more (K is at most a rank's unit count).
+    hidden = [layer for _ in range(5) for layer in (nn.Tanh(), nn.Linear(32, 32))]
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), *hidden, nn.Tanh(), nn.Linear(32, 5))
+
+
+def _setup() -> tuple[DDP, torch.optim.Optimizer]:
+    ddp = DDP(_model())
+    return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _step(ddp: DDP, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+    ((ddp(x) - y) ** 2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+
+
+def _mine(state: dict, rank: int) -> dict:
+    # Buffers are rank 0's: DDP broadcasts them from rank 0 at the next forward.
+    return state if rank == 0 else {k: v for k, v in state.items() if k not in BUFFERS}
+
+
+def _train_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    ddp, opt = _setup()
+    cfg = gockpt.GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3)
+    eng = ShardedEngine(ddp, opt, cfg, commit_timeout_s=30, replicated=True)
+    m = ddp.module
+    saves, live = {}, {}
+    for step in range(STEPS):
+        _step(ddp, opt, step)
+        eng.step_end()
+        if step == 1:
+            saves["lazy"] = eng.save(f"{root}/lazy", mode="lazy", state_fn=lambda: {"rank": rank})
+        if step == 3:
+            saves["gockpt_o"] = eng.save(f"{root}/gockpt_o", state_fn=lambda: {"rank": rank})
+        for name, h in saves.items():
+            target = h.part.metrics.requested_step + h.part.metrics.num_overlap_steps - 1
+            if target == eng.version and name not in live:
+                live[name] = (target, _full(m, opt))
+    eng.wait()
+    metrics = {name: h.part.metrics for name, h in saves.items()}
+    assert (metrics["gockpt_o"].mode, metrics["gockpt_o"].num_overlap_steps) == ("gockpt_o", 3), metrics
+    assert metrics["lazy"].mode == "lazy" and metrics["lazy"].num_overlap_steps == 1
+    final = _full(m, opt)
+    eng.close()
+    torch.save({"live": live, "final": final,
+                "state_bytes": {n: x.state_bytes for n, x in metrics.items()}}, f"{root}/expected-{rank}.pt")
+    assert gockpt.latest_checkpoint(root).endswith("gockpt_o")
+    dist.destroy_process_group()
+
+
+def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
+    """A fresh 2-process run resumed from each checkpoint ends bit-identical."""
+    _init(rank, world, port)
+    expected = torch.load(f"{root}/expected-{rank}.pt")
+    for name, (target, state) in expected["live"].items():
+        ddp, opt = _setup()
+        extra = load_sharded(f"{root}/{name}", ddp.module, opt)
+        assert extra == {"rank": rank}
+        _equal(_mine(_full(ddp.module, opt), rank), _mine(state, rank), f"{name} loaded on rank {rank}")
+        for step in range(target, STEPS):
+            _step(ddp, opt, step)
+        _equal(_full(ddp.module, opt), expected["final"], f"{name} resumed on rank {rank}")
+    dist.destroy_process_group()
+
+
+def _nbytes(info: dict) -> int:
+    dtype = getattr(torch, info["dtype"])
+    return torch.Size(info["global_shape"]).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def test_ddp_ranks_share_the_write_and_resume_exact(tmp_path):
+    """lazy and gockpt_o (K=3) checkpoints of a 2-rank DDP run: each rank writes a disjoint half
+    of the state, the parts together hold every tensor once, a fresh 2-rank run resumes
+    bit-identical, and one process assembles the live state at the captured step."""
+    root = str(tmp_path)
+    mp.spawn(_train_worker, args=(2, _port(), root), nprocs=2)
+    exp = [torch.load(f"{root}/expected-{r}.pt") for r in range(2)]
+    for name, (target, state) in exp[0]["live"].items():
+        path = f"{root}/{name}"
+        shares = [json.load(open(os.path.join(path, sharding_name(r)))) for r in range(2)]
+        fqns = [{i["fqn"] for i in sh["tensors"].values()} for sh in shares]
+        assert fqns[0].isdisjoint(fqns[1]), name
+        assert fqns[0] | fqns[1] == set(state), (name, sorted(set(state) ^ (fqns[0] | fqns[1])))
+        assert BUFFERS <= fqns[0]
+        sizes = [sum(_nbytes(i) for i in sh["tensors"].values()) for sh in shares]
+        total = sum(sizes)
+        for r, (sh, b) in enumerate(zip(shares, sizes, strict=True)):
+            assert 0.4 * total <= b <= 0.6 * total, (name, r, sizes)
+            part = os.path.join(path, part_name(r))
+            manifest = storage.read_manifest(gockpt.fsutil.url_to_fs(part, None)[0], part)
+            # Nothing but the owned tensors is stored in the part: no copy of another rank's.
+            assert set(manifest["tensors"]) == set(sh["tensors"]), (name, r)
+            for key, info in sh["tensors"].items():
+                assert info["replica"] == 0 and info["placements"] is None
+                assert info["offsets"] == [0] * len(info["global_shape"])
+                assert info["global_shape"] == manifest["tensors"][key]["shape"]
+            loaded = gockpt.load_checkpoint(part)
+            mine = {f"model.{k}" for k, v in loaded.model_state_dict.items() if isinstance(v, torch.Tensor)}
+            assert mine == {f for f in fqns[r] if f.startswith("model.")}, (name, r)
+            assert loaded.captured_step == target
+            # The D2H copy of each rank was its own share only.
+            assert exp[r]["state_bytes"][name] == b, (name, r)
+        full = load_full(path)
+        assert full.captured_step == target and full.extra == {"rank": 0}
+        flat = {f"model.{k}": v for k, v in full.model_state_dict.items()}
+        flat.update({f"optim.state.{p}.{k}": v for p, st in full.optimizer_state.items() for k, v in st.items()})
+        _equal(flat, state, f"{name} loaded by 1 process")
+        assert full.param_groups[0][0]["lr"] == 1e-2
+    mp.spawn(_resume_worker, args=(2, _port(), root), nprocs=2)
+
+
+def test_partition_is_balanced_deterministic_and_covers_every_tensor():
+    """The shares of 3 ranks: disjoint, covering, buffers on rank 0, the same when rebuilt."""
+    assert balance([5, 1, 4, 4, 2], 2) == balance([5, 1, 4, 4, 2], 2) == [0, 0, 1, 1, 0]
+    assert balance([3, 3], 2, [10, 0]) == [1, 1]
+    with pytest.raises(ValueError):
+        balance([1], 2, [0])
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    full = build_layout(m, [opt])
+    parts = [partition_layout(full, r, 3) for r in range(3)]
+    keys = [{e.key for e in p.entries} for p in parts]
+    assert sum(len(k) for k in keys) == len(full.entries)
+    assert set().union(*keys) == {e.key for e in full.entries}
+    assert {e.key for e in parts[0].static} == BUFFERS and not parts[1].static
+    assert [p.partition.owners for p in parts] == [partition_layout(build_layout(m, [opt]), 0, 3).partition.owners] * 3
+    sizes = [sum(e.spec.nbytes for e in p.entries) for p in parts]
+    assert max(sizes) - min(sizes) <= max(u.state_bytes for u in full.units), sizes
+    # The state trees of rank 1 keep its own parameters and optimizer state only.
+    p1 = parts[1].partition
+    sd = prune_model(m.state_dict(), p1)
+    assert {f"model.{k}" for k in sd} == {u.param_entry.key for u in parts[1].units}
+    osd = prune_optimizer(opt.state_dict(), 0, p1)
+    assert set(osd["state"]) == {u.param_index for u in parts[1].units}
+    assert len(osd["param_groups"]) == 1
+    with pytest.raises(ValueError, match="rank"):
+        partition_layout(full, 3, 3)
+
+
+def _mismatch_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), *([nn.Linear(4, 4)] if rank == 1 else []))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    eng = ShardedEngine(m, opt, gockpt.GoCkptConfig(mode="lazy"), commit_timeout_s=30, replicated=True)
+    with pytest.raises(RuntimeError, match="same parameters"):
+        eng.save(f"{root}/ck")
+    assert not os.path.exists(f"{root}/ck")
+    eng.close()
+    dist.destroy_process_group()
+
+
+def test_replicated_ranks_with_different_states_refuse_to_save(tmp_path):
+    """Ranks whose states differ would not partition alike: every rank raises, nothing is written."""
+    mp.spawn(_mismatch_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
