@@ -48,7 +48,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -59,6 +58,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import fsutil, storage
+from ._sharded_commit import (
+    INDEX_FILE,
+    mark,
+    part_name,
+    sharding_name,
+    write_atomic,
+    xxh3,
+)
+from ._sharded_commit import (
+    commit as commit_parts,
+)
 from .config import GoCkptConfig
 from .engine import Engine
 from .handle import CheckpointMetrics, SaveHandle
@@ -70,29 +80,6 @@ from .writer import CheckpointWriter, Snapshot
 __all__ = ["ShardedEngine", "ShardedHandle", "INDEX_FILE", "part_name", "sharding_name"]
 
 log = logging.getLogger("gockpt")
-
-SHARDING_FILE = "sharding.json"
-INDEX_FILE = "sharded.json"
-
-
-def part_name(rank: int) -> str:
-    """The directory of rank ``rank``'s part in a sharded checkpoint."""
-    return f"rank-{rank:05d}"
-
-
-def sharding_name(rank: int) -> str:
-    """The file describing where rank ``rank``'s stored tensors lie in the global tensors."""
-    return f"{part_name(rank)}.{SHARDING_FILE}"
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-
 
 def dcp_keys(layout: StateLayout) -> dict[str, str]:
     """Layout key -> the key ``torch.distributed.checkpoint`` flattens the same tensor to.
@@ -169,7 +156,16 @@ class ShardedHandle:
         return self.part.skipped
 
     def done(self) -> bool:
+        """Whether this rank's part has ended (rank 0: and the commit)."""
         return self.part.done() and (self._commit is None or self._commit.done())
+
+    def add_done_callback(self, fn: Callable[[ShardedHandle], None]) -> None:
+        """Call ``fn(handle)`` once :meth:`done` (rank 0: once committed or failed), on the thread
+        that finishes it; at once if already done."""
+        if self._commit is None:
+            self.part.add_done_callback(lambda _h: fn(self))
+        else:
+            self._commit.add_done_callback(lambda _f: fn(self))
 
     def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
         """This rank's part's metrics once durable; on rank 0 once the checkpoint is committed.
@@ -241,6 +237,14 @@ class ShardedEngine:
         """:meth:`gockpt.Engine.step_end`."""
         self.engine.step_end()
 
+    def before_update(self) -> None:
+        """:meth:`gockpt.Engine.before_update`."""
+        self.engine.before_update()
+
+    def flush(self) -> None:
+        """:meth:`gockpt.Engine.flush` (this rank's copy windows; not collective)."""
+        self.engine.flush()
+
     def save(self, path: str, *, state_fn: Callable[[], Any] | None = None,
              mode: str | None = None, max_overlap_steps: int | None = None,
              writer: CheckpointWriter | None = None) -> ShardedHandle:
@@ -296,7 +300,7 @@ class ShardedEngine:
             handle = self.engine.save(part_path, state_fn=state_fn, mode=mode,
                                       max_overlap_steps=max_overlap_steps, writer=part_writer)
             if not handle.skipped:
-                _write_atomic(os.path.join(stage, sharding_name(self.rank)), part_writer.sharding)
+                write_atomic(os.path.join(stage, sharding_name(self.rank)), part_writer.sharding)
             m = handle.metrics
             mine = (m.requested_step, m.requested_step + m.num_overlap_steps - 1, handle.skipped, None)
         except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
@@ -323,10 +327,11 @@ class ShardedEngine:
                 fsutil.remove_local(stage)
             return ShardedHandle(path, handle, None)
         target = views[0][1]
-        handle.add_done_callback(lambda h: _mark(stage, self.rank, h))
+        handle.add_done_callback(lambda h: mark(stage, self.rank, h))
         commit = None
         if self._commits is not None:
-            commit = self._commits.submit(self._commit, path, stage, target, handle)
+            commit = self._commits.submit(commit_parts, path, stage, target, handle, world=self.world, config=self.config,
+                                         timeout_s=self.commit_timeout_s)
         sh = ShardedHandle(path, handle, commit)
         self._handles = [h for h in self._handles if not h.done()] + [sh]
         return sh
@@ -358,10 +363,17 @@ class ShardedEngine:
             raise RuntimeError("gockpt: a sharded checkpoint failed on another rank: " + "; ".join(bad))
         return out
 
-    def close(self) -> None:
-        """:meth:`wait`, then close the engine and release the directory claims; collective."""
+    def close(self, *, collective: bool = True) -> None:
+        """:meth:`wait`, then close the engine and release the directory claims; collective.
+
+        Args:
+            collective: False once the ranks no longer meet (another rank failed): skip the
+                collective wait; this rank's own saves are still finished (the commit of one in
+                flight then fails on its timeout).
+        """
         try:
-            self.wait()
+            if collective:
+                self.wait()
         finally:
             self.engine.close()
             if self._commits is not None:
@@ -373,7 +385,7 @@ class ShardedEngine:
 
     def _partition(self, layout: StateLayout) -> StateLayout:
         """This rank's share of the replicated ``layout`` (training thread, at a save)."""
-        self._layout_digest = _xxh3(repr([(e.key, str(e.spec.dtype), e.spec.shape)
+        self._layout_digest = xxh3(repr([(e.key, str(e.spec.dtype), e.spec.shape)
                                           for e in layout.entries]).encode())
         return partition_layout(layout, self.rank, self.world)
 
@@ -401,92 +413,3 @@ class ShardedEngine:
             return plan
         assert mode in MULTI_STEP_MODES + ("sync", "async", "lazy")
         return CopyPlan(mode, split_blocks(unit_bytes, k), plan.predicted_stall_s)
-
-    def _commit(self, path: str, stage: str, target: int, own: SaveHandle) -> CheckpointMetrics:
-        """Phase two on rank 0: wait for every part, then publish (commit thread)."""
-        from .targets import LocalTarget  # the publish of every local GoCkpt checkpoint
-
-        published = False
-        try:
-            metrics = own.result()
-            # Planned for `target`; a collective wait() captures every rank earlier, at one step.
-            target = metrics.captured_step if metrics.captured_step is not None else target
-            deadline = time.monotonic() + self.commit_timeout_s
-            for r in range(self.world):
-                _await_part(stage, r, deadline)
-            fs, root = fsutil.url_to_fs(path, None)
-            parts, files = [], {}
-            for r in range(self.world):
-                part = os.path.join(stage, part_name(r))
-                manifest = storage.read_manifest(fs, part)
-                step = manifest["meta"].get("captured_step")
-                if step != target or not storage.is_complete(part):
-                    raise RuntimeError(f"gockpt: part {part_name(r)} holds step {step}, not {target}")
-                raw = open(os.path.join(part, storage.MANIFEST_NAME), "rb").read()
-                parts.append({"name": part_name(r), "manifest_bytes": len(raw),
-                              "manifest_xxh3_64": _xxh3(raw)})
-                os.unlink(os.path.join(stage, f"{part_name(r)}.done"))
-                raw = open(os.path.join(stage, sharding_name(r)), "rb").read()
-                files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": _xxh3(raw)}
-            index = json.dumps({"format": "gockpt-sharded", "world_size": self.world,
-                                "captured_step": target, "parts": parts}, sort_keys=True).encode()
-            target_dir = LocalTarget(fs, root, staging=stage)
-            try:
-                nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
-                meta = {"requested_step": metrics.requested_step, "captured_step": target,
-                        "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
-                        "sharded": {"world_size": self.world, "parts": [p["name"] for p in parts]}}
-                manifest = {"format": "gockpt", "format_version": 1,
-                            "files": {**files, INDEX_FILE: {"bytes": nbytes, "xxh3_64": digest}},
-                            "tensors": {}, "aliases": {}, "extra_file": INDEX_FILE, "meta": meta}
-                blob = json.dumps(manifest, sort_keys=True).encode()
-                target_dir.prepare(blob)
-                target_dir.publish(blob)
-                published = True
-            finally:
-                target_dir.cleanup(published)
-            if self.config.update_latest:
-                storage.advance_latest(path, target, self.config.storage_options,
-                                       self.config.storage_timeout_s)
-            return metrics
-        finally:
-            if not published:
-                fsutil.remove_local(stage)
-                log.warning("gockpt: sharded checkpoint %s not committed", path)
-
-
-def _xxh3(data: bytes) -> str:
-    import xxhash
-
-    return xxhash.xxh3_64(data).hexdigest()
-
-
-def _mark(stage: str, rank: int, handle: SaveHandle) -> None:
-    """Phase one's outcome for rank 0: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic)."""
-    try:
-        handle.result(0)
-        kind = "done"
-    except BaseException:  # noqa: BLE001 - the outcome is what the marker tells
-        kind = "failed"
-    if not os.path.isdir(stage):
-        return
-    try:
-        _write_atomic(os.path.join(stage, f"{part_name(rank)}.{kind}"), b"")
-    except OSError as e:  # the staging directory was removed by an abort
-        log.info("gockpt: could not mark part %d of %s: %s", rank, stage, e)
-
-
-def _await_part(stage: str, rank: int, deadline: float) -> None:
-    """Wait for rank ``rank``'s marker until ``deadline`` (``time.monotonic()``)."""
-    done = os.path.join(stage, f"{part_name(rank)}.done")
-    failed = os.path.join(stage, f"{part_name(rank)}.failed")
-    delay = 0.002
-    while not os.path.exists(done):
-        if os.path.exists(failed):
-            raise RuntimeError(f"gockpt: rank {rank}'s part of the sharded checkpoint failed")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "
-                               f"arrive within commit_timeout_s (crashed or stalled rank)")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-

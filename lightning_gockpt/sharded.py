@@ -215,7 +215,6 @@ class ShardedSave:
         self.handle = handle
         self.path = handle.path
         self.metrics = handle.part.metrics
-        self._commit = getattr(handle, "_commit", None)  # rank 0: the commit's future
 
     @property
     def skipped(self) -> bool:
@@ -238,10 +237,7 @@ class ShardedSave:
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(self)`` once :meth:`done` (on the thread that finishes it)."""
-        if self._commit is None:
-            self.handle.part.add_done_callback(lambda _h: fn(self))
-        else:
-            self._commit.add_done_callback(lambda _f: fn(self))
+        self.handle.add_done_callback(lambda _h: fn(self))
 
 
 class ShardedAdapterEngine:
@@ -272,13 +268,13 @@ class ShardedAdapterEngine:
         return self.sharded.version
 
     def before_update(self) -> None:
-        self.sharded.engine.before_update()
+        self.sharded.before_update()
 
     def step_end(self) -> None:
         self.sharded.step_end()
 
     def flush(self) -> None:
-        self.sharded.engine.flush()
+        self.sharded.flush()
 
     def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
              mode: str | None = None) -> ShardedSave:
@@ -323,18 +319,7 @@ class ShardedAdapterEngine:
 
     def close(self) -> None:
         """Finish the pending saves and stop (collective while the ranks meet)."""
-        if self._collective():
-            self.sharded.close()
-            return
-        s = self.sharded
-        try:
-            s.engine.close()
-        finally:
-            # ShardedEngine.close without its collective wait (see the module notes).
-            if s._commits is not None:  # noqa: SLF001
-                s._commits.shutdown(wait=True)  # noqa: SLF001
-            for c in s._claims:  # noqa: SLF001
-                c.release()
+        self.sharded.close(collective=self._collective())
 
 
 def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None) -> ShardedAdapterEngine:

@@ -1,0 +1,153 @@
+"""Phase two of a sharded save on rank 0: wait for every rank's part, then publish it whole.
+
+See :mod:`gockpt.sharded` for the layout and the protocol (PCcheck §4.1 across ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import xxhash
+
+from . import fsutil, storage
+from .config import GoCkptConfig
+from .handle import CheckpointMetrics, SaveHandle
+from .targets import LocalTarget
+
+log = logging.getLogger("gockpt")
+
+SHARDING_FILE = "sharding.json"
+INDEX_FILE = "sharded.json"
+
+
+def part_name(rank: int) -> str:
+    """The directory of rank ``rank``'s part in a sharded checkpoint."""
+    return f"rank-{rank:05d}"
+
+
+def sharding_name(rank: int) -> str:
+    """The file describing where rank ``rank``'s stored tensors lie in the global tensors."""
+    return f"{part_name(rank)}.{SHARDING_FILE}"
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+
+def xxh3(data: bytes) -> str:
+    """xxh3-64 of ``data``, hex (as GoCkpt manifests store file checksums)."""
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
+           config: GoCkptConfig, timeout_s: float) -> CheckpointMetrics:
+    """Wait for every part in ``stage``, check them, write the index and the global manifest
+    last, publish ``stage`` as ``path`` and move ``latest`` (rank 0's commit thread).
+
+    Args:
+        path: the checkpoint directory.
+        stage: its staging directory, holding ``rank-<r>/`` parts and their markers.
+        target: the planned captured step (a collective ``wait()`` may have captured earlier:
+            then every part must hold rank 0's own captured step).
+        own: rank 0's part handle.
+        world: number of parts.
+        config: engine options (``update_latest``, storage options and timeout).
+        timeout_s: seconds to wait for the other parts once rank 0's own is durable.
+
+    Returns:
+        Rank 0's part metrics.
+
+    Raises:
+        RuntimeError: a part failed or holds another step; TimeoutError: a part did not arrive
+            within ``timeout_s`` (a crashed or stalled rank). The staging directory is removed
+            and the previous checkpoint stays the latest.
+    """
+    published = False
+    try:
+        metrics = own.result()
+        target = metrics.captured_step if metrics.captured_step is not None else target
+        deadline = time.monotonic() + timeout_s
+        for r in range(world):
+            await_part(stage, r, deadline)
+        fs, root = fsutil.url_to_fs(path, None)
+        parts, files = [], {}
+        for r in range(world):
+            part = os.path.join(stage, part_name(r))
+            manifest = storage.read_manifest(fs, part)
+            step = manifest["meta"].get("captured_step")
+            if step != target or not storage.is_complete(part):
+                raise RuntimeError(f"gockpt: part {part_name(r)} holds step {step}, not {target}")
+            with open(os.path.join(part, storage.MANIFEST_NAME), "rb") as f:
+                raw = f.read()
+            parts.append({"name": part_name(r), "manifest_bytes": len(raw), "manifest_xxh3_64": xxh3(raw)})
+            os.unlink(os.path.join(stage, f"{part_name(r)}.done"))
+            with open(os.path.join(stage, sharding_name(r)), "rb") as f:
+                raw = f.read()
+            files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": xxh3(raw)}
+        index = json.dumps({"format": "gockpt-sharded", "world_size": world,
+                            "captured_step": target, "parts": parts}, sort_keys=True).encode()
+        target_dir = LocalTarget(fs, root, staging=stage)
+        try:
+            nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
+            meta = {"requested_step": metrics.requested_step, "captured_step": target,
+                    "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
+                    "sharded": {"world_size": world, "parts": [p["name"] for p in parts]}}
+            manifest = {"format": "gockpt", "format_version": 1,
+                        "files": {**files, INDEX_FILE: {"bytes": nbytes, "xxh3_64": digest}},
+                        "tensors": {}, "aliases": {}, "extra_file": INDEX_FILE, "meta": meta}
+            blob = json.dumps(manifest, sort_keys=True).encode()
+            target_dir.prepare(blob)
+            target_dir.publish(blob)
+            published = True
+        finally:
+            target_dir.cleanup(published)
+        if config.update_latest:
+            storage.advance_latest(path, target, config.storage_options, config.storage_timeout_s)
+        return metrics
+    finally:
+        if not published:
+            fsutil.remove_local(stage)
+            log.warning("gockpt: sharded checkpoint %s not committed", path)
+
+
+def mark(stage: str, rank: int, handle: SaveHandle) -> None:
+    """Phase one's outcome for rank 0: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic)."""
+    try:
+        handle.result(0)
+        kind = "done"
+    except BaseException:  # noqa: BLE001 - the outcome is what the marker tells
+        kind = "failed"
+    if not os.path.isdir(stage):
+        return
+    try:
+        write_atomic(os.path.join(stage, f"{part_name(rank)}.{kind}"), b"")
+    except OSError as e:  # the staging directory was removed by an abort
+        log.info("gockpt: could not mark part %d of %s: %s", rank, stage, e)
+
+
+def await_part(stage: str, rank: int, deadline: float) -> None:
+    """Wait for rank ``rank``'s marker until ``deadline`` (``time.monotonic()``).
+
+    Raises:
+        RuntimeError: the part failed; TimeoutError: no marker by ``deadline``.
+    """
+    done = os.path.join(stage, f"{part_name(rank)}.done")
+    failed = os.path.join(stage, f"{part_name(rank)}.failed")
+    delay = 0.002
+    while not os.path.exists(done):
+        if os.path.exists(failed):
+            raise RuntimeError(f"gockpt: rank {rank}'s part of the sharded checkpoint failed")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "
+                               f"arrive within commit_timeout_s (crashed or stalled rank)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
