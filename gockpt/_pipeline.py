@@ -6,6 +6,8 @@ finalized save (:meth:`Pipeline.finalize`) goes to the persist pool once the rep
 before it are done. The persist writes the shards, the manifest and the publish
 (:func:`gockpt.persist.persist`), releases the host slot and resolves the save's handle. Errors
 the training thread must see wait in the error channel until :meth:`Pipeline.raise_errors`.
+Every large operation on these threads releases the GIL (torch kernels, file writes, xxh3,
+fsync); :mod:`gockpt._trace` records them per thread and phase when turned on.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.optim import Optimizer
 
+from . import _trace
 from ._planner import ReplayBackends
 from ._record import Phase, SaveRecord
 from .config import GoCkptConfig
 from .errors import CheckpointCancelledError
 from .handle import CheckpointMetrics
 from .layout import Unit
-from .persist import PersistRequest, persist
+from .persist import PersistRequest, io_threads_cap, lower_thread_priority, persist
 from .replay import TorchReplay
 from .snapshot import resolve
 from .targets import LocalTarget
@@ -45,7 +48,8 @@ class Pipeline:
     """Replays and persists saves off the training thread.
 
     Args:
-        config: the engine's options (``max_inflight`` persist threads, storage options).
+        config: the engine's options (``max_inflight`` persist threads at ``io_nice``, at most
+            :func:`gockpt.persist.io_threads_cap` io threads each, storage options).
         optimizers: the engine's optimizers (their number is recorded in the manifest).
         backends: the replay backend of each optimizer.
         slots: the host slot pool; a save's slot goes back once it is durable or failed.
@@ -63,7 +67,11 @@ class Pipeline:
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._published_seq: dict[str, int] = {}
-        self._persist_pool = ThreadPoolExecutor(config.max_inflight, thread_name_prefix="gockpt-persist")
+        # The persist and io threads run at ``io_nice``; copy and replay do not: the training
+        # thread waits for them at window ends and for the gradient buffers.
+        self._persist_pool = ThreadPoolExecutor(
+            config.max_inflight, thread_name_prefix="gockpt-persist",
+            initializer=lower_thread_priority, initargs=(config.io_nice,))
         self._replay_q: queue.Queue = queue.Queue()
         self._replay_thread = threading.Thread(target=self._replay_loop, name="gockpt-replay", daemon=True)
         self._replay_thread.start()
@@ -129,12 +137,15 @@ class Pipeline:
                     and all(u.param.dtype == torch.float32 for _, u in members)
                 ):
                     be = TorchReplay()  # the self-check probed fp32 with group 0's flags
-                be.step(
-                    cls, hparams[gi],
-                    [s.views[u.param_entry.key] for _, u in members],
-                    [s.grad_views[turn][i] for i, _ in members],
-                    [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
-                )
+                grads = [s.grad_views[turn][i] for i, _ in members]
+                nbytes = sum(g.numel() * g.element_size() for g in grads) if _trace.active() else 0
+                with _trace.phase("replay", nbytes):
+                    be.step(
+                        cls, hparams[gi],
+                        [s.views[u.param_entry.key] for _, u in members],
+                        grads,
+                        [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
+                    )
         finally:
             s.slot.grad_busy[turn].set()
 
@@ -174,17 +185,19 @@ class Pipeline:
                 "created_unix_s": time.time(),
             }
             blob = io.BytesIO()
-            torch.save(s.extra, blob)
+            with _trace.phase("serialize"):
+                torch.save(s.extra, blob)
             snap, hooks = self._writer_parts(s) if s.writer is not None else (None, {})
             req = PersistRequest(
                 path=s.path, shards=s.shards, slot=s.slot.data, shard_bases=s.shard_bases,
                 extra=blob.getvalue(), meta=meta,
                 aliases=s.layout.aliases if s.shard_segments is None else {},
                 shard_segments=s.shard_segments, **hooks,
-                storage_options=self._config.storage_options, num_io_threads=self._config.num_io_threads,
+                storage_options=self._config.storage_options,
+                num_io_threads=min(self._config.num_io_threads, io_threads_cap()),
                 chunk_bytes=self._config.chunk_bytes, update_latest=self._config.update_latest,
                 cancel=s.cancel, publish_lock=self._publish_lock,
-                storage_timeout_s=self._config.storage_timeout_s,
+                storage_timeout_s=self._config.storage_timeout_s, io_nice=self._config.io_nice,
                 is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )

@@ -56,7 +56,8 @@ class GoCkptConfig:
     or ``"skip"`` (the request is dropped and its handle says so)."""
 
     num_io_threads: int = 4
-    """Threads writing shard files in parallel (GoCkpt §4.4.3). >= 1."""
+    """Threads writing shard files in parallel (GoCkpt §4.4.3). >= 1. The engine runs at most
+    one per CPU core this process may use, less one for the training thread (at least 1)."""
 
     max_shard_bytes: int = 1 << 30
     """Upper bound on the tensor bytes of one shard file (a larger single tensor gets a
@@ -101,6 +102,15 @@ class GoCkptConfig:
     :class:`gockpt.CheckpointTimeoutError` and training goes on. ``None``: wait without bound.
     > 0 or None."""
 
+    io_nice: int | None = None
+    """Niceness, 0..19, that the persist and file-writing threads add to the process's (capped
+    at 19), so that the training thread wins the cores and the disk while a checkpoint is
+    written. Linux only (elsewhere ignored): applied per thread with ``os.setpriority``, and
+    Linux derives those threads' best-effort I/O priority from it (``ioprio_set(2)``; the BFQ
+    scheduler honours it). The copy and replay threads keep the process's priority. A checkpoint
+    stays exact, but on cores busy with other work a high value lengthens its time to durable
+    and so the wait of a request for a free slot. ``None``: no change."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -130,6 +140,11 @@ class GoCkptConfig:
             raise ValueError(
                 f"host_link_bytes_per_s must be > 0 or None, got {self.host_link_bytes_per_s}"
             )
+        if self.io_nice is not None and (
+            isinstance(self.io_nice, bool) or not isinstance(self.io_nice, int)
+            or not 0 <= self.io_nice <= 19
+        ):
+            raise ValueError(f"io_nice must be an int in [0, 19] or None, got {self.io_nice!r}")
         for name in ("storage_timeout_s", "slot_wait_timeout_s"):
             value = getattr(self, name)
             if value is not None and (

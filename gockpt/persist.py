@@ -6,10 +6,12 @@ Call sequence of one save (the engine runs :func:`persist` on one of its worker 
    checkpoint on a local filesystem (holding a writer lock that
    :func:`gockpt.storage.cleanup_staging` respects), the checkpoint directory itself on an
    object store.
-2. (io threads, ``num_io_threads``) stream each shard as header bytes + ``chunk_bytes`` slices
-   of the slot (memoryviews: no serialization copy) and the extra blob, hashing the same chunks
-   with xxh3-64 (GoCkpt §4.4.1, §4.4.3: multi-threaded persistence). Every file is opened
-   through the fsspec filesystem of ``path``, the seam where tests inject faults.
+2. (io threads, ``num_io_threads``; the engine passes at most :func:`io_threads_cap`) stream
+   each shard as header bytes + ``chunk_bytes`` slices of the slot (memoryviews: no
+   serialization copy) and the extra blob, hashing the same chunks with xxh3-64 (GoCkpt
+   §4.4.1, §4.4.3: multi-threaded persistence). Every file is opened through the fsspec
+   filesystem of ``path``, the seam where tests inject faults. Writes, checksums and fsync
+   release the GIL; the io threads run at ``io_nice`` (:func:`lower_thread_priority`).
 3. (persist thread) write ``manifest.json`` last; locally fsync files, manifest and staging dir.
 4. (persist thread, under ``publish_lock``) unless cancelled or superseded: publish. Locally an
    atomic rename, or an atomic exchange with a previous checkpoint at the same path; on an
@@ -30,6 +32,8 @@ import concurrent.futures
 import errno
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -40,7 +44,7 @@ from typing import Any
 
 import torch
 
-from gockpt import storage
+from gockpt import _trace, storage
 from gockpt.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -49,7 +53,9 @@ from gockpt.format import ShardLayout
 from gockpt.manifest import build_manifest, check_name
 from gockpt.targets import StorageTarget, open_target
 
-__all__ = ["CheckpointCancelledError", "PersistRequest", "PersistResult", "persist"]
+__all__ = [
+    "CheckpointCancelledError", "PersistRequest", "PersistResult", "lower_thread_priority", "persist",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ class PersistRequest:
         before_publish: called with the target after every file is written, before the
             manifest (e.g. wait for files other processes add to a local staging directory);
             it may raise to fail the save.
+        io_nice: niceness the io threads add to the process's (:func:`lower_thread_priority`);
+            None: none.
     """
 
     path: str
@@ -110,6 +118,7 @@ class PersistRequest:
     shard_segments: list[list[tuple[int, int]]] | None = None
     files: Mapping[str, bytes] = field(default_factory=dict)
     before_publish: Callable[[StorageTarget], None] = lambda target: None
+    io_nice: int | None = None
 
 
 @dataclass
@@ -179,11 +188,13 @@ def persist(req: PersistRequest) -> PersistResult:
         _check_cancel(req)
         _guard(req, target.manifest_path, lambda _m: req.before_publish(target), b"")
         _check_cancel(req)
-        _guard(req, target.manifest_path, target.prepare, manifest_bytes)
+        with _trace.phase("manifest", len(manifest_bytes)):
+            _guard(req, target.manifest_path, target.prepare, manifest_bytes)
         with req.publish_lock:
             _check_cancel(req)
             if not req.is_superseded():
-                _guard(req, target.manifest_path, target.publish, manifest_bytes)
+                with _trace.phase("publish"):
+                    _guard(req, target.manifest_path, target.publish, manifest_bytes)
                 published = True
                 req.on_published()
     finally:
@@ -191,9 +202,10 @@ def persist(req: PersistRequest) -> PersistResult:
     latest_error = None
     if published and captured_step is not None:  # captured_step is set iff update_latest
         try:
-            storage.advance_latest(
-                req.path, captured_step, req.storage_options, req.storage_timeout_s
-            )
+            with _trace.phase("latest"):
+                storage.advance_latest(
+                    req.path, captured_step, req.storage_options, req.storage_timeout_s
+                )
         except Exception as e:  # noqa: BLE001 - the checkpoint is durable: warn, do not fail
             latest_error = str(e)
             code = getattr(e, "errno", None)
@@ -211,6 +223,38 @@ def persist(req: PersistRequest) -> PersistResult:
         files=files,
         latest_error=latest_error,
     )
+
+
+def io_threads_cap() -> int:
+    """The most io threads the engine gives one save: the CPU cores this process may use, less
+    the one the training thread needs, at least 1 (writes into the page cache and checksums are
+    CPU work: more threads than spare cores only take cores from training)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def lower_thread_priority(io_nice: int | None) -> None:
+    """Run the calling thread at the process's niceness plus ``io_nice`` (at most 19), on Linux.
+
+    Linux keeps a niceness per thread, and a thread without an explicit I/O priority class gets
+    the best-effort level ``(niceness + 20) // 5`` from it (``ioprio_set(2)``; honoured by the
+    BFQ scheduler), so this lowers both the CPU and the I/O priority of this thread only. Never
+    raises the priority; threads it starts inherit it. A no-op for None or 0, on other systems,
+    and where the system refuses (logged at DEBUG).
+
+    Args:
+        io_nice: niceness to add, 0..19, or None.
+    """
+    if not io_nice or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        wanted = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + io_nice)
+        if os.getpriority(os.PRIO_PROCESS, tid) < wanted:
+            os.setpriority(os.PRIO_PROCESS, tid, wanted)
+    except OSError as e:
+        log.debug("gockpt: could not lower the priority of thread %s: %s", tid, e)
 
 
 def _check_request(req: PersistRequest) -> int | None:
@@ -338,7 +382,10 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
             raise
 
     num_threads = min(req.num_io_threads, len(jobs))
-    with concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="gockpt-io") as pool:
+    with concurrent.futures.ThreadPoolExecutor(
+        num_threads, thread_name_prefix="gockpt-io", initializer=lower_thread_priority,
+        initargs=(req.io_nice,),
+    ) as pool:
         futures = {name: pool.submit(run, name, pieces) for _, name, pieces in jobs}
         concurrent.futures.wait(futures.values())
     errors = [e for f in futures.values() if (e := f.exception()) is not None]

@@ -28,7 +28,7 @@ from typing import Any
 import xxhash
 from fsspec import AbstractFileSystem
 
-from gockpt import fsutil, storage
+from gockpt import _trace, fsutil, storage
 from gockpt.manifest import check_name
 
 __all__ = ["LocalTarget", "ObjectTarget", "StorageTarget", "open_target"]
@@ -145,11 +145,15 @@ class LocalTarget(StorageTarget):
         with self.fs.open(self.file_path(name), "wb") as f:
             for piece in pieces:
                 check()
-                f.write(piece)
-                digest.update(piece)
-                nbytes += len(piece)
-            f.flush()
-            os.fsync(f.fileno())
+                n = len(piece)
+                with _trace.phase("write", n):
+                    f.write(piece)
+                with _trace.phase("checksum", n):
+                    digest.update(piece)
+                nbytes += n
+            with _trace.phase("fsync", nbytes):
+                f.flush()
+                os.fsync(f.fileno())
         return nbytes, digest.hexdigest()
 
     def prepare(self, manifest: bytes) -> None:
@@ -267,9 +271,12 @@ class ObjectTarget(StorageTarget):
         try:
             for piece in pieces:
                 check()
-                self._timed(name, functools.partial(f.write, piece))
-                digest.update(piece)
-                nbytes += len(piece)
+                n = len(piece)
+                with _trace.phase("write", n):
+                    self._timed(name, functools.partial(f.write, piece))
+                with _trace.phase("checksum", n):
+                    digest.update(piece)
+                nbytes += n
             self._timed(name, f.close)
         except BaseException:
             _abandon(f, self.file_path(name))

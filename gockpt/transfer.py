@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _trace
 from .errors import CheckpointTornError
 
 PRIORITY_GRAD = 0
@@ -150,8 +151,9 @@ class CpuCopier:
                         if torn else None)
                     continue
                 t0 = time.perf_counter()
-                item[1].copy_(item[0])
                 n = item[1].numel()
+                with _trace.phase("copy", n):
+                    item[1].copy_(item[0])
                 if self._rate is not None:
                     rest = n / self._rate - (time.perf_counter() - t0)
                     if rest > 0:
