@@ -63,8 +63,8 @@ def test_lower_thread_priority_lowers_only_the_calling_thread():
     assert _in_thread(lambda: (lower_thread_priority(19), _nice())[1]) == 19
 
 
-@linux_only
-def test_io_threads_write_at_io_nice(tmp_path, make_tensors, make_request, monkeypatch):
+def _writer_niceness(monkeypatch) -> list[int]:
+    """The niceness of each thread that writes a file through the local storage target."""
     seen: list[int] = []
     write = LocalTarget.write
 
@@ -73,6 +73,12 @@ def test_io_threads_write_at_io_nice(tmp_path, make_tensors, make_request, monke
         return write(self, name, pieces, check)
 
     monkeypatch.setattr(LocalTarget, "write", spy)
+    return seen
+
+
+@linux_only
+def test_io_threads_write_at_io_nice(tmp_path, make_tensors, make_request, monkeypatch):
+    seen = _writer_niceness(monkeypatch)
     base = _nice()
     persist(make_request(str(tmp_path / "c"), make_tensors(), io_nice=4))
     assert seen and set(seen) == {min(19, base + 4)}
@@ -82,14 +88,7 @@ def test_io_threads_write_at_io_nice(tmp_path, make_tensors, make_request, monke
 @linux_only
 @pytest.mark.parametrize("mode", ["sync", "lazy", "gockpt_o"])
 def test_engine_with_io_nice_is_exact_and_leaves_training_thread(tmp_path, monkeypatch, mode):
-    seen: list[int] = []
-    write = LocalTarget.write
-
-    def spy(self, name, pieces, check):
-        seen.append(_nice())
-        return write(self, name, pieces, check)
-
-    monkeypatch.setattr(LocalTarget, "write", spy)
+    seen = _writer_niceness(monkeypatch)
     base = _nice()
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode=mode, io_nice=5, min_overlap_steps=2,
