@@ -141,19 +141,31 @@ class _PartWriter(CheckpointWriter):
 
 
 class ShardedHandle:
-    """One sharded save as seen by this rank.
+    """One sharded save as seen by this rank, with :class:`gockpt.SaveHandle`'s interface.
 
     Attributes:
         path: the checkpoint directory.
         part: the handle of this rank's part (its own engine's save).
+        metrics: the part's live metrics (``requested_step``, ``captured_step`` ...).
     """
 
     def __init__(self, path: str, part: SaveHandle, commit: Future[CheckpointMetrics] | None) -> None:
         self.path, self.part, self._commit = path, part, commit
+        self.metrics = part.metrics
 
     @property
     def skipped(self) -> bool:
         return self.part.skipped
+
+    @property
+    def requested_step(self) -> int:
+        """Optimizer updates applied when the checkpoint was requested."""
+        return self.part.requested_step
+
+    @property
+    def captured_step(self) -> int | None:
+        """The step whose state the checkpoint holds, once taken."""
+        return self.part.captured_step
 
     def done(self) -> bool:
         """Whether this rank's part has ended (rank 0: and the commit)."""

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 
 import gockpt
 from gockpt import Engine, SaveHandle, _exit
+from gockpt.sharded import ShardedHandle
 from gockpt.storage import cleanup_staging
 
 from . import sharded
@@ -18,7 +19,7 @@ from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholder
 
 log = logging.getLogger("lightning_gockpt")
 
-_Handle = SaveHandle | sharded.ShardedSave  # one device and DDP | ModelParallelStrategy
+_Handle = SaveHandle | ShardedHandle  # one device and DDP | ModelParallelStrategy
 
 
 class GoCkptCallback(Callback):

@@ -204,42 +204,6 @@ def _rank0_extra(path: str, allow_pickle: bool) -> Any:
     return gockpt.load_checkpoint(os.path.join(path, part_name(0)), allow_pickle=allow_pickle).extra
 
 
-class ShardedSave:
-    """A :class:`gockpt.sharded.ShardedHandle` seen through :class:`gockpt.SaveHandle`'s interface.
-
-    On rank 0 it is done once the checkpoint is committed (or failed to be); on the other ranks
-    once the rank's own part is durable (or failed).
-    """
-
-    def __init__(self, handle: ShardedHandle) -> None:
-        self.handle = handle
-        self.path = handle.path
-        self.metrics = handle.part.metrics
-
-    @property
-    def skipped(self) -> bool:
-        return self.handle.skipped
-
-    @property
-    def requested_step(self) -> int:
-        return self.metrics.requested_step
-
-    @property
-    def captured_step(self) -> int | None:
-        return self.metrics.captured_step
-
-    def done(self) -> bool:
-        return self.handle.done()
-
-    def result(self, timeout_s: float | None = None) -> Any:
-        """The part's metrics once durable (rank 0: once committed); raises the save's error."""
-        return self.handle.result(timeout_s)
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        """Call ``fn(self)`` once :meth:`done` (on the thread that finishes it)."""
-        self.handle.add_done_callback(lambda _h: fn(self))
-
-
 class ShardedAdapterEngine:
     """The engine interface :class:`~lightning_gockpt.GoCkptCallback` drives, over a ShardedEngine.
 
@@ -260,7 +224,7 @@ class ShardedAdapterEngine:
         self.config = self.sharded.config
         self.rank = rank
         self._collective = collective
-        self._latest: dict[str, ShardedSave] = {}
+        self._latest: dict[str, ShardedHandle] = {}
         self._lock = threading.Lock()
 
     @property
@@ -277,7 +241,7 @@ class ShardedAdapterEngine:
         self.sharded.flush()
 
     def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
-             mode: str | None = None) -> ShardedSave:
+             mode: str | None = None) -> ShardedHandle:
         """:meth:`gockpt.sharded.ShardedEngine.save`; only rank 0's part keeps Lightning's dict."""
         def part_state() -> Any:
             tree = state_fn()  # on every rank: Lightning's hooks run where stock runs them
@@ -285,8 +249,8 @@ class ShardedAdapterEngine:
                 return None
             return {"lightning": {k: v for k, v in tree["lightning"].items() if k not in _TENSOR_KEYS}}
 
-        handle = ShardedSave(self.sharded.save(path, state_fn=part_state, mode=mode,
-                                               max_overlap_steps=max_overlap_steps))
+        handle = self.sharded.save(path, state_fn=part_state, mode=mode,
+                                   max_overlap_steps=max_overlap_steps)
         with self._lock:
             self._latest[path] = handle
         return handle
@@ -309,7 +273,7 @@ class ShardedAdapterEngine:
             gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
             return
 
-        def drop(h: ShardedSave) -> None:
+        def drop(h: ShardedHandle) -> None:
             with self._lock:
                 if self._latest.get(path) is not h:
                     return  # saved again since: that save is the checkpoint now
@@ -339,5 +303,5 @@ def unsupported_error(strategy: Any, name: str) -> ValueError:
         "sharded GoCkpt checkpoints.")
 
 
-__all__ = ["SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES", "ShardedAdapterEngine", "ShardedSave",
+__all__ = ["SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES", "ShardedAdapterEngine",
            "build_engine", "install", "strategy_kind", "unsupported_error"]
