@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import io
+import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,6 +27,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from gockpt import storage
 from gockpt.format import ShardLayout, TensorSpec, plan_shards
 from gockpt.persist import PersistRequest
+
+# Processes the tests spawn (ranks, crash children) print a traceback of every thread when they
+# die of a fatal signal, so an abort in a child says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @dataclass

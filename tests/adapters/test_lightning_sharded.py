@@ -169,7 +169,10 @@ def _worker(rank: int, port: int, root: str, mode: str, phase: str) -> None:
         final = _full(trainer)
         if rank == 0:
             torch.save(final, f"{root}/resumed.pt")
-    dist.destroy_process_group()
+    # Everything is on disk: end without a Python-side gloo teardown, which can abort or hang at
+    # random on this torch when one rank tears its groups down while the other still frees work.
+    dist.barrier()
+    os._exit(0)
 
 
 def _port() -> int:
