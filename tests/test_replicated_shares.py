@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import end_rank
 from test_sharded import _equal, _full, _init, _port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -55,14 +56,6 @@ def _mine(state: dict, rank: int) -> dict:
     return state if rank == 0 else {k: v for k, v in state.items() if k not in BUFFERS}
 
 
-def _exit_rank() -> None:
-    """End a DDP rank without tearing its process groups down from Python: destroying a gloo
-    group whose worker thread still frees a finished work item (it needs the GIL) while the
-    DDP reducer's dealloc holds the GIL deadlocks at random. Everything was checked already."""
-    dist.barrier()
-    os._exit(0)
-
-
 def _train_worker(rank: int, world: int, port: int, root: str) -> None:
     _init(rank, world, port)
     ddp, opt = _setup()
@@ -90,7 +83,7 @@ def _train_worker(rank: int, world: int, port: int, root: str) -> None:
     torch.save({"live": live, "final": final,
                 "state_bytes": {n: x.state_bytes for n, x in metrics.items()}}, f"{root}/expected-{rank}.pt")
     assert gockpt.latest_checkpoint(root).endswith("gockpt_o")
-    _exit_rank()
+    end_rank()
 
 
 def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
@@ -105,7 +98,7 @@ def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
         for step in range(target, STEPS):
             _step(ddp, opt, step)
         _equal(_full(ddp.module, opt), expected["final"], f"{name} resumed on rank {rank}")
-    _exit_rank()
+    end_rank()
 
 
 def _nbytes(info: dict) -> int:
@@ -196,7 +189,7 @@ def _mismatch_worker(rank: int, world: int, port: int, root: str) -> None:
         eng.save(f"{root}/ck")
     assert not os.path.exists(f"{root}/ck")
     eng.close()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_replicated_ranks_with_different_states_refuse_to_save(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import end_rank
 from torch import nn
 
 import gockpt
@@ -116,7 +117,7 @@ def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
             _step(m2, opt2, step)
         _equal(_full(m2, opt2), final, f"{name} resumed")
     assert gockpt.latest_checkpoint(root).endswith("gockpt_o")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _reload_worker(rank: int, world: int, port: int, root: str) -> None:
@@ -127,7 +128,7 @@ def _reload_worker(rank: int, world: int, port: int, root: str) -> None:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         load_sharded(f"{root}/{name}", m, opt)
         _equal(_full(m, opt), state, f"{name} with {world} ranks")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_fsdp2_resume_exact_and_reshard(tmp_path):
@@ -209,7 +210,7 @@ def _fault_worker(rank: int, world: int, port: int, root: str) -> None:
     assert h.part.metrics.mode == "lazy" and h.part.metrics.num_overlap_steps == 1
     _step(m2, opt2, 1)
     eng2.close()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from _dist import end_rank
 
 import gockpt
 from gockpt.dcp import load_full, load_sharded
@@ -38,7 +39,7 @@ def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
     extra = load_sharded(latest, m, opt)
     with open(f"{out}-{rank}", "w") as f:
         f.write(f"{os.path.basename(latest)} {extra['version']}")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import end_rank
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -169,10 +170,7 @@ def _worker(rank: int, port: int, root: str, mode: str, phase: str) -> None:
         final = _full(trainer)
         if rank == 0:
             torch.save(final, f"{root}/resumed.pt")
-    # Everything is on disk: end without a Python-side gloo teardown, which can abort or hang at
-    # random on this torch when one rank tears its groups down while the other still frees work.
-    dist.barrier()
-    os._exit(0)
+    end_rank()
 
 
 def _port() -> int:
