@@ -27,8 +27,9 @@ from typing import Any
 
 import xxhash
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
-from gockpt import _trace, fsutil, storage
+from gockpt import _direct, _trace, fsutil, storage
 from gockpt.manifest import check_name
 
 __all__ = ["LocalTarget", "ObjectTarget", "StorageTarget", "open_target"]
@@ -99,7 +100,8 @@ class LocalTarget(StorageTarget):
     any process (any PID namespace) sees that this writer is alive.
     """
 
-    def __init__(self, fs: AbstractFileSystem, root: str, staging: str | None = None) -> None:
+    def __init__(self, fs: AbstractFileSystem, root: str, staging: str | None = None, *,
+                 direct_io: bool = True) -> None:
         """
         Args:
             fs, root: the local filesystem and the checkpoint directory.
@@ -107,8 +109,11 @@ class LocalTarget(StorageTarget):
                 by the caller at request time, so other processes can add their files, named
                 ``.<name>.gockpt-tmp-<pid>-<hex>`` so :func:`gockpt.storage.cleanup_staging`
                 knows it); None: a new one.
+            direct_io: write files with ``O_DIRECT`` where the filesystem allows it
+                (:mod:`gockpt._direct`); False: through the page cache.
         """
         self.fs = fs
+        self.direct_io = direct_io
         self.root = root
         self.parent, name = fsutil.split(root)
         os.makedirs(self.parent, exist_ok=True)
@@ -141,6 +146,12 @@ class LocalTarget(StorageTarget):
         self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
     ) -> tuple[int, str]:
         digest = xxhash.xxh3_64()
+        if type(self.fs) is LocalFileSystem:
+            # fsspec's own local filesystem: around the page cache (a subclass, such as a test's
+            # fault-injecting one, keeps its own ``open``).
+            nbytes = _direct.write_file(self.file_path(name), pieces, check, digest,
+                                        direct=self.direct_io)
+            return nbytes, digest.hexdigest()
         nbytes = 0
         with self.fs.open(self.file_path(name), "wb") as f:
             for piece in pieces:

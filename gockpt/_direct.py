@@ -1,0 +1,168 @@
+"""Local shard files written around the page cache (``O_DIRECT``).
+
+A buffered write copies every byte into the page cache on the writing core (about 0.8 ms of
+CPU per MB here) and leaves the kernel's flusher threads to write it back during ``fsync``;
+on a machine with few cores both compete with the training thread, and the cache grows by the
+size of every checkpoint. With ``O_DIRECT`` the device reads the bytes straight from a small
+page-aligned bounce buffer: the writing thread only copies into that buffer (a ``memcpy``
+through numpy, which releases the GIL) and waits for the device. Measured on this project's
+2-core machines (ext4 on a virtual disk, 300 MB): 0.25 s of CPU per checkpoint buffered,
+0.015 s direct, the same time to durable.
+
+``O_DIRECT`` needs the buffer, the file offset and the length aligned to the device's logical
+block; the bounce buffer is page-aligned and written in whole pages, the last one padded with
+zeros and the file truncated back to its length. Where the filesystem refuses ``O_DIRECT``
+(tmpfs, some network filesystems: ``EINVAL`` at ``fcntl`` or at the first write) the rest of
+the file is written buffered, with the same bytes and the same checksum.
+
+This is written by hand: neither fsspec nor the standard library offers aligned direct I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from gockpt import _trace
+
+__all__ = ["ALIGN", "BOUNCE_BYTES", "write_file"]
+
+ALIGN = 4096  # bytes: the largest logical block size of common devices, and the page size
+BOUNCE_BYTES = 8 << 20  # bytes per writing thread; one device write each
+
+_tls = threading.local()
+
+
+def _bounce() -> np.ndarray:
+    """This thread's page-aligned bounce buffer, (BOUNCE_BYTES,) uint8 (allocated once)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None:
+        _tls.map = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous maps are page-aligned
+        buf = _tls.buf = np.frombuffer(_tls.map, dtype=np.uint8)
+    return buf
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn ``O_DIRECT`` on or off for ``fd``; False where the filesystem refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
+
+
+def _write_all(fd: int, view: Any) -> None:
+    """Write all of ``view`` at the file position (``os.write`` releases the GIL)."""
+    mv = memoryview(view).cast("B")
+    while len(mv):
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+class _Writer:
+    """Streams pieces into the file at ``fd``: direct through the bounce buffer while it can."""
+
+    def __init__(self, fd: int, direct: bool) -> None:
+        self.fd = fd
+        self.direct = direct and _set_direct(fd, True)
+        self.buf = _bounce() if self.direct else None
+        self.fill = 0
+
+    def add(self, src: np.ndarray) -> None:
+        if not self.direct:
+            _write_all(self.fd, src)
+            return
+        assert self.buf is not None
+        pos = 0
+        while pos < len(src):
+            n = min(len(src) - pos, len(self.buf) - self.fill)
+            self.buf[self.fill : self.fill + n] = src[pos : pos + n]
+            self.fill += n
+            pos += n
+            if self.fill == len(self.buf):
+                self._flush(self.fill)
+        return
+
+    def _flush(self, nbytes: int) -> None:
+        """Write the bounce buffer's first ``nbytes`` (a multiple of ALIGN unless buffered)."""
+        assert self.buf is not None
+        view = memoryview(self.buf)[:nbytes]
+        if self.direct:
+            try:
+                n = os.write(self.fd, view)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                n = 0  # the device wants a larger alignment: the rest goes buffered
+                self.direct = False
+                _set_direct(self.fd, False)
+            if n != nbytes:  # a short direct write leaves the position aligned; finish buffered
+                self.direct = False
+                _set_direct(self.fd, False)
+                view = view[n:]
+            else:
+                view = view[nbytes:]
+        _write_all(self.fd, view)
+        self.fill = 0
+
+    def finish(self, total: int) -> None:
+        """Write what is left in the bounce buffer; the file ends at ``total`` bytes."""
+        if not self.fill:
+            return
+        if not self.direct:
+            self._flush(self.fill)
+            return
+        assert self.buf is not None
+        padded = -(-self.fill // ALIGN) * ALIGN
+        self.buf[self.fill : padded] = 0
+        self._flush(padded)
+        os.ftruncate(self.fd, total)
+
+
+def write_file(path: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None],
+               digest: Any, *, direct: bool = True) -> int:
+    """Write ``pieces`` as a new file at ``path`` (truncating one there), then ``fsync`` it.
+
+    Args:
+        path: a local path.
+        pieces: the file's bytes in order (any buffer objects; sizes in bytes need no alignment).
+        check: called before each piece; raises to abort the write.
+        digest: an ``xxhash`` hasher, updated with every piece.
+        direct: try ``O_DIRECT`` (falls back to buffered writes where refused).
+
+    Returns:
+        The file's size in bytes.
+
+    Raises:
+        OSError: from the filesystem (``ENOSPC``, ``EIO``, ...); the partial file is left for the
+            caller's clean-up.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        w = _Writer(fd, direct)
+        total = 0
+        for piece in pieces:
+            check()
+            src = np.frombuffer(piece, dtype=np.uint8)
+            with _trace.phase("write", len(src)):
+                w.add(src)
+            with _trace.phase("checksum", len(src)):
+                digest.update(piece)
+            total += len(src)
+        with _trace.phase("write", 0):
+            w.finish(total)
+        with _trace.phase("fsync", total):
+            os.fsync(fd)
+        return total
+    finally:
+        os.close(fd)
