@@ -1,0 +1,151 @@
+"""Checkpoint cost per GB at several state sizes, the engine alone (no Lightning layer).
+
+For each size (default about 0.3, 1.2 and 3 GB of weights + AdamW state, fp32) and each scheme,
+a fresh process trains a stack of ``Linear`` layers (one training thread) and checkpoints every
+``--interval`` steps:
+
+- ``none``: no checkpoint (the baseline step time and memory);
+- ``torch.save``: a blocking ``torch.save`` of the model and optimizer state_dicts + fsync;
+- ``gockpt <mode>``: :class:`gockpt.Engine` driven directly (``engine.save`` after the step).
+
+Printed per row, medians over the checkpoints: the training thread's extra wall time per
+checkpoint (sum of step times minus steps x the median step of the same process's steps with
+no checkpoint in flight), the engine-reported stall, the time from request to durable, and the
+peak RSS above the ``none`` run of the same size; each also per GB of checkpointed state.
+This machine is shared: quote ratios, run it twice. Usage::
+
+    python examples/bench_scale.py --sizes-gb 0.3 1.2 3 --modes lazy gockpt_o
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WIDTH = 2048
+
+
+def _layers(size_gb: float) -> int:
+    # AdamW keeps exp_avg and exp_avg_sq beside each fp32 parameter: state = 3 x weights.
+    per_layer = 3 * 4 * (WIDTH * WIDTH + WIDTH)
+    return max(1, round(size_gb * 1e9 / per_layer))
+
+
+def _run(args: argparse.Namespace) -> dict:
+    import torch
+    from torch import nn
+
+    import gockpt
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(_layers(args.size_gb))])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.randn(8, WIDTH)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()  # AdamW state exists from here on
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    engine = None
+    if args.scheme.startswith("gockpt "):
+        engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.scheme.split()[1]))
+    times, in_flight, handles, durable, stall = [], [], [], [], []
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        total = args.warmup + args.checkpoints * args.interval + args.interval
+        for i in range(total):
+            t0 = time.perf_counter()
+            step()
+            if i >= args.warmup and (i - args.warmup) % args.interval == 0 and \
+                    len(durable) + len(handles) < args.checkpoints and args.scheme != "none":
+                path = f"{root}/step-{i}"
+                if engine is None:
+                    t = time.perf_counter()
+                    with open(path, "wb") as f:
+                        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    durable.append(time.perf_counter() - t)
+                else:
+                    handles.append(engine.save(path))
+            busy = engine is not None and any(not h.done() for h in handles)
+            times.append(time.perf_counter() - t0)
+            in_flight.append(busy or (i >= args.warmup and engine is None and
+                                      (i - args.warmup) % args.interval == 0 and args.scheme != "none"))
+        if engine is not None:
+            engine.wait()
+            for h in handles:
+                m = h.result()
+                durable.append(m.time_to_durable_s)
+                stall.append(m.stall_s)
+            engine.close()
+    measured = times[args.warmup:]
+    flags = in_flight[args.warmup:]
+    clean = statistics.median([t for t, f in zip(measured, flags, strict=True) if not f] or measured)
+    n = max(1, args.checkpoints if args.scheme != "none" else 1)
+    return {
+        "scheme": args.scheme, "size_gb": args.size_gb, "state_bytes": state_bytes,
+        "clean_step_s": clean,
+        "extra_per_ckpt_s": (sum(measured) - len(measured) * clean) / n,
+        "stall_s": statistics.median(stall) if stall else None,
+        "durable_s": statistics.median(durable) if durable else None,
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_start_bytes": rss0,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.3, 1.2, 3.0])
+    p.add_argument("--modes", nargs="+", default=["lazy", "gockpt_o"])
+    p.add_argument("--checkpoints", type=int, default=3)
+    p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: tmp)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: scheme,size
+    args = p.parse_args()
+    if args.one:
+        args.scheme, size = args.one.rsplit(",", 1)
+        args.size_gb = float(size)
+        print(json.dumps(_run(args)))
+        return
+    rows = []
+    for size in args.sizes_gb:
+        for scheme in ["none", "torch.save", *[f"gockpt {m}" for m in args.modes]]:
+            cmd = [sys.executable, __file__, "--one", f"{scheme},{size}", "--checkpoints",
+                   str(args.checkpoints), "--interval", str(args.interval), "--warmup", str(args.warmup)]
+            if args.dir:
+                cmd += ["--dir", args.dir]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            print(f"# done: {scheme} at {size} GB", file=sys.stderr, flush=True)
+    print(f"{os.cpu_count()} cores, one training thread; state = fp32 weights + AdamW state; "
+          f"{args.checkpoints} checkpoints every {args.interval} steps; medians.")
+    print("| size (GB) | scheme | clean step (s) | extra wall / ckpt (s) | per GB (s/GB) | "
+          "engine stall (s) | durable (s) | durable per GB (s/GB) | peak RSS above none (GB) | "
+          "per GB of state |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = {r["size_gb"]: r["rss_peak_bytes"] for r in rows if r["scheme"] == "none"}
+    for r in rows:
+        gb = r["state_bytes"] / 1e9
+        extra_mem = (r["rss_peak_bytes"] - base[r["size_gb"]]) / 1e9
+        fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        print(f"| {gb:.2f} | {r['scheme']} | {r['clean_step_s']:.3f} | {r['extra_per_ckpt_s']:.3f} | "
+              f"{r['extra_per_ckpt_s'] / gb:.3f} | {fmt(r['stall_s'])} | {fmt(r['durable_s'], 2)} | "
+              f"{fmt(None if r['durable_s'] is None else r['durable_s'] / gb, 2)} | {extra_mem:.2f} | "
+              f"{extra_mem / gb:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
