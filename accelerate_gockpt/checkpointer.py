@@ -11,8 +11,8 @@ Call sequence of one ``accelerator.save_state()`` once attached:
    registered objects and ``Accelerator.step``; the other processes write their RNG state into
    the folder (:mod:`gockpt.ranks`).
 3. (engine threads) copy, replay and write Accelerate's files once, straight from the host
-   snapshot, then rename the folder into place and apply ``total_limit`` (:mod:`._publish`), so
-   plain ``accelerator.load_state`` resumes from it.
+   snapshot (:mod:`._publish`), then rename the folder into place and apply ``total_limit``
+   (:mod:`gockpt.folder`), so plain ``accelerator.load_state`` resumes from it.
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from torch import nn
 
 import gockpt
 from gockpt import _exit
-from gockpt.fsutil import scratch_path
+from gockpt.folder import StagingFolders, folder_number, latest_numbered
 from gockpt.replicated import ReplicatedEngine
-from gockpt.storage import checkpoint_number, cleanup_staging, numbered_checkpoints
+from gockpt.wrapped import engine_model
 
 from . import _host_state, _publish
-from ._models import engine_model
 
 if TYPE_CHECKING:
     from .plugin import GoCkptPlugin
@@ -80,7 +79,7 @@ class GoCkptCheckpointer:
         if self._exact_step and not plugin.exact_step:
             log.warning("gockpt: %d optimizers: every checkpoint holds the step of its request "
                         "(exact_step)", len(self._optimizers))
-        self._cleaned: set[str] = set()
+        self._staging = StagingFolders()
         self._closed = False
         self._stopping = False
         self._start()
@@ -164,11 +163,7 @@ class GoCkptCheckpointer:
         acc = self.accelerator
         pc = acc.project_configuration
         if input_dir is None and pc.automatic_checkpoint_naming:
-            root = os.path.join(acc.project_dir, "checkpoints")
-            names = numbered_checkpoints(root)
-            if not names:
-                raise FileNotFoundError(f"no checkpoint in {root}")
-            input_dir = os.path.join(root, names[-1])
+            input_dir = latest_numbered(os.path.join(acc.project_dir, "checkpoints"))
         self._stop()  # load_state_dict replaces optimizer state tensors: re-enumerate them
         try:
             self._originals["load_state"](input_dir, load_kwargs, **load_model_func_kwargs)
@@ -176,13 +171,11 @@ class GoCkptCheckpointer:
             self._start()
         if input_dir is None:
             return
-        sidecar = _publish.read_sidecar(os.fspath(input_dir))
-        if sidecar is not None:
-            pc.iteration = int(sidecar["iteration"]) + 1
-        elif pc.automatic_checkpoint_naming:
-            number = checkpoint_number(os.path.basename(os.path.normpath(input_dir)))
-            if number is not None:
-                pc.iteration = number + 1
+        # GoCkpt's folders name their iteration; Accelerate's own are numbered in their name.
+        number = folder_number(os.fspath(input_dir), _publish.SIDECAR_FORMAT, "iteration",
+                               from_name=pc.automatic_checkpoint_naming)
+        if number is not None:
+            pc.iteration = number + 1
 
     def wait(self, timeout_s: float | None = None) -> list[gockpt.CheckpointMetrics]:
         """Finish every pending checkpoint now and block until published.
@@ -309,20 +302,14 @@ class GoCkptCheckpointer:
                 f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
                 "exists. Please manually override `self.save_iteration` with what iteration "
                 "to start with.")
-        parent = root if root is not None else os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
-        if parent not in self._cleaned:
-            cleanup_staging(parent)  # left by processes that died mid-save
-            self._cleaned.add(parent)
-        # "0-": Accelerate orders by the first digits in a name, so a leftover sorts first.
-        staging = scratch_path(parent, f"0-{os.path.basename(final)}")
-        os.mkdir(staging)
+        staging = self._staging.make(final)
         acc = self.accelerator
         return staging, _publish.AccelerateWriter(
             staging=staging, key_map=self._key_map, num_models=len(self._models),
-            safe_serialization=safe_serialization, iteration=acc.save_iteration,
-            num_processes=acc.num_processes, rotate_root=root,
-            total_limit=acc.project_configuration.total_limit if root else None,
+            safe_serialization=safe_serialization,
+            sidecar_fields={"iteration": acc.save_iteration, "num_processes": acc.num_processes},
+            shares=[_host_state.rng_file_name(r) for r in range(1, acc.num_processes)],
+            rotate_root=root, total_limit=acc.project_configuration.total_limit if root else None,
             timeout_s=float(self.plugin.publish_timeout_s or 600.0),
             pre_hooks=list(acc._save_model_state_pre_hook.values()),
             models=list(acc._models), stopped=lambda: self._stopping,

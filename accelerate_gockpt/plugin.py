@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from accelerate.utils import DistributedType
 
 from gockpt import GoCkptConfig
 from gockpt import env as _env
+from gockpt.options import engine_options
 
 from .checkpointer import GoCkptCheckpointer
 
@@ -33,13 +34,9 @@ _NOT_OPTIONS = ("storage_options", "update_latest")
 """Engine fields the plugin does not offer: checkpoints go to the local ``project_dir``, and
 the engine's ``latest`` pointer is off (the folders are Accelerate's, ordered by number)."""
 
-_ENGINE_KINDS = _env.option_kinds(GoCkptConfig, exclude=_NOT_OPTIONS)
-
 # Every scalar GoCkptConfig field, as an optional field of the plugin (same name and meaning;
 # None: from the environment, the config file, or the engine's default), so none can drift.
-_EngineOptions = make_dataclass(
-    "_EngineOptions", [(name, kind | None, field(default=None)) for name, kind in _ENGINE_KINDS.items()],
-    kw_only=True)
+_EngineOptions = engine_options(exclude=_NOT_OPTIONS)
 
 
 @dataclass(kw_only=True)
@@ -81,25 +78,15 @@ class GoCkptPlugin(_EngineOptions):  # type: ignore[misc, valid-type]
         "YAML or JSON file of defaults for the fields above (env: GOCKPT_CONFIG_FILE).")})
 
     def __post_init__(self) -> None:
-        if self.config_file is None:
-            self.config_file = os.environ.get(CONFIG_FILE_ENV) or None
-        kinds = {**_ENGINE_KINDS, **_env.option_kinds(GoCkptPlugin, exclude=[*_ENGINE_KINDS, "config_file"])}
-        sources = _env.fill_unset(self, kinds, self.config_file)
+        self.resolve({"enabled": True, "exact_step": False, "publish_timeout_s": 600.0},
+                     check=self._check)
         if self.gockpt_dir is not None:
             warnings.warn("GoCkptPlugin(gockpt_dir=...) is ignored: checkpoints are written once, "
                           "in Accelerate's layout, beside the checkpoint", DeprecationWarning, stacklevel=3)
-        if self.enabled is None:
-            self.enabled = True
-        if self.exact_step is None:
-            self.exact_step = False
-        if self.publish_timeout_s is None:
-            self.publish_timeout_s = 600.0
-        try:
-            if not self.publish_timeout_s > 0:
-                raise ValueError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
-            self.to_config()  # range checks of the engine's fields, naming the field
-        except ValueError as e:
-            raise _env.name_source(e, sources) from None
+
+    def _check(self) -> None:
+        if self.publish_timeout_s is None or not self.publish_timeout_s > 0:
+            raise ValueError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
 
     def to_config(self) -> GoCkptConfig:
         """The engine configuration these options describe (``latest`` pointer off).
@@ -107,8 +94,7 @@ class GoCkptPlugin(_EngineOptions):  # type: ignore[misc, valid-type]
         Raises:
             ValueError: a value out of range, naming the field.
         """
-        kwargs = {name: getattr(self, name) for name in _ENGINE_KINDS if getattr(self, name) is not None}
-        return GoCkptConfig(update_latest=False, **kwargs)
+        return self.engine_config(update_latest=False)
 
     def attach(self, accelerator: Any) -> GoCkptCheckpointer | None:
         """Attach GoCkpt to a prepared ``accelerator``; see :func:`accelerate_gockpt.attach`."""

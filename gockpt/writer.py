@@ -103,7 +103,12 @@ class CheckpointWriter:
         return None
 
     def files(self, snapshot: Snapshot) -> Mapping[str, bytes]:
-        """More files to write (name -> bytes), listed in the manifest. Persist thread."""
+        """More files to write, listed in the manifest. Persist thread.
+
+        Returns:
+            name -> the file's bytes: ``bytes`` or a 1-D ``uint8`` ``memoryview`` (e.g. what
+            :func:`gockpt.torchfile.torch_file` builds without holding the GIL for the bytes).
+        """
         return {}
 
     def before_publish(self, snapshot: Snapshot) -> None:

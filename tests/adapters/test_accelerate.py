@@ -368,6 +368,39 @@ def test_model_file_is_safetensors_with_accelerate_keys(tmp_path):
     assert torch.load(path / "optimizer.bin", weights_only=True)["param_groups"][0]["lr"] > 0
 
 
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_files_load_bit_identical_to_the_ones_accelerate_writes(tmp_path, safe_serialization):
+    """optimizer.bin (and pytorch_model.bin), written from the snapshot by gockpt.torchfile,
+    load, with weights_only=True as Accelerate loads them, to what stock save_state wrote."""
+    run = child.build(str(tmp_path / "run"), automatic_naming=False)
+    child.train(run, 3)
+    run.acc.save_state(str(tmp_path / "stock"), safe_serialization=safe_serialization)  # Accelerate's
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))  # written on the persist thread
+    run.acc.save_state(str(tmp_path / "ours"), safe_serialization=safe_serialization)
+    ckpt.close()
+    weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    for name in ("optimizer.bin", weights):
+        if name.endswith(".safetensors"):
+            ours, stock = load_file(str(tmp_path / "ours" / name)), load_file(str(tmp_path / "stock" / name))
+        else:
+            ours = torch.load(tmp_path / "ours" / name, weights_only=True)
+            stock = torch.load(tmp_path / "stock" / name, weights_only=True)
+        assert child.differences(ours, stock, name) == []
+        if name.endswith(".safetensors"):
+            continue  # its tensors lie in the file in an order of safetensors' own
+        assert list(ours) == list(stock)  # the order of the keys too
+        if name == "optimizer.bin":
+            assert list(ours["state"]) == list(stock["state"])
+            assert ours["param_groups"] == stock["param_groups"]
+    # Plain load_state of either folder gives the same state, bit for bit.
+    states = []
+    for folder in ("ours", "stock"):
+        fresh = child.build(str(tmp_path / f"resume-{folder}"), seed=3)
+        fresh.acc.load_state(str(tmp_path / folder))
+        states.append(child.snapshot(fresh))
+    assert child.differences(states[0], states[1]) == []
+
+
 def test_detach_restores_accelerate_methods(tmp_path):
     run = child.build(str(tmp_path / "run"))
     ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
