@@ -52,7 +52,8 @@ class Pipeline:
             :func:`gockpt.persist.io_threads_cap` io threads each, storage options).
         optimizers: the engine's optimizers (their number is recorded in the manifest).
         backends: the replay backend of each optimizer.
-        slots: the host slot pool; a save's slot goes back once it is durable or failed.
+        slots: the host slot pool; a save's hold of its slot is released once it is durable or
+            failed (the slot goes back with the last save sharing it).
         on_durable: called with the metrics of each published save, on the persisting thread.
     """
 
@@ -115,13 +116,15 @@ class Pipeline:
                 else:
                     self._persist_pool.submit(self.persist, s)
             except BaseException as e:  # noqa: BLE001 - reported through the handle
-                s.failed = s.failed or e
-                s.cancel.set()
+                # A failed replay spoils the snapshot of every save sharing it.
+                for r in s.share.records if kind == "replay" else [s]:
+                    r.failed = r.failed or e
+                    r.cancel.set()
 
     def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
         opt_index, cls, hparams, units, turn = record
         try:
-            if s.cancel.is_set():
+            if not s.share.alive():  # every save using this snapshot failed or was cancelled
                 return
             ticket.wait()  # raises CheckpointTornError when a gradient changed during its copy
             backend = self._backends.select(opt_index)
@@ -212,7 +215,11 @@ class Pipeline:
             m.persist_s = res.seconds
             m.persist_gbps = res.bytes_written / res.seconds / 1e9 if res.seconds > 0 else 0.0
             m.time_to_durable_s = time.perf_counter() - s.t_request
+            m.host_peak_bytes = self._slots.peak_bytes
+            if s is not s.share.leader:
+                m.replay_backend = s.share.leader.metrics.replay_backend
         except BaseException as e:  # noqa: BLE001 - handed to the handle and the training thread
+            m.host_peak_bytes = self._slots.peak_bytes
             self._slots.release(s.slot)
             if s.overtaken:
                 # Never a torn checkpoint, never a failed run: the previous checkpoints stand.

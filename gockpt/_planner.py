@@ -163,16 +163,23 @@ class Planner:
                                                   self._config.max_shard_bytes))
         return self._slot_cache[1]
 
-    def grad_layout(self, layout: StateLayout, plan: CopyPlan) -> tuple[dict[int, int], int]:
-        """Byte offset of each unit's gradient in a gradient buffer, and the buffer's size."""
+    def grad_layout(self, layout: StateLayout, plan: CopyPlan) -> tuple[dict[int, int], tuple[int, int]]:
+        """Byte offset of each unit's gradient in a gradient buffer, and each buffer's size.
+
+        The gradients of the update ending window ``j`` (blocks 0..j, j < K - 1) go to buffer
+        ``j % 2``, laid out in block order: buffer ``t`` needs the bytes up to the end of the
+        last block it ever holds (K = 2 uses one buffer only).
+        """
         if plan.mode not in MULTI_STEP_MODES or plan.num_overlap_steps < 2:
-            return {}, 0
-        offsets, off = {}, 0
+            return {}, (0, 0)
+        offsets, off, ends = {}, 0, []
         for block in plan.blocks[:-1]:
             for i in block:
                 offsets[i] = off
                 off = _align(off + layout.units[i].grad_bytes)
-        return offsets, off
+            ends.append(off)
+        last = len(ends) - 1  # the window of the last gradient capture
+        return offsets, (ends[last - last % 2], ends[last - 1 + last % 2] if last >= 1 else 0)
 
     def check_host_budget(self, per_slot: int) -> None:
         """Raises ValueError when ``host_buffer_bytes`` cannot hold one slot of ``per_slot``."""

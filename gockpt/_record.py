@@ -2,16 +2,25 @@
 
 ``Engine.save`` makes it on the training thread; :mod:`gockpt._windows` moves it through its copy
 windows there; :mod:`gockpt._pipeline` replays onto it, persists it and resolves its handle.
+
+Saves requested at one step share one host snapshot (:class:`Share`, :func:`find_leader`): the
+first one (the leader) is planned and copied as usual; a later request at the same step whose
+plan allows the leader's captured step joins it (:func:`join_record`) with its own path, state,
+files and handle, and the slot goes back to the pool once every one of them has released it.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+import time
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +29,12 @@ from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
 from .plan import CopyPlan
 from .snapshot import SlotLayout, host_view
-from .transfer import CopyTicket, Slot
+from .transfer import CopyTicket, Slot, SlotPool
 from .writer import CheckpointWriter, TensorFile, plan_tensor_files
+
+if TYPE_CHECKING:
+    from ._planner import Planner
+    from .config import GoCkptConfig
 
 
 class Phase(enum.Enum):
@@ -30,8 +43,10 @@ class Phase(enum.Enum):
     Multi-step modes (``lazy`` included): REQUESTED, then COPYING and COPIED once per block (a
     flush copies the rest at once), then FINALIZED (handed to the pipeline, failed saves too),
     then DONE or FAILED. ``sync`` and ``async``: REQUESTED, then CAPTURED (handed to the
-    pipeline without the finalize step; ``Engine.save`` waiting for a slot counts only
-    FINALIZED saves as ones that free a slot without training), then DONE or FAILED.
+    pipeline without the finalize step), then DONE or FAILED. A follower (:class:`Share`) goes
+    from REQUESTED to FINALIZED with its leader (at once when the leader was handed off, or
+    alone when it fails or is cancelled). :func:`take_host` counts handed-off saves whose
+    leader is handed off too as ones that free a slot without training.
 
     The training thread writes the phase until the hand-off, the pipeline afterwards. Whether
     the non-tensor state was taken is :attr:`SaveRecord.captured`, not a phase: a multi-step
@@ -48,6 +63,44 @@ class Phase(enum.Enum):
 
 
 _HANDED_OFF = (Phase.CAPTURED, Phase.FINALIZED, Phase.DONE, Phase.FAILED)
+
+
+class Share:
+    """The saves using one host snapshot, the leader first.
+
+    The leader was planned with the snapshot and drives its copies, gradient captures and
+    replays (:mod:`gockpt._windows`, :mod:`gockpt._pipeline`); the others (followers) joined it
+    at the step it is pinned to and take only their own state (``state_fn``), files and handle.
+    A failure of the copies fails all of them; a save's own failure or cancel fails it alone:
+    the leader then goes on driving while a follower still wants the snapshot.
+
+    It holds its saves weakly (no reference cycle keeps a finished save's tensors alive until
+    the garbage collector runs); a follower holds its leader (:attr:`SaveRecord.leader`).
+    """
+
+    def __init__(self, leader: SaveRecord) -> None:
+        self._refs = [weakref.ref(leader)]
+
+    @property
+    def leader(self) -> SaveRecord:
+        r = self._refs[0]()
+        assert r is not None, "read through a live save, the leader is alive"
+        return r
+
+    @property
+    def records(self) -> list[SaveRecord]:
+        """The saves still alive, the leader first."""
+        return [r for ref in self._refs if (r := ref()) is not None]
+
+    def add(self, r: SaveRecord) -> None:
+        self._refs.append(weakref.ref(r))
+
+    def remove(self, r: SaveRecord) -> None:
+        self._refs = [ref for ref in self._refs if ref() is not r]
+
+    def alive(self) -> bool:
+        """Whether some save still wants the snapshot (neither cancelled nor failed)."""
+        return any(not r.cancel.is_set() for r in self.records)
 
 
 @dataclass
@@ -82,6 +135,19 @@ class SaveRecord:
     # Per shard, the slot byte ranges of its data in file order (a writer's files); None: one
     # range per shard, from shard_bases.
     shard_segments: list[list[tuple[int, int]]] | None = None
+    # The saves using this save's host snapshot (this one alone unless others joined it).
+    share: Share = field(default=None)  # type: ignore[assignment]
+    leader: SaveRecord | None = None  # a follower: the save whose snapshot it shares
+    # (step, version counters of every tracked tensor) the snapshot's contents stand for: set at
+    # the request, and again where a flush finishes the save at the current step.
+    pinned: tuple[int, tuple[int, ...]] = (-1, ())
+    # The leader: its snapshot's state was taken (whether or not its own state_fn worked).
+    # A follower: its own state was taken.
+    captured: bool = False
+
+    def __post_init__(self) -> None:
+        if self.share is None:
+            self.share = Share(self)
 
     @property
     def metrics(self) -> CheckpointMetrics:
@@ -92,15 +158,12 @@ class SaveRecord:
         return len(self.plan.blocks)
 
     @property
-    def captured(self) -> bool:
-        return self.extra is not None
-
-    @property
     def handed_off(self) -> bool:
         return self.phase in _HANDED_OFF
 
     def drain(self) -> None:
-        """Wait for the copies still writing into this save's slot (before the slot is reused)."""
+        """Wait for the copies this save queued into its slot (before it releases the slot; a
+        follower queued none: the leader drains its own before releasing its hold)."""
         for t in [*self.tickets.values(), *self.grad_tickets]:
             try:
                 t.wait()
@@ -119,27 +182,155 @@ def new_record(
     grad_offsets: dict[int, int],
     state_fn: Callable[[], Any] | None,
     *,
+    grad_bytes: tuple[int, int],
     target: int,
     t_request: float,
+    pinned: tuple[int, tuple[int, ...]],
     writer: CheckpointWriter | None = None,
     files: list[TensorFile] | None = None,
 ) -> SaveRecord:
-    """A record whose views map every tracked tensor (and gradient) onto ``slot``; ``files``:
+    """A record whose views map every tracked tensor (and gradient) onto ``slot``; ``grad_bytes``:
+    the bytes each gradient buffer needs (:meth:`gockpt._planner.Planner.grad_layout`);
+    ``pinned``: (step, :func:`state_versions`) at the request; ``files``:
     ``writer.tensor_files(layout)`` (None: GoCkpt's shards)."""
-    handle.metrics.host_bytes = slot.data.numel() + sum(g.numel() for g in slot.grads)
+    handle.metrics.host_bytes = slot.nbytes
     views = {}
     for e in layout.entries:
         views[e.key] = host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
     grad_views = [
-        {i: host_view(g, off, layout.units[i].param_entry.tensor) for i, off in grad_offsets.items()}
-        for g in slot.grads
+        {i: host_view(g, off, layout.units[i].param_entry.tensor) for i, off in grad_offsets.items()
+         if off + layout.units[i].grad_bytes <= need}
+        for g, need in zip(slot.grads, grad_bytes, strict=True)
     ]
-    # File names unique to this save: overwriting a file that the checkpoint published at the
-    # same path names would corrupt it.
-    shards = slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}")
-    segments = None
-    if files is not None:
-        shards, segments = plan_tensor_files(files, layout, slot_layout)
+    shards, segments = _files(layout, slot_layout, files)
     return SaveRecord(seq, path, handle, plan, layout, slot, views, grad_views, shards,
                       slot_layout.bases, state_fn, target=target, t_request=t_request,
-                      writer=writer, shard_segments=segments)
+                      writer=writer, shard_segments=segments, pinned=pinned)
+
+
+def _files(layout: StateLayout, slot_layout: SlotLayout, files: list[TensorFile] | None,
+           ) -> tuple[list[ShardLayout], list[list[tuple[int, int]]] | None]:
+    if files is not None:
+        return plan_tensor_files(files, layout, slot_layout)
+    # File names unique to this save: overwriting a file that the checkpoint published at the
+    # same path names would corrupt it.
+    return slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}"), None
+
+
+def state_versions(layout: StateLayout) -> tuple[int, ...]:
+    """The version counter of every tensor of ``layout``: an in-place change bumps one."""
+    return tuple(e.versioned._version for e in layout.entries)
+
+
+def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout, plan: CopyPlan,
+                exact_k: bool, versions: tuple[int, ...]) -> SaveRecord | None:
+    """A save in flight whose snapshot a request at step ``version`` planned as ``plan`` may share.
+
+    It may when it leads its snapshot, neither failed nor was cancelled, has the same layout, its
+    snapshot is pinned to this step with the same tensor ``versions`` (requested at this step, or
+    finished at it by a flush, and nothing changed since), and its captured step ``target`` is
+    one ``plan`` allows: ``K' = target - version + 1 <= K`` (``== K`` when ``exact_k``: the ranks
+    of a sharded engine agreed on K and must capture the same step whether they share or not).
+    ``sync`` never shares; ``async`` only a snapshot already copied at this step.
+    """
+    if plan.mode == "sync":
+        return None
+    for x in reversed(records):
+        if x.share.leader is not x or x.pinned[0] != version or x.layout is not layout \
+                or x.plan.mode == "sync" or x.failed is not None or x.cancel.is_set() \
+                or x.phase in (Phase.DONE, Phase.FAILED) or x.handle.done():
+            continue
+        k = x.target - version + 1
+        if k > plan.num_overlap_steps or (exact_k and k != plan.num_overlap_steps):
+            continue
+        if plan.mode == "async" and not (x.handed_off and k == 1):
+            continue
+        if x.pinned[1] == versions:
+            return x
+    return None
+
+
+def join_record(seq: int, path: str, handle: SaveHandle, leader: SaveRecord,
+                slot_layout: SlotLayout, state_fn: Callable[[], Any] | None, *, version: int,
+                t_request: float, writer: CheckpointWriter | None = None,
+                files: list[TensorFile] | None = None) -> SaveRecord:
+    """A follower of ``leader`` (:class:`Share`, requested at step ``version``): the leader's
+    snapshot, plan and captured step, with its own files, state and handle. The caller holds
+    the slot once more for it (:meth:`gockpt.transfer.SlotPool.share`)."""
+    m = handle.metrics
+    m.host_bytes = leader.metrics.host_bytes
+    m.host_shared = leader.metrics.host_shared = True
+    m.mode = leader.plan.mode
+    m.num_overlap_steps = leader.target - version + 1
+    shards, segments = _files(leader.layout, slot_layout, files)
+    s = SaveRecord(seq, path, handle, leader.plan, leader.layout, leader.slot, leader.views,
+                   leader.grad_views, shards, leader.shard_bases, state_fn, target=leader.target,
+                   t_request=t_request, writer=writer, shard_segments=segments,
+                   share=leader.share, leader=leader, pinned=leader.pinned)
+    leader.share.add(s)
+    return s
+
+
+def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple[int, int]], *,
+              find: Callable[[], SaveRecord | None], flush: Callable[[], None], wait: bool,
+              timeout_s: float | None, path: str) -> tuple[SaveRecord | None, Slot | None]:
+    """The host buffers of a new save: ``(leader, None)`` to share ``leader``'s snapshot (``find``),
+    ``(None, slot)`` for a slot of its own of ``sizes`` (data bytes, gradient buffer bytes), or
+    ``(None, None)``: none free and not ``wait`` (``when_full="skip"``), or none freed within
+    ``timeout_s`` seconds (warned).
+
+    With ``wait`` and no slot free: unless a save already in the pipeline will free one, the
+    saves in their copy windows are finished at this step (``flush``), since they only advance
+    with training; one of them then pinned to this step may be shared after all.
+    """
+    leader = find()
+    if leader is not None and pool.share(leader.slot):
+        return leader, None
+    slot = pool.acquire(*sizes, block=False)
+    if slot is None and wait:
+        if not any(x.handed_off and x.share.leader.handed_off and not x.handle.done() for x in records):
+            flush()
+            leader = find()
+            if leader is not None and pool.share(leader.slot):
+                return leader, None
+        slot = pool.acquire(*sizes, block=True, timeout=timeout_s)
+        if slot is None:
+            # stacklevel: this, make_record, Engine.save, its caller.
+            warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
+                          f"checkpoint {path} (the checkpoints in flight are still being "
+                          "persisted: storage slower than the checkpoint interval?)", stacklevel=4)
+    return None, slot
+
+
+def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, seq: int, path: str,
+                handle: SaveHandle, plan: CopyPlan, layout: StateLayout,
+                state_fn: Callable[[], Any] | None, version: int, t_request: float,
+                writer: CheckpointWriter | None, flush: Callable[[], None], config: GoCkptConfig,
+                ) -> tuple[SaveRecord | None, SaveRecord | None]:
+    """The record of a request at step ``version`` (``Engine.save``) and the leader whose snapshot
+    it shares (None: a slot of its own); ``(None, None)`` when it got no host buffers
+    (:func:`take_host`). The wait is counted as the ``slot_wait`` stall.
+
+    Raises:
+        ValueError: ``host_buffer_bytes`` cannot hold one snapshot of this plan.
+    """
+    slot_layout = planner.slot_layout(layout)
+    files = writer.tensor_files(layout) if writer is not None else None
+    grad_offsets, grad_bytes = planner.grad_layout(layout, plan)
+    planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
+    tw = time.perf_counter()
+    pinned = (version, state_versions(layout))
+    find = partial(find_leader, records, version=version, layout=layout, plan=plan,
+                   exact_k=planner.agree is not None, versions=pinned[1])
+    leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find, flush=flush,
+                             wait=config.when_full == "wait", timeout_s=config.slot_wait_timeout_s,
+                             path=path)
+    handle.metrics.add_stall("slot_wait", time.perf_counter() - tw)
+    if leader is not None:
+        return join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,
+                           t_request=t_request, writer=writer, files=files), leader
+    if slot is None:
+        return None, None
+    return new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
+                      grad_bytes=grad_bytes, target=version + plan.num_overlap_steps - 1,
+                      t_request=t_request, pinned=pinned, writer=writer, files=files), None

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._pipeline import Pipeline
-from ._record import Phase, SaveRecord
+from ._record import Phase, SaveRecord, state_versions
 from .errors import CheckpointTornError
 from .handle import SaveHandle
 from .layout import Unit, local, localize
@@ -66,6 +66,7 @@ class Windows:
                 self._pipeline.raise_errors()
                 handle.result()
             else:
+                handle._flush = None  # handed off: waiting for it needs no training
                 self._pipeline.finalize(s)
             return handle
         self.saves.append(s)
@@ -75,16 +76,38 @@ class Windows:
         metrics.add_stall("request", max(0.0, time.perf_counter() - t0 - metrics.stall_s))
         return handle
 
+    def join(self, leader: SaveRecord, s: SaveRecord, t0: float, version: int) -> SaveHandle:
+        """Start ``s``, a save sharing ``leader``'s snapshot (:class:`gockpt._record.Share`):
+        its state is taken now when the leader's was (at this step), else with the leader's;
+        it is handed off now when the leader was, else with it.
+
+        Raises:
+            The error of ``state_fn``, taken now (the request fails, as a save of its own would).
+        """
+        if leader.captured:
+            current, live, _ = self._live(leader)
+            self._take(s, current, live, version)
+        if leader.handed_off:
+            self._hand_off(s)
+        s.metrics.add_stall("request", max(0.0, time.perf_counter() - t0 - s.metrics.stall_s))
+        return s.handle
+
     def drop(self, s: SaveRecord) -> None:
         """Forget ``s`` without handing it off (its request failed)."""
         if s in self.saves:
             self.saves.remove(s)
+        if s is not s.share.leader:
+            s.share.remove(s)
 
     def cancel(self, s: SaveRecord) -> None:
-        """Cancel ``s``; one still in its windows is handed off to fail as cancelled."""
+        """Cancel ``s``: a follower is handed off to fail as cancelled; a leader still in its
+        windows too, unless a save sharing its snapshot still wants it (it keeps copying)."""
         s.cancel.set()
-        if s in self.saves:
-            self.finalize(s)
+        leader = s.share.leader
+        if s is not leader and not s.handed_off:
+            self._hand_off(s)
+        if leader in self.saves and not s.share.alive():
+            self.finalize(leader)
 
     # ------------------------------------------------------------------ step events
 
@@ -172,25 +195,55 @@ class Windows:
             s.metrics.num_overlap_steps = s.target - s.metrics.requested_step + 1
             if not s.captured and not self._try_capture(s, version):
                 continue
+            # Its snapshot is now the state of this step: a request at this step may share it.
+            s.pinned = (version, state_versions(s.layout))
             s.metrics.add_stall("flush", time.perf_counter() - tf)
             self.finalize(s)
 
     # ------------------------------------------------------------------ hand-off
 
     def finalize(self, s: SaveRecord) -> None:
-        """Hand ``s`` to the pipeline: replay of its last gradients, then persist."""
+        """Hand ``s`` to the pipeline: replay of its last gradients, then persist; with it the
+        saves sharing its snapshot (after those replays: the pipeline keeps the order)."""
         if s.handed_off:  # twice would queue its persist twice
             return
-        s.phase = Phase.FINALIZED
         if s in self.saves:
             self.saves.remove(s)
+        self._hand_off(s)
+        if s is not s.share.leader:
+            return
+        for r in s.share.records[1:]:
+            if r.handed_off:
+                continue
+            if not r.captured and r.failed is None and not r.cancel.is_set():  # never expected
+                r.failed = RuntimeError(f"{r.path}: its state was not taken with its snapshot's")
+                r.cancel.set()
+            self._hand_off(r)
+
+    def _hand_off(self, s: SaveRecord) -> None:
+        s.phase = Phase.FINALIZED
+        s.handle._flush = None  # waiting for it now needs no training: no flush of the others
         self._pipeline.finalize(s)
 
     def fail(self, s: SaveRecord, e: BaseException) -> None:
-        """Fail ``s`` with ``e``; the persist reports it (raised at a later hook or call)."""
+        """Fail ``s`` with ``e``, and the saves sharing its snapshot that are not handed off (the
+        copies failed); the persist reports it (raised at a later hook or call)."""
         s.failed = e
         s.cancel.set()
+        if s is s.share.leader:
+            for r in s.share.records[1:]:
+                if not r.handed_off:
+                    r.failed, r.overtaken = r.failed or e, s.overtaken
+                    r.cancel.set()
         self.finalize(s)
+
+    def _fail_own(self, r: SaveRecord, e: BaseException) -> None:
+        """``r``'s own part failed (its ``state_fn``); the others sharing its snapshot go on (a
+        leader keeps driving the copies for them; its persist reports the error)."""
+        r.failed = e
+        r.cancel.set()
+        if r is not r.share.leader and not r.handed_off:
+            self._hand_off(r)
 
     # ------------------------------------------------------------------ copies
 
@@ -342,8 +395,31 @@ class Windows:
         tensors another rank stores when the write is shared (:mod:`gockpt.partition`). Units whose
         optimizer state appeared or was replaced during the windows are not referenced: their
         host copies were not brought forward, so their live values are copied here instead.
+        Every save sharing ``s``'s snapshot takes its own tree now too; one whose ``state_fn``
+        raises fails alone while others still want the snapshot.
         """
         t0 = time.perf_counter()
+        current, live, pairs = self._live(s)
+        if pairs:
+            t = self._copier.copy(pairs, PRIORITY_GRAD)
+            t.wait()
+            s.metrics.state_bytes += t.nbytes
+        others = [r for r in s.share.records if r is not s and not r.cancel.is_set()]
+        for r in [s, *others] if not s.cancel.is_set() else others:
+            if r.captured or (r is not s and r.handed_off):
+                continue
+            try:
+                self._take(r, current, live, version)
+            except BaseException as e:  # noqa: BLE001 - raised when s is alone
+                if r is s and not others:
+                    raise
+                self._fail_own(r, e)
+        s.captured = True
+        s.metrics.add_stall("capture", time.perf_counter() - t0)
+
+    def _live(self, s: SaveRecord) -> tuple[dict, dict[tuple, str], list]:
+        """The model's state_dict as ``s`` stores it, the tracked tensors that the state tree may
+        reference (storage key -> entry key), and the (buffer, host view) copies to make."""
         # One traversal of the module tree serves both the state tree and the buffers.
         current = self._model.state_dict(keep_vars=True)
         if s.layout.sharded:  # DTensors: their local shards are what this rank stores
@@ -368,20 +444,22 @@ class Windows:
                     raise CheckpointTornError(f"{s.path}: {e.key} changed shape or dtype during the save")
                 pairs.append((t.detach(), s.views[e.key]))
                 live[storage_key(t)] = e.key
-        if pairs:
-            t = self._copier.copy(pairs, PRIORITY_GRAD)
-            t.wait()
-            s.metrics.state_bytes += t.nbytes
+        return current, live, pairs
+
+    def _take(self, r: SaveRecord, current: dict, live: dict[tuple, str], version: int) -> None:
+        """``r``'s own state tree at step ``version`` (its ``state_fn``), over ``_live``'s parts."""
         # The skeleton owns copies of everything that is not a reference, so it is serialized
         # later on the persist thread.
-        s.extra = {
-            "user": to_skeleton(s.state_fn(), live) if s.state_fn is not None else None,
-            "optimizers": [to_skeleton(self._optimizer_state(s, i), live)
+        r.extra = {
+            "user": to_skeleton(r.state_fn(), live) if r.state_fn is not None else None,
+            "optimizers": [to_skeleton(self._optimizer_state(r, i), live)
                            for i in range(len(self._optimizers))],
             "model": to_skeleton(current, live),
         }
-        s.metrics.captured_step = version
-        s.metrics.add_stall("capture", time.perf_counter() - t0)
+        r.metrics.captured_step = version
+        if r is not r.share.leader:
+            r.captured, r.target = True, version
+            r.metrics.num_overlap_steps = version - r.metrics.requested_step + 1
 
     def _optimizer_state(self, s: SaveRecord, i: int) -> dict:
         """Optimizer ``i``'s state_dict as this rank stores it (local shards; its own units)."""

@@ -44,16 +44,22 @@ class GoCkptConfig:
     raise it to force a copy across several steps."""
 
     host_buffer_bytes: int | None = None
-    """Bytes of host memory (pinned on CUDA) for snapshot slots, allocated once and reused.
-    ``None``: room for ``max_inflight`` checkpoints. Must fit at least one checkpoint."""
+    """Bytes of host memory (pinned on CUDA) for snapshot slots and their gradient buffers,
+    allocated once and reused. ``None``: one slot, about one checkpoint (plus the gradient
+    buffers of its plan), whatever ``max_inflight`` is; a number: up to ``max_inflight`` slots
+    within it. Must fit at least one checkpoint. Saves requested at one step share one slot
+    (one host copy, each with its own files and state) when the first one's captured step is
+    one the later request allows; a save needing a slot while none is free follows
+    ``when_full``. :attr:`gockpt.Engine.peak_host_bytes` and
+    :attr:`gockpt.CheckpointMetrics.host_peak_bytes` report the most held at once."""
 
     max_inflight: int = 2
-    """Checkpoints that may be in flight (copying, replaying or persisting) at once
-    (PCcheck §3.1). >= 1."""
+    """Checkpoints that may be persisted at once (threads of the persist pool; more queue), and
+    the most host snapshot slots when ``host_buffer_bytes`` is set (PCcheck §3.1). >= 1."""
 
     when_full: str = "wait"
-    """What a request does when no snapshot slot is free: ``"wait"`` (counted as stall)
-    or ``"skip"`` (the request is dropped and its handle says so)."""
+    """What a request does when no snapshot slot is free and it cannot share one: ``"wait"``
+    (counted as stall) or ``"skip"`` (the request is dropped and its handle says so)."""
 
     num_io_threads: int = 4
     """Threads writing shard files in parallel (GoCkpt §4.4.3). >= 1. The engine runs at most
@@ -98,9 +104,8 @@ class GoCkptConfig:
     slot_wait_timeout_s: float | None = 60.0
     """Bound in seconds on how long a save request waits for a free host snapshot slot when
     ``when_full="wait"`` (slots are freed as earlier checkpoints finish persisting, so a hung
-    store would otherwise stall training). Past it the request fails with
-    :class:`gockpt.CheckpointTimeoutError` and training goes on. ``None``: wait without bound.
-    > 0 or None."""
+    store would otherwise stall training). Past it the request is skipped with a warning (its
+    handle reports ``skipped``) and training goes on. ``None``: wait without bound. > 0 or None."""
 
     io_nice: int | None = None
     """Niceness, 0..19, that the persist and file-writing threads add to the process's (capped

@@ -3,8 +3,9 @@
 Call sequence of one checkpoint in a multi-step mode (K windows, requested at update N), with the
 thread each step runs on (GoCkpt §4.2-§4.4):
 
-1. (training thread) ``save()`` right after update N: plan K and the blocks, take a host slot,
-   queue the D2H copy of block 0.
+1. (training thread) ``save()`` right after update N: plan K and the blocks, take a host slot
+   (or share the snapshot of a save requested at step N: :mod:`gockpt._record`), queue the D2H
+   copy of block 0.
 2. (copy worker / CUDA stream) block j is copied during window j, the forward/backward between
    updates N+j and N+j+1, when it cannot change.
 3. (training thread, window end: step pre-hook or ``before_update()``) wait for block j's copy.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -41,7 +41,7 @@ from . import _exit
 from ._hooks import EngineHook
 from ._pipeline import Pipeline
 from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_copy_bandwidth
-from ._record import Phase, SaveRecord, new_record
+from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
 from .handle import CheckpointMetrics, SaveHandle
@@ -99,8 +99,9 @@ class Engine:
 
         device = model_device(model)
         self._copier = make_copier(device, self.config.chunk_bytes, self.config.host_link_bytes_per_s)
-        self._slots = SlotPool(self.config.max_inflight, pin=device.type == "cuda",
-                               max_bytes=self.config.host_buffer_bytes)
+        budget = self.config.host_buffer_bytes  # None: one snapshot, shared by same-step saves
+        self._slots = SlotPool(1 if budget is None else self.config.max_inflight,
+                               pin=device.type == "cuda", max_bytes=budget)
         self._backends = ReplayBackends(self.optimizers, self.config)
         # The pipeline's threads keep the engine alive (through on_durable) until close().
         self._pipeline = Pipeline(self.config, self.optimizers, self._backends, self._slots,
@@ -127,6 +128,17 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory (pinned on CUDA) the engine holds now for snapshots and gradient
+        buffers (allocated once and reused, in use or not)."""
+        return self._slots.bytes
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """The most bytes of snapshot and gradient host buffers the engine held at once."""
+        return self._slots.peak_bytes
+
     def save(
         self,
         path: str,
@@ -140,7 +152,10 @@ class Engine:
         """Request a checkpoint of the state after the latest optimizer update.
 
         Call on the training thread at a step boundary (after ``optimizer.step()`` and the
-        scheduler step). Returns after the request's stall only.
+        scheduler step). Returns after the request's stall only. A request at the step of a save
+        in flight shares its host snapshot when that save's captured step is one this request
+        allows (one copy; own files, state and handle); else it takes a free host slot, waiting
+        (counted as stall) or skipping when none is free, as ``config.when_full`` says.
 
         Args:
             path: checkpoint directory (local path or fsspec URL).
@@ -194,35 +209,19 @@ class Engine:
                                     requested_step=self.version)
         handle = SaveHandle(path, metrics)
         handle._flush = self._flush_windows
-        slot_layout = self._planner.slot_layout(layout)
-        files = writer.tensor_files(layout) if writer is not None else None
-        grad_offsets, grad_bytes = self._planner.grad_layout(layout, plan)
-        self._planner.check_host_budget(slot_layout.nbytes + 2 * grad_bytes)
-        tw = time.perf_counter()
-        slot = self._slots.acquire(slot_layout.nbytes, grad_bytes, block=False)
-        if slot is None and self.config.when_full == "wait":
-            # Saves in their copy windows only advance with training: when they hold every
-            # slot, finish them at this step, or the pool would wait for ever.
-            if not any(x.phase is Phase.FINALIZED and not x.handle.done() for x in self._all):
-                self._flush_windows()
-            slot = self._slots.acquire(slot_layout.nbytes, grad_bytes, block=True,
-                                       timeout=getattr(self.config, "slot_wait_timeout_s", None))
-            if slot is None:
-                warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
-                              f"checkpoint {path} (the checkpoints in flight are still being "
-                              "persisted: storage slower than the checkpoint interval?)", stacklevel=2)
-        metrics.add_stall("slot_wait", time.perf_counter() - tw)
-        if slot is None:
+        self._all = [x for x in self._all if not x.handle.done()]  # drop finished saves' slots first
+        s, leader = make_record(self._slots, self._all, self._planner, seq=seq, path=path, handle=handle,
+                                plan=plan, layout=layout, state_fn=state_fn, version=self.version,
+                                t_request=t0, writer=writer, flush=self._flush_windows, config=self.config)
+        if s is None:
             metrics.skipped = True
             handle._future.set_result(metrics)
             log.info("gockpt: no free host slot, skipped checkpoint %s", path)
             return handle
-        s = new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
-                       target=self.version + plan.num_overlap_steps - 1, t_request=t0,
-                       writer=writer, files=files)
-        self._all = [x for x in self._all if not x.handle.done()]
         self._all.append(s)
         try:
+            if leader is not None:
+                return self._windows.join(leader, s, t0, self.version)
             return self._windows.start(s, t0, self.version)
         except BaseException as e:
             # Nothing of this request may linger: the slot goes back, the handle fails.
@@ -230,7 +229,7 @@ class Engine:
             self._windows.drop(s)
             s.drain()
             if not s.handle.done():
-                self._slots.release(slot)
+                self._slots.release(s.slot)
                 s.handle._future.set_exception(e)
                 s.phase = Phase.FAILED
             raise

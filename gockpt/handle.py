@@ -23,10 +23,17 @@ class CheckpointMetrics:
         stall_s: training-thread stall in seconds (sum of ``stall_by_phase_s``).
         stall_by_phase_s: seconds by phase (slot_wait, copy, window_end, grad_copy, capture,
             guard, flush, persist for ``sync``).
-        state_bytes / grad_bytes: bytes copied to the host (state, gradients).
+        state_bytes / grad_bytes: bytes copied to the host (state, gradients); 0 for a save that
+            shared the snapshot of another (``host_shared`` and not the first of them).
         persist_bytes: bytes written to storage.
         host_bytes: host memory this checkpoint held while in flight, in bytes (its snapshot slot
-            and gradient buffers, as allocated: a reused slot may be larger than needed).
+            and gradient buffers, as allocated: a reused slot may be larger than needed). Saves
+            sharing one snapshot each report the same buffers (counted once in
+            ``host_peak_bytes``).
+        host_shared: this checkpoint's snapshot was shared with other saves requested at the
+            same step (one host copy, one set of copies and replays, its own files and state).
+        host_peak_bytes: the most bytes of host buffers (snapshot slots and gradient buffers, of
+            every save together) the engine held at once, from its start to this checkpoint's end.
         time_to_durable_s: seconds from the request to the publish.
         persist_s: seconds spent persisting; ``persist_gbps`` = persist_bytes / persist_s / 1e9.
         replay_backend: backend used for replay (empty when nothing was replayed).
@@ -45,6 +52,8 @@ class CheckpointMetrics:
     grad_bytes: int = 0
     persist_bytes: int = 0
     host_bytes: int = 0
+    host_shared: bool = False
+    host_peak_bytes: int = 0
     time_to_durable_s: float = 0.0
     persist_s: float = 0.0
     persist_gbps: float = 0.0

@@ -145,6 +145,7 @@ class CpuCopier:
                 if item is None:
                     self._drop(job)
                     torn = any(t._version != v for t, v in ticket._versions)
+                    ticket._versions = []  # do not keep the sources (gradients) alive
                     ticket._finish(CheckpointTornError(
                         "a tensor was modified in place while it was copied (an in-place "
                         "zero_grad(set_to_none=False) or gradient accumulation in the next step)")
@@ -224,30 +225,56 @@ def make_copier(device: torch.device, chunk_bytes: int, bytes_per_s: float | Non
 
 
 class Slot:
-    """Host buffers of one in-flight checkpoint: the snapshot and two gradient buffers.
+    """Host buffers of one in-flight snapshot: the data and two gradient buffers.
+
+    Saves requested at one step may share one slot (:meth:`SlotPool.share`); it goes back to
+    the pool when the last of them releases it.
 
     Attributes:
         data: (slot_bytes,) uint8; shard data sections at fixed offsets.
-        grads: two (grad_bytes,) uint8 buffers used in turn by consecutive updates.
+        grads: two uint8 buffers used in turn by consecutive updates (turn ``t`` holds the
+            gradients of the updates with an even (t = 0) or odd (t = 1) window index, so each
+            is only as large as its largest update needs).
+        refs: saves holding the slot (written under the pool's lock).
     """
 
-    def __init__(self, slot_bytes: int, grad_bytes: int, pin: bool) -> None:
-        self.data = torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin)
-        self.grads = [torch.empty(grad_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
+                 data: torch.Tensor | None = None) -> None:
+        sizes = _grad_sizes(grad_bytes)
+        # ``data``: a dropped slot's data buffer of ``slot_bytes`` bytes, kept (only its gradient
+        # buffers were too small).
+        self.data = data if data is not None else torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.grads = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
         self.grad_busy: list[threading.Event] = [threading.Event(), threading.Event()]
         for e in self.grad_busy:
             e.set()  # set = free
+        self.refs = 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all its buffers (data and both gradient buffers)."""
         return self.data.numel() + sum(g.numel() for g in self.grads)
+
+    def fits(self, slot_bytes: int, grad_bytes: int | Sequence[int]) -> bool:
+        """Whether it holds at least ``slot_bytes`` of data and the gradient buffer sizes."""
+        return self.data.numel() >= slot_bytes and all(
+            g.numel() >= n for g, n in zip(self.grads, _grad_sizes(grad_bytes), strict=True))
+
+
+def _grad_sizes(grad_bytes: int | Sequence[int]) -> tuple[int, int]:
+    """Per-turn gradient buffer bytes: an int is the size of both."""
+    if isinstance(grad_bytes, int):
+        return grad_bytes, grad_bytes
+    a, b = grad_bytes
+    return int(a), int(b)
 
 
 class SlotPool:
     """A bounded set of :class:`Slot`, allocated on first use and reused.
 
     Args:
-        max_slots: slots that may exist (``max_inflight``).
+        max_slots: slots that may exist (the engine: 1 when ``host_buffer_bytes`` is None, else
+            ``max_inflight``).
         pin: allocate pinned memory (CUDA).
         max_bytes: bound on the bytes of all slots together (``host_buffer_bytes``); None for
             no bound beyond ``max_slots``.
@@ -260,45 +287,101 @@ class SlotPool:
         self._free: list[Slot] = []
         self._count = 0
         self._bytes = 0
+        self._peak = 0
         self._cv = threading.Condition()
 
-    def acquire(self, slot_bytes: int, grad_bytes: int, block: bool,
-                timeout: float | None = None) -> Slot | None:
-        """A slot with at least the given sizes, or None when none is free and ``block`` is False
-        or none was freed within ``timeout`` seconds (None: wait without bound).
+    @property
+    def max_slots(self) -> int:
+        """The most slots that may exist at once."""
+        return self._max
 
-        Slots too small for a grown layout are dropped and reallocated.
+    @property
+    def num_slots(self) -> int:
+        """Slots allocated now (in use or free)."""
+        return self._count
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of host memory the slots hold now (allocated, in use or free)."""
+        return self._bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes of host memory the slots held at once since the pool was made."""
+        return self._peak
+
+    def acquire(self, slot_bytes: int, grad_bytes: int | Sequence[int], block: bool,
+                timeout: float | None = None) -> Slot | None:
+        """A slot with at least ``slot_bytes`` of data and ``grad_bytes`` per gradient buffer (an
+        int: both; a pair: per turn), held once (``refs`` = 1); or None when none is free and
+        ``block`` is False or none was freed within ``timeout`` seconds (None: without bound).
+
+        Slots too small for a grown layout are dropped and reallocated, to the larger of the old
+        and the new size of each buffer when that stays within ``max_bytes``.
         """
-        need = slot_bytes + 2 * grad_bytes
+        want = [slot_bytes, *_grad_sizes(grad_bytes)]
         deadline = None if timeout is None else time.monotonic() + timeout
+        keep: torch.Tensor | None = None  # the data buffer of a dropped slot, if large enough
         with self._cv:
             while True:
+                grown = list(want)
                 while self._free:
                     s = self._free.pop()
-                    if s.data.numel() >= slot_bytes and s.grads[0].numel() >= grad_bytes:
+                    if s.fits(slot_bytes, grad_bytes):
+                        s.refs = 1
                         return s
                     self._count -= 1
                     self._bytes -= s.nbytes
-                fits = self._max_bytes is None or self._bytes + need <= self._max_bytes
-                if self._count < self._max and fits:
+                    old = [s.data.numel(), *(g.numel() for g in s.grads)]
+                    grown = [max(a, b) for a, b in zip(grown, old, strict=True)]
+                    if keep is None or s.data.numel() > keep.numel():
+                        keep = s.data
+                    s = None  # type: ignore[assignment]  # its other buffers are freed now
+                sizes = grown if self._fits(sum(grown)) else want
+                if keep is not None and sizes[0] <= keep.numel() and self._fits(sum(sizes) - sizes[0] + keep.numel()):
+                    sizes[0] = keep.numel()
+                else:
+                    keep = None
+                if self._count < self._max and self._fits(sum(sizes)):
                     self._count += 1
-                    self._bytes += need
+                    self._bytes += sum(sizes)
+                    self._peak = max(self._peak, self._bytes)
                     break
+                keep = None  # not counted while waiting: let it go
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
                     return None
                 self._cv.wait(left)
         try:
-            return Slot(slot_bytes, grad_bytes, self._pin)
+            slot = Slot(sizes[0], sizes[1:], self._pin, data=keep)
         except BaseException:
             with self._cv:
                 self._count -= 1
-                self._bytes -= need
+                self._bytes -= sum(sizes)
                 self._cv.notify()
             raise
+        slot.refs = 1
+        return slot
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._max_bytes is None or self._bytes + nbytes <= self._max_bytes
+
+    def share(self, slot: Slot) -> bool:
+        """Hold ``slot`` once more (a save sharing another's snapshot); False when it was
+        already released by every save (it may be reused: take another)."""
+        with self._cv:
+            if slot.refs <= 0:
+                return False
+            slot.refs += 1
+            return True
 
     def release(self, slot: Slot) -> None:
-        """Return a slot for reuse and wake one waiting request."""
+        """Drop one hold of ``slot``; the last one returns it for reuse and wakes one waiting
+        request."""
         with self._cv:
+            slot.refs -= 1
+            if slot.refs > 0:
+                return
+            slot.refs = 0
             self._free.append(slot)
             self._cv.notify()

@@ -21,6 +21,10 @@ def _run(tmp_path, opt_name: str, mode: str, *, num_iters: int = 14, save_iters=
          explicit: bool = False, **cfg):
     """Train with checkpoints; return (engine metrics, {version: live snapshot}, paths)."""
     model, opt, sched, scaler = make(opt_name)
+    # Room for two snapshots: the saves at iterations 2 and 3 overlap (K = 3) and each keeps its
+    # own K. The default pool holds one snapshot (a later save finishes the first one early at
+    # its step and shares it): tests/test_memory.py.
+    cfg.setdefault("host_buffer_bytes", 1 << 20)
     config = GoCkptConfig(mode=mode, min_overlap_steps=cfg.pop("k", 3), max_overlap_steps=3,
                           max_shard_bytes=2048, **cfg)
     eng = Engine(model, opt, config, explicit_before_update=explicit)
@@ -257,6 +261,7 @@ def test_full_pool_skips_by_policy_and_waits_by_default(tmp_path):
     eng = Engine(model, opt, GoCkptConfig(when_full="skip", **cfg))
     train(model, opt, sched, scaler, 2)
     first = eng.save(str(tmp_path / "a"))
+    train(model, opt, sched, scaler, 3, start_iter=2)  # a later step: no sharing
     second = eng.save(str(tmp_path / "b"))  # the only slot is still in its copy windows
     assert second.done() and second.skipped and not first.skipped
     eng.close()
@@ -266,10 +271,13 @@ def test_full_pool_skips_by_policy_and_waits_by_default(tmp_path):
     eng = Engine(model, opt, GoCkptConfig(**cfg))
     train(model, opt, sched, scaler, 2)
     first = eng.save(str(tmp_path / "c"))
+    train(model, opt, sched, scaler, 3, start_iter=2)
     second = eng.save(str(tmp_path / "d"))  # waits: the first finishes early at this step
-    assert first.result().captured_step == first.requested_step
+    assert first.result().captured_step == first.requested_step + 1
     eng.close()
-    assert not second.skipped and second.result().captured_step is not None
+    # ... and the second shares its snapshot, taken at the second's own step.
+    m = second.result()
+    assert not second.skipped and m.captured_step == m.requested_step and m.host_shared
 
 
 def test_reloaded_optimizer_state_is_tracked(tmp_path):

@@ -127,7 +127,8 @@ def test_resume_from_each_checkpoint_is_bit_identical(tmp_path, reference, mode,
     # Clipping and a per-step scheduler run on every update; accumulation=2 skips every other
     # optimizer step inside Accelerate's wrapper.
     live = reference(accumulation)
-    plugin = GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3)
+    plugin = GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3,
+                          host_buffer_bytes=1 << 26)  # room for overlapping saves
     run, calls, metrics, final = _train_with_gockpt(tmp_path / "run", plugin, accumulation=accumulation)
     assert child.differences(final["model"], live[TOTAL]["model"]) == []  # training unperturbed
     assert [p.name for p in calls] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
@@ -153,7 +154,8 @@ def test_loop_without_accumulate_resumes_exactly(tmp_path, reference):
     # Without accelerator.accumulate() the model's forward pre-hook is the step boundary.
     live = reference(1, accumulate=False)
     run = child.build(str(tmp_path / "run"))
-    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                                        host_buffer_bytes=1 << 26))  # room for overlapping saves
     child.train(run, TOTAL, accumulate=False,
                 on_batch_end=lambda r: r.acc.save_state() if r.progress.batches in SAVE_AT else None)
     metrics = ckpt.wait()
@@ -210,7 +212,8 @@ def test_gradscaler_overflow_step_is_not_replayed(tmp_path, reference):
     # The inf in the 5th batch makes the GradScaler skip that update inside the copy window of
     # the checkpoint requested after batch 4: K=3 then spans batches 5-7 (updates 5 and 6).
     live = reference(1, scaler=True, inf_at=4)
-    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3)
+    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                          host_buffer_bytes=1 << 26)  # room for overlapping saves
     _, calls, metrics, final = _train_with_gockpt(tmp_path / "run", plugin, scaler=True, inf_at=4)
     assert child.differences(final["model"], live[TOTAL]["model"]) == []
     m = metrics[1]

@@ -242,7 +242,9 @@ def _crash(project_dir: str) -> None:
             never.wait()
 
     run.acc.register_save_state_pre_hook(block)
-    attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    # Room for two snapshots: a save a step, each persisted while the next one copies.
+    attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2,
+                                 host_buffer_bytes=1 << 26))
 
     def on_batch_end(r: Run) -> None:
         print("state", r.progress.batches, digest(r), flush=True)
