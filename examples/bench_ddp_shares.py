@@ -22,6 +22,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -106,7 +107,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: st
         print(f"  {f'{world} sharing writers':<22} {med(many, 0):>10.3f} {med(many, 1):>19.3f}")
         print(f"  persist time ratio (sharing / 1 writer): {med(many, 0) / med(one, 0):.2f} "
               f"(ideal {1 / world:.2f}; the {world} processes share this machine's CPUs and disk)")
-    dist.destroy_process_group()
+    # End without tearing the gloo group down from Python: on torch 2.x destroying it while the
+    # DDP reducer still holds work of the other rank can hang or abort at random.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def xxh3(data: bytes) -> str:
 
 
 def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
-           config: GoCkptConfig, timeout_s: float) -> CheckpointMetrics:
+           config: GoCkptConfig, timeout_s: float, replicated: bool = False) -> CheckpointMetrics:
     """Wait for every part in ``stage``, check them, write the index and the global manifest
     last, publish ``stage`` as ``path`` and move ``latest`` (rank 0's commit thread).
 
@@ -62,6 +62,8 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         world: number of parts.
         config: engine options (``update_latest``, storage options and timeout).
         timeout_s: seconds to wait for the other parts once rank 0's own is durable.
+        replicated: the parts are shares of a replicated state (DDP ranks sharing the write:
+            each tensor whole, in one part); recorded in the index and in ``meta.sharded``.
 
     Returns:
         Rank 0's part metrics.
@@ -93,14 +95,15 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             with open(os.path.join(stage, sharding_name(r)), "rb") as f:
                 raw = f.read()
             files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": xxh3(raw)}
-        index = json.dumps({"format": "gockpt-sharded", "world_size": world,
+        index = json.dumps({"format": "gockpt-sharded", "world_size": world, "replicated": replicated,
                             "captured_step": target, "parts": parts}, sort_keys=True).encode()
         target_dir = LocalTarget(fs, root, staging=stage)
         try:
             nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
             meta = {"requested_step": metrics.requested_step, "captured_step": target,
                     "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
-                    "sharded": {"world_size": world, "parts": [p["name"] for p in parts]}}
+                    "sharded": {"world_size": world, "replicated": replicated,
+                                "parts": [p["name"] for p in parts]}}
             manifest = {"format": "gockpt", "format_version": 1,
                         "files": {**files, INDEX_FILE: {"bytes": nbytes, "xxh3_64": digest}},
                         "tensors": {}, "aliases": {}, "extra_file": INDEX_FILE, "meta": meta}

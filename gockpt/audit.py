@@ -65,7 +65,9 @@ def read_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -
 
 
 def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """What the manifest of the checkpoint at ``path`` says, without reading any other file.
+    """What the manifest of the checkpoint at ``path`` says, without reading any other file
+    (of a sharded checkpoint, :mod:`gockpt.sharded`, also its parts' manifests: their files and
+    tensors are listed as ``rank-<r>/<name>``).
 
     Returns:
         A JSON-able dict: ``path``, ``complete``, ``format_version``, ``requested_step``,
@@ -78,14 +80,22 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
     """
     manifest = read_manifest(path, storage_options)
     meta = manifest["meta"]
-    tensors = {}
-    for key, entry in manifest["tensors"].items():
-        numel = 1
-        for s in entry["shape"]:
-            numel *= s
-        tensors[key] = {"dtype": entry["dtype"], "shape": entry["shape"], "file": entry["file"],
-                        "bytes": numel * dtype_itemsize(CODE_TO_DTYPE[entry["dtype"]])}
+    tensors = _tensors(manifest, "")
     files = {name: f["bytes"] for name, f in manifest["files"].items()}
+    total = sum(files.values()) + len(json.dumps(manifest))
+    replay = meta.get("replay") or {}
+    if "sharded" in meta:
+        from .sharded import part_name
+
+        for r, name in enumerate(meta["sharded"].get("parts", [])):
+            if name != part_name(r):  # also keeps every read inside the checkpoint
+                raise CheckpointCorruptError(f"{path}/{storage.MANIFEST_NAME}: part {r} is {name!r}", path=path)
+            part = read_manifest(fsutil.join_user(path, name), storage_options)
+            tensors.update(_tensors(part, f"{name}/"))
+            replay = replay or part["meta"].get("replay") or {}  # each part replays its own share
+            part_files = {f"{name}/{n}": f["bytes"] for n, f in part["files"].items()}
+            files.update(part_files)
+            total += sum(part_files.values()) + len(json.dumps(part))
     return {
         "path": path,
         "complete": True,
@@ -95,15 +105,26 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
         "mode": meta.get("mode"),
         "num_overlap_steps": meta.get("num_overlap_steps"),
         "created_unix_s": meta.get("created_unix_s"),
-        "replay": meta.get("replay") or {},
+        "replay": replay,
         "files": files,
-        "total_bytes": sum(files.values()) + len(json.dumps(manifest)),
+        "total_bytes": total,
         "extra_file": manifest["extra_file"],
         "tensors": tensors,
         "tensor_bytes": sum(t["bytes"] for t in tensors.values()),
         "aliases": manifest["aliases"],
         "meta": meta,
     }
+
+
+def _tensors(manifest: dict, prefix: str) -> dict:
+    out = {}
+    for key, entry in manifest["tensors"].items():
+        numel = 1
+        for s in entry["shape"]:
+            numel *= s
+        out[prefix + key] = {"dtype": entry["dtype"], "shape": entry["shape"], "file": prefix + entry["file"],
+                             "bytes": numel * dtype_itemsize(CODE_TO_DTYPE[entry["dtype"]])}
+    return out
 
 
 def verify_checkpoint(
@@ -118,6 +139,8 @@ def verify_checkpoint(
     Per file: present, size, xxh3-64 checksum, and for shards the safetensors header against
     the manifest's tensor index. When all files pass and ``load`` is set, the checkpoint is
     loaded by :func:`gockpt.load_checkpoint` (without checksums again) to prove it decodes.
+    A sharded checkpoint (:mod:`gockpt.sharded`) has each part's manifest checked against the
+    index and each part verified the same way; it is loaded by :func:`gockpt.dcp.load_full`.
 
     Args:
         path: checkpoint directory (local path or fsspec URL).
@@ -145,14 +168,44 @@ def verify_checkpoint(
         problem = _check_file(fs, file_path, entry, by_file.get(name, {}), is_shard, progress)
         if problem is not None:
             problems.append(Problem(file_path, problem))
+    sharded = "sharded" in manifest["meta"]
+    if sharded and not problems:  # the index is intact: check the parts it names
+        problems += _verify_parts(fs, root, path, storage_options, progress)
     # A writer's layout (e.g. Accelerate's folder) is read by its own loader, not gockpt's.
     if not problems and load and not manifest["meta"].get("writer"):
+        from .dcp import load_full
         from .restore import load_checkpoint
 
         try:
-            load_checkpoint(path, storage_options=storage_options, verify=False)
+            if sharded:
+                load_full(path, verify=False)
+            else:
+                load_checkpoint(path, storage_options=storage_options, verify=False)
         except Exception as e:  # noqa: BLE001 - reported as a problem of this checkpoint
             problems.append(Problem(path, f"does not load: {type(e).__name__}: {e}"))
+    return problems
+
+
+def _verify_parts(fs: Any, root: str, path: str, storage_options: Mapping[str, Any] | None,
+                  progress: Callable[[int], None] | None) -> list[Problem]:
+    """Each part of a sharded checkpoint: its manifest against the index, then its files."""
+    from .sharded import INDEX_FILE, part_name
+
+    with fs.open(fsutil.join(root, INDEX_FILE), "rb") as f:
+        index = json.loads(f.read())
+    problems = []
+    for r, part in enumerate(index["parts"]):
+        if part["name"] != part_name(r):  # also keeps every read inside the checkpoint
+            problems.append(Problem(fsutil.join(root, INDEX_FILE), f"part {r} is {part['name']!r}"))
+            continue
+        entry = {"bytes": part["manifest_bytes"], "xxh3_64": part["manifest_xxh3_64"]}
+        manifest_path = fsutil.join(fsutil.join(root, part["name"]), storage.MANIFEST_NAME)
+        problem = _check_file(fs, manifest_path, entry, {}, False, progress)
+        if problem is not None:
+            problems.append(Problem(manifest_path, problem))
+            continue
+        problems += verify_checkpoint(fsutil.join_user(path, part["name"]), storage_options,
+                                      progress=progress, load=False)
     return problems
 
 

@@ -149,6 +149,15 @@ def _describe(info: dict) -> str:
             if isinstance(created, (int, float)) else "unknown")
     dtypes = Counter(t["dtype"] for t in info["tensors"].values())
     num_shards = len({t["file"] for t in info["tensors"].values()})
+    sharded = info["meta"].get("sharded")
+    if sharded is not None:
+        what = "shares of a replicated (DDP) state" if sharded.get("replicated") else "local shards"
+        layout = (f"sharded: {len(sharded.get('parts', []))} parts, {what} (gockpt.dcp.load_full, "
+                  "load_sharded; Lightning: GoCkptIO)")
+    elif info["meta"].get("writer"):
+        layout = f"written by {info['meta']['writer']} (read it with its own loader)"
+    else:
+        layout = "gockpt (gockpt.load_checkpoint, Engine.restore)"
     rows = [
         ("checkpoint", info["path"]),
         ("complete", "yes (manifest.json written last is present)"),
@@ -158,8 +167,7 @@ def _describe(info: dict) -> str:
         ("mode", f"{info['mode']} (K={info['num_overlap_steps']})"),
         ("replay", backend),
         ("created", when),
-        ("layout", f"written by {info['meta']['writer']} (read it with its own loader)"
-         if info["meta"].get("writer") else "gockpt (gockpt.load_checkpoint, Engine.restore)"),
+        ("layout", layout),
         ("files", f"{len(info['files'])}: {num_shards} holding tensors, {info['extra_file']}"
                   f"{', ' + str(len(info['files']) - num_shards - 1) + ' more' if len(info['files']) > num_shards + 1 else ''}, "
                   f"{_size(info['total_bytes'])} with the manifest"),

@@ -52,9 +52,11 @@ class Source:
 
     Attributes:
         path: the checkpoint read (a ``latest`` pointer resolved).
-        kind: ``"gockpt-lightning"`` (written by ``GoCkptIO``), ``"gockpt"`` (by
-            :class:`gockpt.Engine`), ``"torch-file"`` (a ``torch.save`` file such as a stock
-            Lightning ``.ckpt``) or ``"accelerate"`` (a ``save_state`` folder).
+        kind: ``"gockpt-lightning"`` (written by ``GoCkptIO``, also by the ranks of a DDP
+            run sharing the write), ``"gockpt"`` (by :class:`gockpt.Engine`),
+            ``"gockpt-sharded"`` (one part per rank, :mod:`gockpt.sharded`, assembled by
+            :func:`gockpt.dcp.load_full`), ``"torch-file"`` (a ``torch.save`` file such as a
+            stock Lightning ``.ckpt``) or ``"accelerate"`` (a ``save_state`` folder).
         model_state_dict: the model's tensors by ``state_dict()`` key.
         state: everything the checkpoint holds, as nested dicts and lists (Lightning's dict
             for Lightning checkpoints; ``{"model", "optimizers", "extra"}`` otherwise).
@@ -111,6 +113,10 @@ def open_source(
             raise FileNotFoundError(
                 f"{path}: not a checkpoint (no manifest.json, no complete checkpoint inside, "
                 "no Accelerate model file)")
+    fs, root = storage.url_to_fs(path, options)
+    sharded = storage.read_manifest(fs, root)["meta"].get("sharded")
+    if sharded is not None:
+        return _sharded_source(path, sharded, allow_pickle)
     state = load_checkpoint(path, storage_options=options, allow_pickle=allow_pickle)
     step = int(state.manifest["meta"].get("captured_step", 0))
     if isinstance(state.extra, dict) and "lightning" in state.extra:
@@ -255,6 +261,28 @@ def to_gockpt(
 
 
 # --- sources -----------------------------------------------------------------------------
+
+
+def _sharded_source(path: str, sharded: Mapping[str, Any], allow_pickle: bool) -> Source:
+    """A sharded checkpoint (local): a DDP run's written by ``GoCkptIO`` becomes Lightning's
+    dict (its parts joined by ``GoCkptIO.load_checkpoint``); any other is assembled by
+    :func:`gockpt.dcp.load_full` (model, optimizer state by parameter name, rank 0's extra)."""
+    from .dcp import load_full
+    from .sharded import part_name
+
+    if sharded.get("replicated"):
+        head = load_checkpoint(fsutil.join_user(path, part_name(0)), allow_pickle=allow_pickle)
+        if isinstance(head.extra, dict) and "lightning" in head.extra:
+            from lightning_gockpt.convert import load_gockpt_lightning
+
+            lightning = load_gockpt_lightning(path, allow_pickle=allow_pickle)
+            return Source(path, "gockpt-lightning", _tensors(lightning.get("state_dict", {})),
+                          lightning, int(lightning.get("global_step", head.captured_step)), lightning)
+    full = load_full(path, allow_pickle=allow_pickle)
+    everything = {"model": full.model_state_dict, "optimizer_state": full.optimizer_state,
+                  "param_groups": full.param_groups, "extra": full.extra}
+    return Source(path, "gockpt-sharded", dict(full.model_state_dict), everything, full.captured_step)
+
 
 
 def _torch_file_source(path: str, obj: Any) -> Source:

@@ -40,7 +40,7 @@ from . import fsutil, storage
 from .errors import CheckpointCorruptError
 from .sharded import INDEX_FILE, part_name, sharding_name
 
-__all__ = ["GoCkptStorageReader", "FullState", "load_full", "load_sharded"]
+__all__ = ["GoCkptStorageReader", "FullState", "load_full", "load_parts", "load_sharded"]
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,38 @@ def _part_state(path: str, rank: int, allow_pickle: bool) -> Any:
     from .restore import load_checkpoint
 
     return load_checkpoint(os.path.join(path, part_name(rank)), allow_pickle=allow_pickle)
+
+
+def load_parts(path: str, *, verify: bool = True, allow_pickle: bool = False) -> tuple[dict, list[Any]]:
+    """Every part of the sharded checkpoint ``path`` as it was stored, each loaded on its own.
+
+    For a replicated run's checkpoint (DDP ranks sharing the write, ``index["replicated"]``)
+    the parts hold disjoint whole tensors, so the union of their state trees is the state;
+    a sharded run's parts hold local shards (use :func:`load_full` to assemble them).
+
+    Returns:
+        The index (``sharded.json``: ``world_size``, ``replicated``, ``captured_step``,
+        ``parts``) and one :class:`gockpt.restore.LoadedState` per part, in rank order.
+
+    Raises:
+        FileNotFoundError, ValueError, CheckpointCorruptError: as :class:`GoCkptStorageReader`
+            (a part's manifest that does not match the index's checksum, or a part file that
+            does not match its manifest).
+    """
+    from .restore import load_checkpoint
+
+    index = _index(path)
+    out = []
+    for r, part in enumerate(index["parts"]):
+        if part["name"] != part_name(r):  # also keeps every read inside the checkpoint
+            raise CheckpointCorruptError(f"{path}/{INDEX_FILE}: part {r} is {part['name']!r}", path=path)
+        root = os.path.join(path, part["name"])
+        if verify:
+            raw = open(os.path.join(root, storage.MANIFEST_NAME), "rb").read()
+            if xxhash.xxh3_64(raw).hexdigest() != part["manifest_xxh3_64"]:
+                raise CheckpointCorruptError(f"{root}/manifest.json: checksum mismatch", path=path)
+        out.append(load_checkpoint(root, verify=verify, allow_pickle=allow_pickle))
+    return index, out
 
 
 def load_full(path: str, *, verify: bool = True, allow_pickle: bool = False) -> FullState:

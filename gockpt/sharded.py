@@ -15,7 +15,8 @@ The parts are committed exactly as below.
 Layout of a sharded checkpoint ``<path>``::
 
     manifest.json     the global manifest, written last: meta.sharded = {world_size, parts}
-    sharded.json      the index: captured step, world size, each part's manifest checksum
+    sharded.json      the index: captured step, world size, whether the parts are shares of a
+                      replicated state (``replicated``), each part's manifest checksum
     rank-00000/       rank 0's part: a complete GoCkpt checkpoint of its local shards
                       (manifest.json, shard-*.safetensors, its non-tensor state)
     rank-00000.sharding.json   per tensor of that part: its DCP key, dtype, global shape,
@@ -73,7 +74,7 @@ from .config import GoCkptConfig
 from .engine import Engine
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
-from .partition import partition_layout
+from .partition import Partition, partition_layout
 from .plan import MULTI_STEP_MODES, CopyPlan, split_blocks
 from .writer import CheckpointWriter, Snapshot
 
@@ -107,8 +108,12 @@ class _PartWriter(CheckpointWriter):
     def __init__(self, rank: int, world: int, user: CheckpointWriter | None) -> None:
         self.rank, self.world, self.user = rank, world, user
         self.sharding: bytes = b""
+        self.partition: Partition | None = None  # this save's share of a replicated state
 
     def tensor_files(self, layout: StateLayout) -> None:
+        # Called by Engine.save with the save's own layout, before any capture: the share a
+        # part_state_fn is given is the one this part stores, even if a later save re-partitions.
+        self.partition = layout.partition
         keys = dcp_keys(layout)
         tensors = {}
         for e in layout.entries:
@@ -131,6 +136,10 @@ class _PartWriter(CheckpointWriter):
         if self.user is not None and self.user.tensor_files(layout) is not None:
             raise ValueError("a sharded save keeps GoCkpt's shards: the writer must not name tensor files")
         return None
+
+    def bind(self, fn: Callable[[Partition | None], Any]) -> Callable[[], Any]:
+        """A ``state_fn`` calling ``fn`` with this save's partition (set by :meth:`tensor_files`)."""
+        return lambda: fn(self.partition)
 
     def files(self, snapshot: Snapshot) -> Mapping[str, bytes]:
         return dict(self.user.files(snapshot)) if self.user is not None else {}
@@ -230,6 +239,7 @@ class ShardedEngine:
         self.engine = Engine(model, optimizers, dataclasses.replace(self.config, update_latest=False),
                              **engine_kwargs)
         self.engine._planner.agree = self._agree
+        self.replicated = replicated
         self._layout_digest: str | None = None  # replicated: what each rank partitions
         if replicated:
             self.engine._planner.select = self._partition
@@ -259,12 +269,20 @@ class ShardedEngine:
 
     def save(self, path: str, *, state_fn: Callable[[], Any] | None = None,
              mode: str | None = None, max_overlap_steps: int | None = None,
-             writer: CheckpointWriter | None = None) -> ShardedHandle:
+             writer: CheckpointWriter | None = None,
+             part_state_fn: Callable[[Partition | None], Any] | None = None) -> ShardedHandle:
         """Request a sharded checkpoint at ``path`` (a local directory); collective.
 
         Call on every rank at the same step boundary. Arguments as :meth:`gockpt.Engine.save`
         (``state_fn`` is called on every rank, its result stored in the rank's part; ``writer``
         may add files to each rank's part and veto it in ``before_publish``).
+
+        Args:
+            part_state_fn: instead of ``state_fn``: called at the captured step with the
+                :class:`gockpt.partition.Partition` this rank's part stores (None unless
+                ``replicated``), so that the rank keeps only its share of a state tree that
+                names the live tensors (:func:`gockpt.partition.prune_model`); a tensor of the
+                tree that this rank does not store is otherwise copied into its part.
 
         Returns:
             A :class:`ShardedHandle` (skipped on every rank when any rank had no free slot).
@@ -272,8 +290,10 @@ class ShardedEngine:
         Raises:
             RuntimeError: the ranks disagree on the captured step, or the request failed on a
                 rank (every rank raises; nothing is written).
-            ValueError: ``path`` is not local.
+            ValueError: ``path`` is not local; both ``state_fn`` and ``part_state_fn`` given.
         """
+        if state_fn is not None and part_state_fn is not None:
+            raise ValueError("pass state_fn or part_state_fn, not both")
         path = path.rstrip("/") or path
         fs, root = fsutil.url_to_fs(path, self.config.storage_options)
         if not fsutil.is_local(fs):
@@ -309,7 +329,8 @@ class ShardedEngine:
         mine: tuple[Any, ...]
         try:
             part_writer = _PartWriter(self.rank, self.world, writer)
-            handle = self.engine.save(part_path, state_fn=state_fn, mode=mode,
+            fn = state_fn if part_state_fn is None else part_writer.bind(part_state_fn)
+            handle = self.engine.save(part_path, state_fn=fn, mode=mode,
                                       max_overlap_steps=max_overlap_steps, writer=part_writer)
             if not handle.skipped:
                 write_atomic(os.path.join(stage, sharding_name(self.rank)), part_writer.sharding)
@@ -342,8 +363,9 @@ class ShardedEngine:
         handle.add_done_callback(lambda h: mark(stage, self.rank, h))
         commit = None
         if self._commits is not None:
-            commit = self._commits.submit(commit_parts, path, stage, target, handle, world=self.world, config=self.config,
-                                         timeout_s=self.commit_timeout_s)
+            commit = self._commits.submit(commit_parts, path, stage, target, handle, world=self.world,
+                                          config=self.config, timeout_s=self.commit_timeout_s,
+                                          replicated=self.replicated)
         sh = ShardedHandle(path, handle, commit)
         self._handles = [h for h in self._handles if not h.done()] + [sh]
         return sh

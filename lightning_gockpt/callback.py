@@ -19,7 +19,7 @@ from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholder
 
 log = logging.getLogger("lightning_gockpt")
 
-_Handle = SaveHandle | ShardedHandle  # one device and DDP | ModelParallelStrategy
+_Handle = SaveHandle | ShardedHandle  # one writer | an engine on every rank (sharded, DDP shares)
 
 
 class GoCkptCallback(Callback):
@@ -27,16 +27,21 @@ class GoCkptCallback(Callback):
 
     Added by the ``lightning.pytorch.callbacks_factory`` entry point to every Trainer whose
     plugins hold a ``GoCkptIO`` (other Trainers get nothing); passing one in ``callbacks``
-    works too. Under one device and DDP only global rank 0 runs an engine, since Lightning's
-    CheckpointIO saves there; under ``ModelParallelStrategy`` every rank runs a sharded engine
-    (:mod:`lightning_gockpt.sharded`), installed on the strategy in ``setup``.
+    works too. Under one device the process runs a :class:`gockpt.Engine`. Under
+    ``ModelParallelStrategy`` every rank runs a sharded engine, and under DDP with more than one
+    process every rank runs a replicated one, each storing its share of the state
+    (:mod:`lightning_gockpt.sharded`, :mod:`lightning_gockpt.replicated`); the strategy's
+    checkpoint hooks are installed in ``setup``. (DDP with a ZeRO optimizer, whose state is not
+    replicated, or with checkpoints on an object store keeps Lightning's path: global rank 0
+    runs the engine; :func:`lightning_gockpt.sharded.shares_write`.)
     In ``setup`` it moves itself to the front of ``trainer.callbacks``, so that its hooks run
     before any other callback's.
 
     Call sequence (training thread, rank 0):
 
-    1. ``setup``: link to the ``GoCkptIO``; route ``ModelParallelStrategy``'s checkpoints
-       through GoCkpt; refuse the other strategies that bypass CheckpointIO (``ValueError``).
+    1. ``setup``: link to the ``GoCkptIO``; route ``ModelParallelStrategy``'s and DDP's
+       checkpoints through GoCkpt on every rank; refuse the other strategies that bypass
+       CheckpointIO (``ValueError``).
     2. ``on_train_start``: build the engine over ``trainer.lightning_module`` and the raw torch
        optimizers, with ``explicit_before_update`` (Lightning runs forward and backward inside
        ``optimizer.step(closure)``, so the step pre-hook fires before the forward). It runs
@@ -66,7 +71,8 @@ class GoCkptCallback(Callback):
     def _reset(self) -> None:
         self.io: GoCkptIO | None = None
         self.engine: Engine | sharded.ShardedAdapterEngine | None = None
-        self._sharded = False  # ModelParallelStrategy: an engine on every rank (lightning_gockpt.sharded)
+        self._kind: str | None = None  # "sharded" (ModelParallelStrategy), "replicated" (DDP), None
+        self._every_rank = False  # an engine on every rank (lightning_gockpt.sharded)
         self._zero = True  # global rank 0
         self._trainer: Trainer | None = None
         self._finished: list[_Handle] = []
@@ -97,11 +103,14 @@ class GoCkptCallback(Callback):
         if not isinstance(io, GoCkptIO) or _linking_callback(trainer) is not self:
             return
         kind = sharded.strategy_kind(trainer.strategy)
-        if kind not in (None, "sharded"):
+        if kind not in (None, "sharded", "replicated"):
             raise sharded.unsupported_error(trainer.strategy, kind)
-        self._sharded, self._zero = kind == "sharded", trainer.is_global_zero
-        if self._sharded:
-            sharded.install(trainer.strategy, self)
+        if kind == "replicated" and trainer.world_size < 2:
+            kind = None  # one DDP process: the single-writer path
+        self._kind, self._zero = kind, trainer.is_global_zero
+        self._every_rank = kind == "sharded"  # DDP: decided in on_train_start, with the optimizers
+        if kind is not None:
+            sharded.install(trainer.strategy, self, kind)
         self.io, self._trainer = io, trainer
         io._callback = self
         cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -116,7 +125,10 @@ class GoCkptCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ended = self._failed = False
-        if self.io is None or not (trainer.is_global_zero or self._sharded):
+        if self._kind == "replicated" and self.io is not None:
+            # Else (a ZeRO optimizer, an object store) rank 0 writes, through GoCkptIO.
+            self._every_rank = sharded.shares_write(trainer, self.io.config.storage_options)
+        if self.io is None or not (trainer.is_global_zero or self._every_rank):
             return
         if trainer.is_global_zero:
             self._logging = True
@@ -177,6 +189,11 @@ class GoCkptCallback(Callback):
     def active(self) -> bool:
         """Whether an engine is running (between ``on_train_start`` and ``close``)."""
         return self.engine is not None
+
+    @property
+    def every_rank(self) -> bool:
+        """Whether every rank runs an engine and requests each save (sharded or DDP shares)."""
+        return self._every_rank
 
     def is_monitored(self, path: str) -> bool:
         """Whether ``path`` is being saved as a ModelCheckpoint's metric-ranked (top-k) checkpoint."""
@@ -317,8 +334,9 @@ class GoCkptCallback(Callback):
         # checkpoints of a resumed run rank above the ones it resumed from. Before any optimizer
         # holds state the engine counts from 0, as it must to plan multi-step copies safely.
         restored = trainer.global_step and all(opt.state for opt in trainer.optimizers)
-        if self._sharded:
-            return sharded.build_engine(self, trainer, trainer.global_step if restored else None)
+        if self._every_rank:
+            return sharded.build_engine(self, trainer, trainer.global_step if restored else None,
+                                        replicated=self._kind == "replicated")
         return Engine(trainer.lightning_module, list(trainer.optimizers), self.io.config,
                       explicit_before_update=True, start_step=trainer.global_step if restored else None)
 

@@ -30,6 +30,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 import gockpt
 from gockpt import GoCkptConfig
+from gockpt.sharded import INDEX_FILE
 from gockpt.snapshot import map_tree, save_tree
 from gockpt.storage import is_complete, is_local, url_to_fs
 
@@ -66,11 +67,15 @@ class GoCkptIO(CheckpointIO):
     The ``latest`` pointer of the engine is off by default here (``update_latest=False``):
     ModelCheckpoint's folder holds only checkpoints, and Lightning has ``last.ckpt``.
 
-    Strategies: one device and DDP (global rank 0 saves); ``ModelParallelStrategy`` (FSDP2):
-    every rank saves its shards, committed together as one sharded checkpoint
-    (:mod:`lightning_gockpt.sharded`; resume with ``fit(ckpt_path=...)`` with any number of
-    ranks). ``FSDPStrategy`` and ``DeepSpeedStrategy`` write their own checkpoints, bypassing
-    CheckpointIO; they are refused in ``setup`` with a ``ValueError``.
+    Strategies: one device; DDP with more than one process: the ranks share the write, each
+    storing a distinct share of the parameters and optimizer state, committed together as one
+    checkpoint (:mod:`lightning_gockpt.replicated`; it loads here with any number of processes,
+    one device included; with a ZeRO optimizer or checkpoints on an object store global rank 0
+    writes, as for one device); ``ModelParallelStrategy`` (FSDP2): every rank saves its shards,
+    committed together as one sharded checkpoint (:mod:`lightning_gockpt.sharded`; resume with
+    ``fit(ckpt_path=...)`` with any number of ranks). ``FSDPStrategy`` and ``DeepSpeedStrategy``
+    write their own checkpoints, bypassing CheckpointIO; they are refused in ``setup`` with a
+    ``ValueError``.
 
     The callback half (:class:`~lightning_gockpt.GoCkptCallback`) is added to every Trainer by the
     ``lightning.pytorch.callbacks_factory`` entry point and links itself to this plugin in
@@ -83,8 +88,7 @@ class GoCkptIO(CheckpointIO):
     Args:
         config: engine options; or give them as keyword arguments (``mode``,
             ``max_overlap_steps``, ``host_buffer_bytes``, ``max_inflight``, ``num_io_threads``,
-            ``storage_options``, ... see :class:`gockpt.GoCkptConfig`; ``max_inflight`` defaults
-            to 4 here, room for two triggers of ``ModelCheckpoint(save_last=True)``).
+            ``storage_options``, ... see :class:`gockpt.GoCkptConfig`).
         exact_monitored: checkpoints of a ModelCheckpoint with ``monitor`` hold exactly the
             requested step (copied over one step, "lazy"); others may be delivered later.
         exact_step: every checkpoint holds exactly the requested step (K = 1).
@@ -106,9 +110,6 @@ class GoCkptIO(CheckpointIO):
     ) -> None:
         if config is not None and options:
             raise TypeError("pass either a GoCkptConfig or keyword options, not both")
-        # ModelCheckpoint(save_last=True) requests two checkpoints per trigger: room for two
-        # triggers in flight keeps multi-step copies from being finished early for want of a slot.
-        options.setdefault("max_inflight", 4)
         options.setdefault("update_latest", False)
         self.config = config if config is not None else GoCkptConfig(**options)
         self.exact_monitored = exact_monitored
@@ -153,7 +154,9 @@ class GoCkptIO(CheckpointIO):
 
         A ``last*.ckpt`` path that is not complete (a save of it, or of the checkpoint it links
         to, was cut short) resolves, with a warning, to the newest complete checkpoint in its
-        directory (the ``latest`` pointer). A plain file is loaded with ``torch.load``.
+        directory (the ``latest`` pointer). A plain file is loaded with ``torch.load``. A
+        checkpoint whose DDP ranks shared the write is read from all its parts, in any number of
+        processes (:func:`lightning_gockpt.replicated.load`): the same dict as a single writer's.
 
         Args:
             path: checkpoint directory (local path or fsspec URL).
@@ -170,6 +173,8 @@ class GoCkptIO(CheckpointIO):
                 in its directory).
             gockpt.CheckpointCorruptError: a corrupt file (names the file and key), or a
                 GoCkpt checkpoint not written by GoCkptIO.
+            ValueError: a sharded checkpoint of ``ModelParallelStrategy`` (resume it under that
+                strategy; :func:`gockpt.dcp.load_full` assembles it).
         """
         path = os.fspath(path)
         if os.path.isfile(path):
@@ -177,9 +182,17 @@ class GoCkptIO(CheckpointIO):
         fs, local = url_to_fs(path, self.config.storage_options)
         if not fs.exists(local):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        path = self._resolve(path)
+        allow_pickle = self.allow_pickle or weights_only is False
+        resolved = url_to_fs(path, self.config.storage_options)[1]
+        if is_local(fs) and os.path.isfile(os.path.join(resolved, INDEX_FILE)):  # one part per rank
+            from .replicated import load as load_shares
+
+            return _to(load_shares(resolved, verify=self.config.verify_on_load, allow_pickle=allow_pickle),
+                       map_location)
         state = gockpt.load_checkpoint(
-            self._resolve(path), storage_options=self.config.storage_options,
-            verify=self.config.verify_on_load, allow_pickle=self.allow_pickle or weights_only is False)
+            path, storage_options=self.config.storage_options,
+            verify=self.config.verify_on_load, allow_pickle=allow_pickle)
         extra = state.extra
         if not isinstance(extra, dict) or "lightning" not in extra:
             raise gockpt.CheckpointCorruptError(f"{path}: a GoCkpt checkpoint not written by GoCkptIO")

@@ -1,11 +1,14 @@
-"""``GoCkptIO`` under Lightning's ``ModelParallelStrategy`` (FSDP2): one sharded engine per rank.
+"""``GoCkptIO`` under ``ModelParallelStrategy`` (FSDP2) and multi-process DDP: an engine per rank.
 
 ``ModelParallelStrategy`` writes its own distributed checkpoints and never calls CheckpointIO,
-so the callback half (:class:`~lightning_gockpt.GoCkptCallback`) installs the checkpoint hooks
-on the strategy itself in ``setup``: the strategy instance becomes an instance of a subclass of
-its own class (:func:`install`) whose ``save_checkpoint`` / ``load_checkpoint`` go through
-:class:`gockpt.sharded.ShardedEngine` and :func:`gockpt.dcp.load_sharded`; everything else is
-the user's strategy, unchanged.
+and DDP calls it on global rank 0 only, so the callback half
+(:class:`~lightning_gockpt.GoCkptCallback`) installs the checkpoint hooks on the strategy itself
+in ``setup``: the strategy instance becomes an instance of a subclass of its own class
+(:func:`install`) whose ``save_checkpoint`` (and, under ``ModelParallelStrategy``,
+``load_checkpoint``) go through :class:`gockpt.sharded.ShardedEngine` and
+:func:`gockpt.dcp.load_sharded`; everything else is the user's strategy, unchanged. Under DDP
+the engine is a replicated one (the ranks share the write; :mod:`lightning_gockpt.replicated`)
+and loading stays ``GoCkptIO.load_checkpoint``'s, on every rank.
 
 Call sequence of one checkpoint (every rank, training thread, the same step on all of them):
 
@@ -19,8 +22,11 @@ Call sequence of one checkpoint (every rank, training thread, the same step on a
    :meth:`gockpt.sharded.ShardedEngine.save`, collective: it returns after the stall.
 3. At the captured step every rank's ``state_fn`` runs (Lightning's dict is dumped again there
    when the capture is later than the request, on every rank, as stock runs its hooks on every
-   rank); rank 0's part stores it, the other parts store nothing.
-4. Resuming (``fit(ckpt_path=...)``, every rank): :func:`gockpt.dcp.load_sharded` puts the
+   rank); rank 0's part stores it, the other parts store nothing. (Under DDP each part also
+   keeps its share of the dict's tensor entries: :func:`lightning_gockpt.replicated.part_state`.)
+4. Resuming under ``ModelParallelStrategy`` (``fit(ckpt_path=...)``, every rank; under DDP it
+   is ``GoCkptIO.load_checkpoint``'s, :func:`lightning_gockpt.replicated.load`):
+   :func:`gockpt.dcp.load_sharded` puts the
    model and optimizer shards in place (any world size); rank 0's non-tensor dict is broadcast
    and returned to Lightning, which restores loops, callbacks, schedulers and precision state.
 """
@@ -37,7 +43,11 @@ from torch.optim import Optimizer
 
 import gockpt
 from gockpt import GoCkptConfig
+from gockpt.partition import Partition
 from gockpt.sharded import INDEX_FILE, ShardedEngine, ShardedHandle
+
+from . import replicated
+from .replicated import TENSOR_KEYS
 
 if TYPE_CHECKING:
     from .callback import GoCkptCallback
@@ -46,37 +56,72 @@ if TYPE_CHECKING:
 SHARDED_STRATEGIES = ("ModelParallelStrategy",)
 # Strategies that write their own checkpoints, bypass CheckpointIO, and are not wired yet.
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
-# Entries of Lightning's dict that the engine stores from the live shards.
-_TENSOR_KEYS = ("state_dict", "optimizer_states")
+# Replicated strategies whose ranks share the write when there is more than one process.
+# (XLAStrategy derives from DDPStrategy but saves through XLA: it keeps rank 0's write.)
+REPLICATED_STRATEGIES = ("DDPStrategy",)
+_REPLICATED_EXCLUDED = ("XLAStrategy",)
 
 
 def strategy_kind(strategy: Any) -> str | None:
-    """``"sharded"`` for a strategy GoCkpt saves sharded, the class name of an unsupported one, else None."""
+    """What GoCkpt does with ``strategy``'s checkpoints.
+
+    Returns:
+        ``"sharded"`` (every rank saves its shards), ``"replicated"`` (a DDP strategy: the ranks
+        share the write when there is more than one), the class name of an unsupported
+        strategy, or None (one device: the CheckpointIO path).
+    """
     names = [c.__name__ for c in type(strategy).__mro__]
     if any(n in SHARDED_STRATEGIES for n in names):
         return "sharded"
-    return next((n for n in names if n in UNSUPPORTED_STRATEGIES), None)
+    unsupported = next((n for n in names if n in UNSUPPORTED_STRATEGIES), None)
+    if unsupported is not None:
+        return unsupported
+    if any(n in REPLICATED_STRATEGIES for n in names) and not any(n in _REPLICATED_EXCLUDED for n in names):
+        return "replicated"
+    return None
 
 
-def install(strategy: Any, callback: GoCkptCallback) -> None:
-    """Route ``strategy``'s checkpoints through ``callback``'s sharded engine (idempotent).
+def shares_write(trainer: Any, storage_options: Any) -> bool:
+    """Whether the DDP ranks of ``trainer`` can share the write of its checkpoints.
+
+    Not when an optimizer's state is not replicated (a ZeRO optimizer: Lightning consolidates
+    it on rank 0), nor when a ``ModelCheckpoint`` saves to a path that is not local or on a
+    shared filesystem (sharded checkpoints are local; an object store keeps rank 0's write).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from gockpt.fsutil import is_local, url_to_fs
+
+    if any(hasattr(o, "consolidate_state_dict") for o in trainer.optimizers):
+        return False
+    dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
+    return all(is_local(url_to_fs(str(d), storage_options)[0]) for d in dirs)
+
+
+def install(strategy: Any, callback: GoCkptCallback, kind: str = "sharded") -> None:
+    """Route ``strategy``'s checkpoints through ``callback``'s per-rank engine (idempotent).
 
     The instance's class becomes a subclass of its own class (one per strategy class) whose
-    checkpoint methods are :class:`_ShardedCheckpoints`'s; a later ``install`` only relinks
-    the callback.
+    checkpoint methods are :class:`_ShardedCheckpoints`'s (``kind="sharded"``), or only its
+    ``save_checkpoint`` (``kind="replicated"``: DDP loads through ``GoCkptIO.load_checkpoint``
+    and dumps its live state dicts as stock does); a later ``install`` only relinks the callback.
     """
     cls = type(strategy)
     if "_gockpt_base" not in cls.__dict__:
-        sub = _SUBCLASSES.get(cls)
+        sub = _SUBCLASSES.get((cls, kind))
         if sub is None:
-            methods = {k: v for k, v in vars(_ShardedCheckpoints).items() if callable(v)}
-            sub = _SUBCLASSES[cls] = type(f"GoCkpt{cls.__name__}", (cls,),
-                                          {**methods, "__module__": __name__, "_gockpt_base": cls})
+            names = _REPLICATED_METHODS if kind == "replicated" else None
+            methods = {k: v for k, v in vars(_ShardedCheckpoints).items()
+                       if callable(v) and (names is None or k in names)}
+            sub = _SUBCLASSES[(cls, kind)] = type(f"GoCkpt{cls.__name__}", (cls,),
+                                                  {**methods, "__module__": __name__, "_gockpt_base": cls})
         strategy.__class__ = sub
     strategy._gockpt_callback = callback
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+_REPLICATED_METHODS = ("_gockpt_running", "save_checkpoint")
 
 
 class _ShardedCheckpoints:
@@ -91,8 +136,10 @@ class _ShardedCheckpoints:
     _gockpt_callback: GoCkptCallback | None = None
 
     def _gockpt_running(self) -> GoCkptCallback | None:
+        # DDP whose ranks do not share the write (one process, a ZeRO optimizer) keeps stock's
+        # rank-0 path through GoCkptIO.save_checkpoint.
         cb = self._gockpt_callback
-        return cb if cb is not None and cb.active else None
+        return cb if cb is not None and cb.active and cb.every_rank else None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """While the engine runs: the live sharded state dict (no copy); else stock's."""
@@ -117,7 +164,8 @@ class _ShardedCheckpoints:
 
         Call on every rank at the same step (``Trainer.save_checkpoint`` does). Returns after
         the stall; the checkpoint is committed in the background, at the latest when ``fit``
-        returns. Outside ``fit`` (no engine running) the strategy's own format is written.
+        returns. Outside ``fit`` (no engine running) the strategy's own path is taken (its own
+        format; under DDP rank 0's ``GoCkptIO.save_checkpoint``, blocking).
 
         Raises:
             TypeError: ``storage_options`` given (set them on ``GoCkptIO(storage_options=...)``).
@@ -156,8 +204,8 @@ class _ShardedCheckpoints:
         path = io._resolve(path)  # noqa: SLF001 - the same resolution as GoCkptIO.load_checkpoint
         if not os.path.isfile(os.path.join(path, INDEX_FILE)):
             raise ValueError(
-                f"{path} is a GoCkpt checkpoint saved without sharding (one device or DDP); "
-                "under ModelParallelStrategy GoCkptIO loads sharded GoCkpt checkpoints only")
+                f"{path} is a GoCkpt checkpoint saved without sharding (one device or one DDP "
+                "writer); under ModelParallelStrategy GoCkptIO loads sharded GoCkpt checkpoints only")
         allow_pickle = io.allow_pickle or weights_only is False
         verify = io.config.verify_on_load
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -173,7 +221,8 @@ class _ShardedCheckpoints:
         if not isinstance(extra, dict) or not isinstance(extra.get("lightning"), dict):
             raise gockpt.CheckpointCorruptError(f"{path}: a sharded GoCkpt checkpoint not written by GoCkptIO",
                                                 path=path)
-        return dict(extra["lightning"])
+        # A DDP checkpoint's rank 0 part holds its share of the tensors: loaded above instead.
+        return {k: v for k, v in extra["lightning"].items() if k not in TENSOR_KEYS}
 
 
 def _is_gockpt(path: str, io: Any) -> bool:
@@ -212,6 +261,8 @@ class ShardedAdapterEngine:
         rank: this process's global rank (rank 0's part stores Lightning's dict).
         collective: whether the ranks still meet (False once this rank's run failed: waits and
             closes are then local, never a collective another rank may not reach).
+        replicated: DDP: the ranks share the write of the replicated state
+            (:mod:`lightning_gockpt.replicated`); else FSDP2 shards.
         **engine_kwargs: passed to :class:`gockpt.Engine` (``explicit_before_update``, ``start_step``).
 
     Raises:
@@ -219,8 +270,10 @@ class ShardedAdapterEngine:
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[Optimizer], config: GoCkptConfig, *,
-                 rank: int, collective: Callable[[], bool], **engine_kwargs: Any) -> None:
-        self.sharded = ShardedEngine(model, list(optimizers), config, **engine_kwargs)
+                 rank: int, collective: Callable[[], bool], replicated: bool = False,
+                 **engine_kwargs: Any) -> None:
+        self.sharded = ShardedEngine(model, list(optimizers), config, replicated=replicated, **engine_kwargs)
+        self.replicated = replicated
         self.config = self.sharded.config
         self.rank = rank
         self._collective = collective
@@ -242,14 +295,17 @@ class ShardedAdapterEngine:
 
     def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
              mode: str | None = None) -> ShardedHandle:
-        """:meth:`gockpt.sharded.ShardedEngine.save`; only rank 0's part keeps Lightning's dict."""
-        def part_state() -> Any:
+        """:meth:`gockpt.sharded.ShardedEngine.save`; only rank 0's part keeps Lightning's
+        non-tensor dict (under DDP each part also keeps its share of the tensor entries)."""
+        def part_state(part: Partition | None) -> Any:
             tree = state_fn()  # on every rank: Lightning's hooks run where stock runs them
+            if self.replicated:
+                return replicated.part_state(tree["lightning"], part, self.rank)
             if self.rank != 0:
                 return None
-            return {"lightning": {k: v for k, v in tree["lightning"].items() if k not in _TENSOR_KEYS}}
+            return {"lightning": {k: v for k, v in tree["lightning"].items() if k not in TENSOR_KEYS}}
 
-        handle = self.sharded.save(path, state_fn=part_state, mode=mode,
+        handle = self.sharded.save(path, part_state_fn=part_state, mode=mode,
                                    max_overlap_steps=max_overlap_steps)
         with self._lock:
             self._latest[path] = handle
@@ -286,12 +342,16 @@ class ShardedAdapterEngine:
         self.sharded.close(collective=self._collective())
 
 
-def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None) -> ShardedAdapterEngine:
-    """The sharded engine of ``callback`` over ``trainer``'s module and optimizers (every rank)."""
+def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None, *,
+                 replicated: bool = False) -> ShardedAdapterEngine:
+    """The engine of ``callback`` over ``trainer``'s module and optimizers (every rank; collective).
+
+    ``replicated``: DDP, the ranks share the write; else FSDP2 shards.
+    """
     assert callback.io is not None
     return ShardedAdapterEngine(trainer.lightning_module, list(trainer.optimizers), callback.io.config,
                                 rank=trainer.global_rank, collective=lambda: not callback._failed,  # noqa: SLF001
-                                explicit_before_update=True, start_step=start_step)
+                                replicated=replicated, explicit_before_update=True, start_step=start_step)
 
 
 def unsupported_error(strategy: Any, name: str) -> ValueError:
@@ -303,5 +363,5 @@ def unsupported_error(strategy: Any, name: str) -> ValueError:
         "sharded GoCkpt checkpoints.")
 
 
-__all__ = ["SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES", "ShardedAdapterEngine",
-           "build_engine", "install", "strategy_kind", "unsupported_error"]
+__all__ = ["REPLICATED_STRATEGIES", "SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES", "ShardedAdapterEngine",
+           "build_engine", "install", "shares_write", "strategy_kind", "unsupported_error"]

@@ -1,0 +1,278 @@
+"""``GoCkptIO`` under Lightning DDP, 2 processes over gloo: the ranks share the write (issue 13).
+
+Each test spawns its ranks once (``torch.multiprocessing.spawn``; Lightning sees an external
+launcher through ``LOCAL_RANK``; a spawn costs seconds of imports on 2 cores): they train the
+uninterrupted stock DDP run (a stock ``.ckpt`` at every step), the GoCkpt run that checkpoints
+mid-epoch, and then, with a new Trainer and a new model, resume from that checkpoint with
+``fit(ckpt_path=...)``. Then this process resumes, with one device, from the GoCkpt checkpoint
+and from the stock DDP ``.ckpt`` of the same step. The job is
+``_lightning_train.TinyNet`` (dropout with its RNG state checkpointed, BatchNorm buffers,
+AdamW, a per-step LR schedule, gradient clipping, a data position Lightning checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _dist import end_rank
+from _lightning_train import assert_bitwise_equal, fit, results
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import gockpt
+from gockpt import cli, storage
+from gockpt.dcp import load_full
+from gockpt.sharded import part_name, sharding_name
+from lightning_gockpt import GoCkptIO
+
+TOTAL = 14  # optimizer steps of the uninterrupted run (10 batches per epoch and rank)
+STOP = 10  # the GoCkpt run stops here
+EVERY = 5  # ModelCheckpoint(every_n_train_steps=EVERY): step=5.ckpt is resumed
+TOP = 4  # ModelCheckpoint(save_top_k=1, every_n_train_steps=TOP): no request inside step 5's windows
+K = {"lazy": 1, "gockpt_o": 3}
+
+
+class RankState(Callback):
+    """A callback state that differs per rank: stock saves rank 0's, at the checkpoint's step."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.trainer = trainer
+
+    def state_dict(self):
+        return {"rank": self.trainer.global_rank, "step": self.trainer.global_step}
+
+
+class Probe(Callback):
+    """Rank 0 of the GoCkpt run: the save returns before it is durable (gockpt_o), and no
+    removal by ModelCheckpoint (``save_top_k=1`` removes the previous checkpoint right after
+    requesting the next) ever leaves the newest complete checkpoint older than it was."""
+
+    def __init__(self, root: str, mode: str) -> None:
+        self.root, self.mode, self.seen, self.newest = root, mode, False, -1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not trainer.is_global_zero:
+            return
+        steps = [-1]
+        for folder in (f"{self.root}/a", f"{self.root}/top"):
+            for name in os.listdir(folder) if os.path.isdir(folder) else ():
+                ckpt = f"{folder}/{name}"
+                if storage.is_complete(ckpt):
+                    fs = gockpt.fsutil.url_to_fs(ckpt, None)[0]
+                    steps.append(storage.read_manifest(fs, ckpt)["meta"]["captured_step"])
+        assert max(steps) >= self.newest, (self.newest, os.listdir(f"{self.root}/top"))
+        self.newest = max(steps)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        path = f"{self.root}/a/step={EVERY}.ckpt"
+        if trainer.is_global_zero and trainer.global_step == EVERY + 1 and self.mode == "gockpt_o":
+            assert not storage.is_complete(path), "the save blocked until durable"  # captured at 7
+            assert os.path.isdir(path)  # rank 0's placeholder, for ModelCheckpoint's links
+            self.seen = True
+
+
+def _io(mode: str) -> GoCkptIO:
+    return GoCkptIO(mode=mode, min_overlap_steps=K[mode], max_overlap_steps=K[mode])
+
+
+def _worker(rank: int, port: int, root: str, mode: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    ddp = {"strategy": "ddp", "devices": 2}
+    # Stock DDP, uninterrupted, a .ckpt at every step (rank 0 writes them).
+    trainer, model = fit(f"{root}/ref", max_steps=TOTAL, ckpt_every=1, callbacks=(RankState(),), **ddp)
+    if rank == 0:
+        torch.save(results(trainer, model), f"{root}/ref.pt")
+    probe = Probe(root, mode)
+    top = ModelCheckpoint(dirpath=f"{root}/top", filename="top-{step}", save_top_k=1, every_n_train_steps=TOP)
+    trainer, _ = fit(f"{root}/a", io=_io(mode), max_steps=STOP, ckpt_every=EVERY, save_last="link",
+                     callbacks=(RankState(), probe, top), **ddp)
+    assert probe.seen == (mode == "gockpt_o" and rank == 0)
+    assert rank != 0 or probe.newest >= EVERY
+    assert type(trainer.strategy).__name__ == "GoCkptDDPStrategy"
+    # A new Trainer and model resume from the mid-epoch checkpoint (fit returned once committed).
+    trainer, model = fit(f"{root}/b", io=_io(mode), max_steps=TOTAL,
+                         ckpt_path=f"{root}/a/step={EVERY}.ckpt", **ddp)
+    if rank == 0:
+        torch.save(results(trainer, model), f"{root}/resumed.pt")
+    end_rank()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_shared(path: str, captured: int) -> None:
+    """Both ranks wrote a part holding tensor bytes; together each tensor once."""
+    fqns, sizes = [], []
+    for r in range(2):
+        part = os.path.join(path, part_name(r))
+        manifest = storage.read_manifest(gockpt.fsutil.url_to_fs(part, None)[0], part)
+        assert manifest["meta"]["captured_step"] == captured
+        sharding = json.load(open(os.path.join(path, sharding_name(r))))
+        assert set(manifest["tensors"]) == set(sharding["tensors"])
+        fqns.append({i["fqn"] for i in sharding["tensors"].values()})
+        sizes.append(sum(e["bytes"] for name, e in manifest["files"].items() if name.endswith(".safetensors")))
+    assert all(s > 0 for s in sizes), sizes
+    assert fqns[0].isdisjoint(fqns[1])
+    full = load_full(path)
+    want = {f"model.{k}" for k in full.model_state_dict}
+    want |= {f"optim.state.{p}.{n}" for p, st in full.optimizer_state.items() for n in st}
+    assert fqns[0] | fqns[1] == want
+    assert any(k.startswith("optim.state.") for k in fqns[1]), "rank 1 stored no optimizer state"
+
+
+@pytest.mark.parametrize("mode", list(K))
+def test_ddp_ranks_share_the_write_and_resume_exactly(tmp_path, mode):
+    """2-rank DDP with GoCkptIO: the checkpoint requested at step 5 (captured at 5 in lazy, at 7
+    in gockpt_o with K=3) is written in parts by both ranks; a new 2-process run resumed from
+    it ends bit-identical to the uninterrupted stock DDP run; one device resumed from it ends
+    bit-identical to one device resumed from the stock DDP .ckpt of the captured step, and loads
+    the same dict; ModelCheckpoint(save_top_k=1) leaves only the newest, committed; save_last
+    links to the last one."""
+    root = str(tmp_path)
+    captured = EVERY + K[mode] - 1
+    mp.spawn(_worker, args=(_port(), root, mode), nprocs=2)
+    path = f"{root}/a/step={EVERY}.ckpt"
+    _assert_shared(path, captured)
+    assert set(os.listdir(f"{root}/a")) == {f"step={EVERY}.ckpt", f"step={STOP}.ckpt", "last.ckpt"}
+    assert os.readlink(f"{root}/a/last.ckpt") == f"step={STOP}.ckpt"  # save_last="link"
+    assert GoCkptIO().load_checkpoint(f"{root}/a/last.ckpt")["global_step"] == STOP
+    last_top = STOP // TOP * TOP  # requested at 8, captured at 10 in gockpt_o (max_steps)
+    assert os.listdir(f"{root}/top") == [f"top-step={last_top}.ckpt"]
+    assert load_full(f"{root}/top/top-step={last_top}.ckpt").captured_step == min(last_top + K[mode] - 1, STOP)
+
+    # The dict GoCkptIO loads is the one stock DDP saved at the captured step.
+    ours = GoCkptIO().load_checkpoint(path)
+    stock = torch.load(f"{root}/ref/step={captured}.ckpt", weights_only=False)
+    assert list(ours["state_dict"]) == list(stock["state_dict"])  # stock's key order
+    assert ours["state_dict"]._metadata == stock["state_dict"]._metadata
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "rng_state", "global_step",
+                "epoch", "hyper_parameters"):
+        assert_bitwise_equal(ours[key], stock[key], key)
+    assert list(ours["optimizer_states"][0]["state"]) == list(stock["optimizer_states"][0]["state"])
+    state_key = RankState().state_key
+    assert ours["callbacks"][state_key] == stock["callbacks"][state_key] == {"rank": 0, "step": captured}
+    assert list(ours)[:4] == list(stock)[:4]  # stock's order of Lightning's entries
+    # The command line reads the shared layout: verify checks every part, convert joins them.
+    assert cli.main(["verify", path]) == 0
+    assert cli.main(["convert", path, f"{root}/one.ckpt", "--to", "lightning"]) == 0
+    assert_bitwise_equal(torch.load(f"{root}/one.ckpt", weights_only=False), ours, "converted")
+    shutil.copytree(path, f"{root}/bad.ckpt")
+    shard = next(p for p in os.listdir(f"{root}/bad.ckpt/rank-00001") if p.endswith(".safetensors"))
+    with open(f"{root}/bad.ckpt/rank-00001/{shard}", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))  # one bit of rank 1's last tensor
+    assert cli.main(["verify", f"{root}/bad.ckpt"]) == 1
+
+    ref, resumed = torch.load(f"{root}/ref.pt"), torch.load(f"{root}/resumed.pt")
+    assert resumed["global_step"] == TOTAL
+    assert sorted(resumed["losses"]) == list(range(captured, TOTAL))
+    assert all(resumed["losses"][b] == ref["losses"][b] for b in resumed["losses"])
+    assert_bitwise_equal(resumed["model"], ref["model"], "model")
+    assert_bitwise_equal(resumed["optim"], ref["optim"], "optim")
+
+    # One device, no DDP: the same checkpoint continues as stock continues from its own.
+    one = results(*fit(f"{root}/one", io=_io(mode), max_steps=TOTAL, ckpt_path=path))
+    one_stock = results(*fit(f"{root}/one-stock", max_steps=TOTAL, ckpt_path=f"{root}/ref/step={captured}.ckpt"))
+    assert one["global_step"] == one_stock["global_step"] == TOTAL
+    assert_bitwise_equal(one, one_stock, "one device")
+
+
+def test_ddp_spawn_shares_the_write(tmp_path, monkeypatch):
+    """``strategy="ddp_spawn"`` (2 processes spawned by Lightning) goes through the same hooks:
+    both ranks write a part; the last checkpoint loads as the weights the run ended with (rank
+    0's, returned to this process by Lightning), and the mid-epoch one holds the captured step."""
+    monkeypatch.setenv("MASTER_PORT", str(_port()))  # Lightning's launcher takes it from here
+    trainer, model = fit(str(tmp_path), io=_io("gockpt_o"), max_steps=STOP, ckpt_every=EVERY,
+                         strategy="ddp_spawn", devices=2)
+    captured = EVERY + K["gockpt_o"] - 1
+    _assert_shared(str(tmp_path / f"step={EVERY}.ckpt"), captured)
+    _assert_shared(str(tmp_path / f"step={STOP}.ckpt"), STOP)
+    mid = GoCkptIO().load_checkpoint(str(tmp_path / f"step={EVERY}.ckpt"))
+    assert mid["global_step"] == captured
+    assert mid["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == captured
+    last = GoCkptIO().load_checkpoint(str(tmp_path / f"step={STOP}.ckpt"))
+    assert last["global_step"] == STOP
+    assert_bitwise_equal(last["state_dict"], {k: v.detach() for k, v in model.state_dict().items()}, "weights")
+
+
+def _lightning_dict() -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:
+    """A stock-shaped Lightning dict of a small stepped model (BatchNorm buffers, AdamW)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    sd = model.state_dict()
+    sd["2.weight"] = sd["2.weight"] * 2  # a hook's edit: not the live tensor
+    ck = {"epoch": 0, "global_step": 1, "state_dict": sd, "loops": {"x": torch.tensor([3])},
+          "optimizer_states": [opt.state_dict()], "lr_schedulers": []}
+    return ck, model, opt
+
+
+def test_parts_join_into_the_stock_dict_and_refuse_a_bad_split():
+    """Each rank's part keeps its share of ``state_dict``/``optimizer_states`` (rank 0 also the
+    buffers and the rest of the dict); joined, they are the dict, in its order; a key stored by
+    two parts or by none is a corrupt checkpoint."""
+    from gockpt.layout import build_layout
+    from gockpt.partition import partition_layout
+    from lightning_gockpt import replicated
+
+    ck, model, opt = _lightning_dict()
+    layout = build_layout(model, [opt])
+    parts = [partition_layout(layout, r, 2).partition for r in range(2)]
+    trees = [replicated.part_state(ck, parts[r], r) for r in range(2)]
+    assert set(trees[1]["lightning"]) == {"state_dict", "optimizer_states"}
+    assert list(trees[0]["lightning"]) == list(ck)  # rank 0: the whole dict, in its order
+    shares = [set(t["lightning"]["state_dict"]) for t in trees]
+    assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(ck["state_dict"])
+    assert shares[1] and {"1.running_mean", "1.num_batches_tracked"} <= shares[0]
+    states = [set(t["lightning"]["optimizer_states"][0]["state"]) for t in trees]
+    assert states[0].isdisjoint(states[1]) and states[0] | states[1] == set(ck["optimizer_states"][0]["state"])
+    joined = replicated.join(trees)
+    assert list(joined) == list(ck) and list(joined["state_dict"]) == list(ck["state_dict"])
+    assert joined["state_dict"]._metadata == ck["state_dict"]._metadata
+    assert list(joined["optimizer_states"][0]["state"]) == list(ck["optimizer_states"][0]["state"])
+    assert_bitwise_equal(joined, ck, "joined")
+    twice = [trees[0], {"lightning": {**trees[1]["lightning"], "state_dict": ck["state_dict"]}}]
+    with pytest.raises(gockpt.CheckpointCorruptError, match="stored by two parts"):
+        replicated.join(twice, "ck")
+    with pytest.raises(gockpt.CheckpointCorruptError, match="unlike the order"):
+        replicated.join([trees[0], {"lightning": {**trees[1]["lightning"], "state_dict": {}}}], "ck")
+    with pytest.raises(gockpt.CheckpointCorruptError, match="no Lightning state"):
+        replicated.join([trees[0], None], "ck")
+
+
+def test_ddp_keeps_one_writer_for_an_object_store_or_a_zero_optimizer(tmp_path):
+    """Sharded checkpoints are local: a ModelCheckpoint on an object store, or an optimizer
+    whose state is not replicated (ZeRO), keeps rank 0's write (decided once, at train start)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lightning_gockpt.sharded import shares_write
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    def trainer(dirpath, optimizer=opt):
+        return SimpleNamespace(optimizers=[optimizer],
+                               checkpoint_callbacks=[ModelCheckpoint(dirpath=dirpath)])
+
+    assert shares_write(trainer(str(tmp_path)), None)
+    assert shares_write(trainer(f"file://{tmp_path}"), None)
+    assert not shares_write(trainer("memory://run/ckpts"), None)
+    assert not shares_write(trainer("s3://bucket/ckpts"), {"anon": True})
+    zero = object.__new__(ZeroRedundancyOptimizer)  # its type is what tells: no process group needed
+    assert not shares_write(trainer(str(tmp_path), zero), None)

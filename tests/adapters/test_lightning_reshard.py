@@ -1,0 +1,175 @@
+"""A ``ModelParallelStrategy`` (FSDP2) GoCkpt checkpoint saved by 2 processes, restored by 1 and 4.
+
+The 2-process run (gloo on CPU) records the gathered model and optimizer state after every step
+and checkpoints mid-epoch in ``gockpt_o`` with K = 3; one process assembles the checkpoint with
+``gockpt.dcp.load_full``, and 4 processes resume from it with Lightning's
+``fit(ckpt_path=...)`` (``torch.distributed.checkpoint`` reshards 2 shards into 4). Both must
+hold the recorded state of the captured step, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _dist import end_rank
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from gockpt.dcp import load_full
+from lightning_gockpt import GoCkptIO
+
+BATCHES = 8  # per epoch and rank
+STOP = 7  # the 2-process run stops here
+EVERY = 4  # ModelCheckpoint(every_n_train_steps=EVERY): captured at EVERY + K - 1
+K = 3
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        # 5 and 30 output rows: shards of uneven sizes on 2 and on 4 ranks.
+        self.body = nn.Sequential(nn.Linear(16, 30), nn.Tanh(), nn.Linear(30, 30), nn.Tanh(), nn.Linear(30, 5))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.body:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.body, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, t = batch
+        return (self.body(x) - t).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return _Batches(self.global_rank)
+
+
+class _Batches:
+    """Batches of 4 of this rank's data in a fixed order (a sized iterable, not a list: Lightning
+    would take a list for several dataloaders)."""
+
+    def __init__(self, rank: int) -> None:
+        self.x = torch.randn(BATCHES * 4, 16, generator=torch.Generator().manual_seed(7 + rank))
+
+    def __len__(self) -> int:
+        return BATCHES
+
+    def __iter__(self):
+        for i in range(BATCHES):
+            b = self.x[i * 4:(i + 1) * 4]
+            yield b, b[:, :5].flip(1)
+
+
+def _full(trainer: pl.Trainer) -> dict:
+    """The gathered live state under DCP's keys, plus the learning rates (collective)."""
+    module, opt = trainer.lightning_module, trainer.optimizers[0]
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+    out = {f"model.{k}": whole(v) for k, v in module.state_dict().items()}
+    for name, p in module.named_parameters():
+        for k, v in opt.state[p].items():
+            out[f"optim.state.{name}.{k}"] = whole(v)
+    return {"tensors": out, "lr": [g["lr"] for g in opt.param_groups], "step": trainer.global_step}
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.states: dict[int, dict] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.states[trainer.global_step] = _full(trainer)  # every rank gathers
+
+
+def _trainer(root: str, world: int, max_steps: int, callbacks=()) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=world, max_steps=max_steps, default_root_dir=root,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        plugins=[GoCkptIO(mode="gockpt_o", min_overlap_steps=K, max_overlap_steps=K)],
+        callbacks=list(callbacks), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    ckpt = f"{root}/ckpt/step={EVERY}.ckpt"
+    if world == 2:
+        record = _Record()
+        mc = ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{step}", save_top_k=-1, every_n_train_steps=EVERY)
+        _trainer(f"{root}/a", world, STOP, [record, mc]).fit(Net())
+        if rank == 0:
+            torch.save(record.states, f"{root}/ref.pt")
+    else:
+        # Restored and not trained: max_steps is the checkpoint's step.
+        trainer = _trainer(f"{root}/b", world, EVERY + K - 1)
+        trainer.fit(Net(), ckpt_path=ckpt)
+        assert trainer.global_step == EVERY + K - 1
+        weight = trainer.lightning_module.body[0].weight
+        assert weight.device_mesh.size() == 4 and weight.to_local().shape[0] == (8, 8, 8, 6)[rank]
+        state = _full(trainer)
+        if rank == 0:
+            torch.save(state, f"{root}/restored-{world}.pt")
+    end_rank()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys()))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """The 2-process run: its checkpoint folder and the gathered state after every step."""
+    root = str(tmp_path_factory.mktemp("reshard"))
+    mp.spawn(_worker, args=(2, _port(), root), nprocs=2)
+    return root
+
+
+def test_model_parallel_checkpoint_of_2_ranks_assembles_in_1_process(saved):
+    """Saved by 2 FSDP2 ranks (captured at step 6, K=3): load_full in one process holds the
+    gathered state of step 6, weights, optimizer state and learning rate."""
+    captured = EVERY + K - 1
+    ref = torch.load(f"{saved}/ref.pt")[captured]
+    full = load_full(f"{saved}/ckpt/step={EVERY}.ckpt")
+    assert full.captured_step == captured
+    flat = {f"model.{k}": v for k, v in full.model_state_dict.items()}
+    flat.update({f"optim.state.{p}.{k}": v for p, st in full.optimizer_state.items() for k, v in st.items()})
+    _equal(flat, ref["tensors"], "1 process")
+    assert [g["lr"] for g in full.param_groups[0]] == ref["lr"]
+
+
+def test_model_parallel_checkpoint_of_2_ranks_resumes_with_4(saved):
+    """The same checkpoint, ``fit(ckpt_path=...)`` by 4 FSDP2 ranks: each holds a quarter of
+    every weight, and gathered they are the state of step 6, optimizer and LR included."""
+    captured = EVERY + K - 1
+    ref = torch.load(f"{saved}/ref.pt")[captured]
+    mp.spawn(_worker, args=(4, _port(), saved), nprocs=4)
+    restored = torch.load(f"{saved}/restored-4.pt")
+    assert restored["step"] == captured
+    _equal(restored["tensors"], ref["tensors"], "4 processes")
+    assert restored["lr"] == ref["lr"]
