@@ -96,7 +96,7 @@ class _Writer:
     def _flush(self, nbytes: int) -> None:
         """Write the bounce buffer's first ``nbytes`` (a multiple of ALIGN unless buffered)."""
         assert self.buf is not None
-        view = memoryview(self.buf)[:nbytes]
+        view = self.buf.data[:nbytes]
         if self.direct:
             try:
                 n = os.write(self.fd, view)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gockpt.ranks import RankCapture, describe_request, exchange_request, wait_for_shares, write_share
+from gockpt.ranks import (
+    RankCapture,
+    describe_request,
+    exchange_request,
+    wait_for_shares,
+    write_share,
+)
 
 
 def test_the_share_is_taken_at_the_captured_step_and_written_into_the_staging(tmp_path):
@@ -86,7 +92,7 @@ def test_a_writer_and_a_share_taker_checkpoint_one_step_together(tmp_path):
         return str(staging), writer
 
     def step():
-        for m, o in zip(models, opts):
+        for m, o in zip(models, opts, strict=True):
             m(torch.ones(1, 4)).sum().backward()
             o.step()
             o.zero_grad()
