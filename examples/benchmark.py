@@ -649,10 +649,15 @@ def markdown(results: list[dict], raw: dict, meta: dict) -> str:
         "| scheme | clean step (s) | step during a ckpt (s) | during / without "
         "| stall / ckpt (s) | engine-reported stall (s) "
         "| throughput vs none | time to durable (s) | fsync | persist vs raw write+fsync "
-        "| restore vs raw read | peak RSS (MB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|",
+        "| restore vs raw read | peak RSS (MB) | peak RSS above none (ckpts) "
+        "| engine host buffers, peak (ckpts) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|",
     ]
+    none_rss = min(r["peak_rss_mb"] for r in results if r["scheme"] == "none")
+    ckpt_mb = meta["state_bytes"] / 2**20
     for r in results:
+        host = [m.get("host_peak_bytes", 0) for m in r.get("engine_metrics") or []]
+        host_cell = f"{max(host) / meta['state_bytes']:.2f}" if any(host) else "-"
         fsync = {True: "yes", False: "no"}.get(r.get("fsync"), "-")
         split = r["step_split"]
         during = "-" if not split["during_n"] else f"{split['during_median_s']:.3f}"
@@ -662,7 +667,7 @@ def markdown(results: list[dict], raw: dict, meta: dict) -> str:
             f"| {r['stall_per_ckpt_s']:.3f} "
             f"| {cell(r, 'engine_stall_per_ckpt_s', '.3f')} | {r['throughput_vs_none']:.3f} | {cell(r, 'durable_median_s', '.2f')} | {fsync} "
             f"| {cell(r, 'persist_vs_raw', '.2f')} | {cell(r, 'restore_vs_raw', '.2f')} "
-            f"| {r['peak_rss_mb']:.0f} |"
+            f"| {r['peak_rss_mb']:.0f} | {(r['peak_rss_mb'] - none_rss) / ckpt_mb:.2f} | {host_cell} |"
         )
     return "\n".join(
         [
@@ -697,7 +702,10 @@ def markdown(results: list[dict], raw: dict, meta: dict) -> str:
             "included (nothing finer is observable from outside).",
             "- Restore: load into the live model and optimizer, against a raw read of the same files; "
             "page cache dropped before both (fsync + `posix_fadvise(POSIX_FADV_DONTNEED)`).",
-            "- Peak RSS: `ru_maxrss` of the scheme's process after training, before the restore.",
+            "- Peak RSS: `ru_maxrss` of the scheme's process after training, before the restore; "
+            "above none: less the smallest 'none' row's, in checkpoint sizes (weights + optimizer state).",
+            "- Engine host buffers, peak: the most bytes of snapshot slots and gradient buffers the "
+            "engine held at once (`CheckpointMetrics.host_peak_bytes`), in checkpoint sizes.",
             "- Rows marked *emulated link* throttle GoCkpt's copy worker by sleeping, so that a full "
             "copy spans several steps as over a real device-to-host link; they are emulations, not "
             "measurements of a device.",
