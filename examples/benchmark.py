@@ -43,7 +43,9 @@ sleep stands in for the link's transfer time only: the copies themselves still r
 the second core and compete with training for memory bandwidth, which a device's DMA would not.
 
 ``--io-nice N`` adds GoCkpt lazy and auto rows with ``GoCkptConfig(io_nice=N)`` beside the
-default rows, in the same run.
+default rows, in the same run; ``--buffered`` adds GoCkpt lazy and gockpt_o rows that write
+their shard files through the page cache (``GoCkptConfig(direct_io=False)``), the default being
+``O_DIRECT``.
 
 On a shared machine, ``--nice -20`` (root) keeps other processes from skewing the step times;
 the 'none' rows show what noise remains. ``--quick`` is a smoke run of the whole pipeline.
@@ -303,6 +305,8 @@ class GoCkptScheme(Scheme):
         options = {"num_io_threads": args.io_threads} if args.io_threads else {}
         if args.scheme_io_nice is not None:
             options["io_nice"] = args.scheme_io_nice
+        if args.scheme_buffered:
+            options["direct_io"] = False
         config = GoCkptConfig(
             mode=mode, host_link_bytes_per_s=args.host_link_bytes_per_s, **options
         )
@@ -508,6 +512,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
                                       requests, durable_at, clean + free)
     timeline_text = ""
     name = args.scheme + ("" if args.scheme_io_nice is None else f" [io_nice {args.scheme_io_nice}]")
+    name += " [buffered]" if args.scheme_buffered else ""
     name += " [emulated link]" if args.host_link_bytes_per_s is not None else ""
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
@@ -521,6 +526,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
         "scheme": args.scheme,
         "emulated": args.host_link_bytes_per_s is not None,
         "io_nice": args.scheme_io_nice,
+        "buffered": args.scheme_buffered,
         "host_link_bytes_per_s": args.host_link_bytes_per_s,
         "state_bytes": state_bytes,
         "step_times_s": times,
@@ -577,6 +583,8 @@ def label(r: dict) -> str:
         text += " (repeat)"
     if r.get("io_nice") is not None:
         text += f" [io_nice {r['io_nice']}]"
+    if r.get("buffered"):
+        text += " [buffered writes]"
     if r["emulated"]:
         text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2f} GB/s]"
     return text
@@ -601,7 +609,8 @@ def summarize(results: list[dict], raw: dict) -> list[dict]:
 
 def targets(results: list[dict]) -> list[str]:
     """The issue's targets next to the measured ratios (reported, not asserted)."""
-    by = {(r["scheme"], r["emulated"]): r for r in results if r.get("io_nice") is None}
+    by = {(r["scheme"], r["emulated"]): r for r in results
+          if r.get("io_nice") is None and not r.get("buffered")}
     floor = max(abs(r["stall_per_ckpt_s"]) for r in results if r["scheme"] == "none")
     lines = [f"noise floor (largest |stall| of the 'none' runs): {floor:.3f} s per checkpoint"]
     reference = by.get(("lightning-async", False))
@@ -814,6 +823,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also run the GoCkpt lazy and auto rows with GoCkptConfig.io_nice at this value, "
         "beside the rows at the default",
     )
+    add(
+        "--buffered",
+        action="store_true",
+        help="also run the GoCkpt lazy and gockpt_o rows with GoCkptConfig.direct_io=False "
+        "(shard files through the page cache), beside the rows at the default (O_DIRECT)",
+    )
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
     add(
         "--nice",
@@ -858,11 +873,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     args.ckpt_dir = tempfile.mkdtemp(prefix="ckpt-", dir=args.out)
 
-    def run(scheme: str, link: float | None = None, io_nice: int | None = None) -> dict:
+    def run(scheme: str, link: float | None = None, io_nice: int | None = None,
+            buffered: bool = False) -> dict:
         result_path = os.path.join(args.ckpt_dir, "result.json")
         child_args = argparse.Namespace(
             **{**vars(args), "scheme": scheme, "host_link_bytes_per_s": link,
-               "scheme_io_nice": io_nice}
+               "scheme_io_nice": io_nice, "scheme_buffered": buffered}
         )
         process = fork.Process(target=_scheme_process, args=(child_args, result_path))
         process.start()
@@ -873,7 +889,8 @@ def main() -> None:
         r = json.loads(Path(result_path).read_text())
         print(
             f"{scheme}{' [emulated link]' if link else ''}"
-            f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}: clean step "
+            f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}"
+            f"{' [buffered]' if buffered else ''}: clean step "
             f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s",
             flush=True,
         )
@@ -888,6 +905,9 @@ def main() -> None:
         results += [run(s) for s in schemes if s != "none"]
         if args.io_nice is not None:
             results += [run(s, io_nice=args.io_nice) for s in ("gockpt-lazy", "gockpt-auto")
+                        if s in schemes]
+        if args.buffered:
+            results += [run(s, buffered=True) for s in ("gockpt-lazy", "gockpt-gockpt_o")
                         if s in schemes]
         if args.host_link_gbps == "auto":
             link = results[0]["state_bytes"] / (args.copy_steps * results[0]["baseline_step_s"])

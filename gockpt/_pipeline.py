@@ -201,6 +201,7 @@ class Pipeline:
                 chunk_bytes=self._config.chunk_bytes, update_latest=self._config.update_latest,
                 cancel=s.cancel, publish_lock=self._publish_lock,
                 storage_timeout_s=self._config.storage_timeout_s, io_nice=self._config.io_nice,
+                direct_io=self._config.direct_io,
                 is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )

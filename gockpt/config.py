@@ -107,6 +107,13 @@ class GoCkptConfig:
     store would otherwise stall training). Past it the request is skipped with a warning (its
     handle reports ``skipped``) and training goes on. ``None``: wait without bound. > 0 or None."""
 
+    direct_io: bool = True
+    """Write local shard files with ``O_DIRECT`` from a small page-aligned bounce buffer per
+    writing thread, around the page cache (falls back to buffered writes where a filesystem
+    refuses it): the writing thread does not copy every byte into the cache, the kernel has no
+    write-back to do at ``fsync``, and a checkpoint does not grow the cache by its size. False:
+    buffered writes through the page cache. The files are the same either way."""
+
     io_nice: int | None = None
     """Niceness, 0..19, that the persist and file-writing threads add to the process's (capped
     at 19), so that the training thread wins the cores and the disk while a checkpoint is

@@ -51,7 +51,7 @@ from gockpt.errors import (
 )
 from gockpt.format import ShardLayout
 from gockpt.manifest import build_manifest, check_name
-from gockpt.targets import StorageTarget, open_target
+from gockpt.targets import LocalTarget, StorageTarget, open_target
 
 __all__ = [
     "CheckpointCancelledError", "PersistRequest", "PersistResult", "lower_thread_priority", "persist",
@@ -96,6 +96,8 @@ class PersistRequest:
             it may raise to fail the save.
         io_nice: niceness the io threads add to the process's (:func:`lower_thread_priority`);
             None: none.
+        direct_io: local targets write shard files with ``O_DIRECT`` where the filesystem
+            allows it (:mod:`gockpt._direct`).
     """
 
     path: str
@@ -119,6 +121,7 @@ class PersistRequest:
     files: Mapping[str, bytes] = field(default_factory=dict)
     before_publish: Callable[[StorageTarget], None] = lambda target: None
     io_nice: int | None = None
+    direct_io: bool = True
 
 
 @dataclass
@@ -176,6 +179,8 @@ def persist(req: PersistRequest) -> PersistResult:
         fs, root = storage.url_to_fs(req.path, req.storage_options, req.storage_timeout_s)
         names = [s.file for s in req.shards] + [extra_name]
         target = req.target_factory(fs, root, names, req.storage_timeout_s)
+        if isinstance(target, LocalTarget):
+            target.direct_io = req.direct_io
     except (CheckpointError, ValueError, TypeError):
         raise
     except Exception as e:
