@@ -204,10 +204,12 @@ def _convert(args: argparse.Namespace, options: dict) -> int:
     source = convert.open_source(args.src, storage_options=options, allow_pickle=args.allow_pickle)
     for note in source.notes:
         print(f"gockpt: note: {note}", file=sys.stderr)
-    if args.to == "lightning":
-        from lightning_gockpt.convert import to_lightning_file
-
-        size = to_lightning_file(source, args.dst, storage_options=options)
+    if args.to == convert.LIGHTNING:
+        # Lightning's own writer, from its adapter through the registry: this package imports
+        # no adapter, and a missing Lightning is reported only when --to lightning needs it.
+        lightning = convert.get_framework(convert.LIGHTNING,
+                                          needed_for=f"{source.path}: --to {args.to}")
+        size = lightning.to_file(source, args.dst, storage_options=options)
         what = f"one Lightning .ckpt file, {_size(size)}"
     elif args.to == "hf":
         from tqdm import tqdm

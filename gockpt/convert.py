@@ -3,9 +3,9 @@
 Sources (:func:`open_source` tells them apart):
 
 - a GoCkpt checkpoint directory (it has ``manifest.json``), or a directory of them (the newest
-  complete one is read, see :func:`gockpt.latest_checkpoint`); written by ``GoCkptIO`` it is read through
-  :meth:`lightning_gockpt.GoCkptIO.load_checkpoint`, so the dict is exactly the one a Trainer
-  with the plugin resumes from;
+  complete one is read, see :func:`gockpt.latest_checkpoint`); written by ``GoCkptIO`` it is read
+  through the Lightning :class:`Framework` (``GoCkptIO.load_checkpoint``), so the dict is exactly
+  the one a Trainer with the plugin resumes from;
 - a single ``torch.save`` file: a stock Lightning ``.ckpt`` (or a bare state_dict);
 - an Accelerate ``save_state`` folder (``model.safetensors`` / ``pytorch_model.bin``,
   ``optimizer.bin``, ``scheduler.bin``, ...).
@@ -13,9 +13,15 @@ Sources (:func:`open_source` tells them apart):
 Targets: ``hf`` (:func:`to_hf`: safetensors weights with a key prefix stripped, sharded with
 Hugging Face's index layout), ``dcp`` (:func:`to_dcp`: a ``torch.distributed.checkpoint``
 directory), ``gockpt`` (:func:`to_gockpt`), and ``lightning`` (one ``.ckpt`` file:
-:func:`lightning_gockpt.convert.to_lightning_file`). Paths are local paths or fsspec URLs.
+``get_framework("lightning").to_file``). Paths are local paths or fsspec URLs.
 Every writer is the library's own: ``safetensors``, ``huggingface_hub``'s shard planner,
 ``torch.distributed.checkpoint.save``, GoCkpt's blocking save (:func:`gockpt.snapshot.save_tree`).
+
+Frameworks: what needs a training framework's own code (Lightning's dict read from or saved as a
+GoCkpt checkpoint, its single-file format) is a :class:`Framework` that the framework's adapter
+package provides through the entry point group :data:`FRAMEWORKS_GROUP` (or
+:func:`register_framework`). This engine package recognises such checkpoints from their data and
+imports no adapter, so it works, and names what to install, where the framework is absent.
 """
 
 from __future__ import annotations
@@ -33,10 +39,30 @@ from typing import Any
 import torch
 
 from . import fsutil, storage
+from .frameworks import (
+    FRAMEWORKS_GROUP,
+    Framework,
+    FrameworkUnavailableError,
+    get_framework,
+    register_framework,
+)
 from .restore import load_checkpoint
 from .snapshot import own_storage, save_tree
 
-__all__ = ["Source", "open_source", "own_storage", "to_dcp", "to_gockpt", "to_hf"]
+__all__ = [
+    "FRAMEWORKS_GROUP",
+    "LIGHTNING",
+    "Framework",
+    "FrameworkUnavailableError",
+    "Source",
+    "get_framework",
+    "open_source",
+    "own_storage",
+    "register_framework",
+    "to_dcp",
+    "to_gockpt",
+    "to_hf",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +70,12 @@ logger = logging.getLogger(__name__)
 _ACC_MODEL = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
 _ACC_OPTIMIZER = re.compile(r"^optimizer(_(\d+))?\.bin$")
 _ACC_RNG = re.compile(r"^random_states_\d+\.pkl$")
+
+#: Lightning's :class:`Framework` name, also the ``extra`` key under which ``GoCkptIO`` keeps
+#: Lightning's dict. Its checkpoints (that key, or a ``torch.save`` dict with
+#: ``pytorch-lightning_version``) are recognised from the data, without importing Lightning, so
+#: where it is missing the error names it instead of the checkpoint being misread.
+LIGHTNING = "lightning"
 
 
 @dataclass
@@ -91,7 +123,8 @@ def open_source(
     Raises:
         FileNotFoundError: nothing at ``path``, or a directory holding no checkpoint.
         gockpt.CheckpointCorruptError: a corrupt GoCkpt checkpoint (names the file).
-        ModuleNotFoundError: a ``GoCkptIO`` checkpoint without the ``lightning`` extra.
+        FrameworkUnavailableError: a ``GoCkptIO`` checkpoint where the Lightning framework is
+            not registered or does not import (the ``lightning`` extra is missing).
         pickle.UnpicklingError: a file that needs ``allow_pickle``.
     """
     options = dict(storage_options or {})
@@ -119,14 +152,9 @@ def open_source(
         return _sharded_source(path, sharded, allow_pickle)
     state = load_checkpoint(path, storage_options=options, allow_pickle=allow_pickle)
     step = int(state.manifest["meta"].get("captured_step", 0))
-    if isinstance(state.extra, dict) and "lightning" in state.extra:
-        from lightning_gockpt.convert import load_gockpt_lightning
-
+    if isinstance(state.extra, dict) and LIGHTNING in state.extra:
         # Verified above; the dict comes from the very code a resuming Trainer runs.
-        lightning = load_gockpt_lightning(path, storage_options=options, allow_pickle=allow_pickle,
-                                          verify=False)
-        return Source(path, "gockpt-lightning", _tensors(lightning.get("state_dict", {})),
-                      lightning, int(lightning.get("global_step", step)), lightning)
+        return _lightning_source(path, options, allow_pickle, verify=False, step=step)
     everything = {"model": state.model_state_dict, "optimizers": state.optimizer_state_dicts,
                   "extra": state.extra}
     return Source(path, "gockpt", _tensors(state.model_state_dict), everything, step)
@@ -242,6 +270,8 @@ def to_gockpt(
     Raises:
         ValueError: the source is already a GoCkpt checkpoint, or a ``torch.save`` file that is
             not a Lightning checkpoint.
+        FrameworkUnavailableError: a Lightning ``.ckpt`` where the Lightning framework is not
+            registered or does not import.
     """
     if source.kind.startswith("gockpt"):
         raise ValueError(f"{source.path} is already a GoCkpt checkpoint (copy the directory)")
@@ -249,9 +279,8 @@ def to_gockpt(
         if source.lightning is None:
             raise ValueError(f"{source.path}: not a Lightning checkpoint (no 'state_dict' and "
                              "'pytorch-lightning_version'); convert a state_dict with --to hf")
-        from lightning_gockpt.convert import save_gockpt_lightning
-
-        save_gockpt_lightning(source.lightning, dst, storage_options=storage_options,
+        lightning = get_framework(LIGHTNING, needed_for=f"{source.path}: a Lightning checkpoint")
+        lightning.save_gockpt(source.lightning, dst, storage_options=storage_options,
                               max_shard_bytes=max_shard_bytes)
         return
     save_tree(dst, {"accelerate": source.state["extra"]}, model=source.model_state_dict,
@@ -272,17 +301,22 @@ def _sharded_source(path: str, sharded: Mapping[str, Any], allow_pickle: bool) -
 
     if sharded.get("replicated"):
         head = load_checkpoint(fsutil.join_user(path, part_name(0)), allow_pickle=allow_pickle)
-        if isinstance(head.extra, dict) and "lightning" in head.extra:
-            from lightning_gockpt.convert import load_gockpt_lightning
-
-            lightning = load_gockpt_lightning(path, allow_pickle=allow_pickle)
-            return Source(path, "gockpt-lightning", _tensors(lightning.get("state_dict", {})),
-                          lightning, int(lightning.get("global_step", head.captured_step)), lightning)
+        if isinstance(head.extra, dict) and LIGHTNING in head.extra:
+            return _lightning_source(path, None, allow_pickle, verify=True, step=head.captured_step)
     full = load_full(path, allow_pickle=allow_pickle)
     everything = {"model": full.model_state_dict, "optimizer_state": full.optimizer_state,
                   "param_groups": full.param_groups, "extra": full.extra}
     return Source(path, "gockpt-sharded", dict(full.model_state_dict), everything, full.captured_step)
 
+
+def _lightning_source(path: str, options: Mapping[str, Any] | None, allow_pickle: bool, *,
+                      verify: bool, step: int) -> Source:
+    """A checkpoint ``GoCkptIO`` wrote (one directory, or the parts of a DDP run's) as
+    Lightning's dict, read by the Lightning framework's own load path."""
+    lightning = get_framework(LIGHTNING, needed_for=f"{path}: a Lightning checkpoint").load_gockpt(
+        path, storage_options=options, allow_pickle=allow_pickle, verify=verify)
+    return Source(path, "gockpt-lightning", _tensors(lightning.get("state_dict", {})),
+                  lightning, int(lightning.get("global_step", step)), lightning)
 
 
 def _torch_file_source(path: str, obj: Any) -> Source:

@@ -9,7 +9,9 @@
   :meth:`GoCkptIO.save_checkpoint` outside ``fit`` (its blocking path), so
   ``Trainer(plugins=[GoCkptIO()]).fit(model, ckpt_path=...)`` resumes from it.
 
-``gockpt convert`` (:mod:`gockpt.cli`) calls these.
+They reach ``gockpt convert`` (:mod:`gockpt.cli`) and :func:`gockpt.convert.open_source` as
+:data:`FRAMEWORK`, registered under the entry point group ``gockpt.frameworks``
+(``pyproject.toml``): the engine package looks them up by name and never imports this one.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import Any
 import torch
 
 from gockpt import storage
-from gockpt.convert import Source, own_storage, write_file
+from gockpt.convert import LIGHTNING, Framework, Source, own_storage, write_file
 
 from .io import GoCkptIO
 
-__all__ = ["load_gockpt_lightning", "save_gockpt_lightning", "to_lightning_file"]
+__all__ = ["FRAMEWORK", "load_gockpt_lightning", "save_gockpt_lightning", "to_lightning_file"]
 
 
 def load_gockpt_lightning(
@@ -103,3 +105,9 @@ def save_gockpt_lightning(
     """
     io = GoCkptIO(storage_options=dict(storage_options or {}), max_shard_bytes=max_shard_bytes)
     io.save_checkpoint(checkpoint, dst)
+
+
+#: Lightning's :class:`gockpt.convert.Framework`: the entry point ``lightning`` of the group
+#: ``gockpt.frameworks`` names it.
+FRAMEWORK = Framework(LIGHTNING, load_gockpt=load_gockpt_lightning,
+                      save_gockpt=save_gockpt_lightning, to_file=to_lightning_file)
