@@ -302,14 +302,10 @@ def save_tree(
     return persist(req).bytes_written
 
 
-def own_storage(tree: Any) -> Any:
-    """``tree`` with every tensor copied into a storage of its own (contiguous, detached).
-
-    Tensors of a snapshot or of a loaded GoCkpt shard are views of one buffer: ``torch.save``
-    would write the whole buffer for each, and safetensors refuses them. Views of one place
-    (tied weights, the same tensor met twice) stay one tensor object.
-    """
-    memo: dict[tuple, torch.Tensor] = {}
+def map_views_once(tree: Any, fn: Any) -> Any:
+    """``tree`` with ``fn(tensor)`` in place of every tensor, called once per place in memory:
+    views of one place (tied weights, the same tensor met twice) map to one result object."""
+    memo: dict[tuple, Any] = {}
 
     def leaf(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -317,10 +313,20 @@ def own_storage(tree: Any) -> Any:
         where = (x.untyped_storage().data_ptr(), int(x.storage_offset()), tuple(x.shape),
                  tuple(x.stride()), x.dtype)
         if where not in memo:
-            memo[where] = x.detach().contiguous().clone()
+            memo[where] = fn(x)
         return memo[where]
 
     return map_tree(tree, leaf)
+
+
+def own_storage(tree: Any) -> Any:
+    """``tree`` with every tensor copied into a storage of its own (contiguous, detached).
+
+    Tensors of a snapshot or of a loaded GoCkpt shard are views of one buffer: ``torch.save``
+    would write the whole buffer for each, and safetensors refuses them. Views of one place
+    (tied weights, the same tensor met twice) stay one tensor object.
+    """
+    return map_views_once(tree, lambda x: x.detach().contiguous().clone())
 
 
 def untie(state_dict: Mapping[str, Any]) -> dict[str, Any]:

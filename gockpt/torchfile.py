@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .snapshot import map_tree
+from .snapshot import map_views_once
 
 __all__ = ["shared_storage", "torch_file"]
 
@@ -94,21 +94,16 @@ def shared_storage(tree: Any) -> Any:
 
 def _shared_tree(tree: Any) -> tuple[Any, int]:
     # The tree of shared_storage, and the room torch.save's file of it needs (about).
-    memo: dict[tuple, torch.Tensor] = {}
     starts: dict[int, torch.dtype] = {}
+    made: list[torch.Tensor] = []
 
-    def leaf(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        where = (x.untyped_storage().data_ptr(), int(x.storage_offset()), tuple(x.shape),
-                 tuple(x.stride()), x.dtype)
-        if where not in memo:
-            memo[where] = _shared(x.detach(), starts)
-        return memo[where]
+    def share(x: torch.Tensor) -> torch.Tensor:
+        made.append(_shared(x.detach(), starts))
+        return made[-1]
 
-    out = map_tree(tree, leaf)
-    nbytes = sum(t.numel() * t.element_size() for t in memo.values())
-    return out, nbytes + _RECORD_BYTES * len(memo) + _SLACK_BYTES
+    out = map_views_once(tree, share)
+    nbytes = sum(t.numel() * t.element_size() for t in made)
+    return out, nbytes + _RECORD_BYTES * len(made) + _SLACK_BYTES
 
 
 def _shared(t: torch.Tensor, starts: dict[int, torch.dtype]) -> torch.Tensor:
