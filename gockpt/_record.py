@@ -162,8 +162,11 @@ class SaveRecord:
         return self.phase in _HANDED_OFF
 
     def drain(self) -> None:
-        """Wait for the copies this save queued into its slot (before it releases the slot; a
-        follower queued none: the leader drains its own before releasing its hold)."""
+        """Wait for the copies that fill this save's slot: its own and, for a follower (a save
+        sharing another's snapshot, which queued none), the leader's, whose last copy may still
+        be in flight on a copy stream when both are handed to the persist pool."""
+        if self.leader is not None:
+            self.leader.drain()
         for t in [*self.tickets.values(), *self.grad_tickets]:
             try:
                 t.wait()

@@ -379,9 +379,11 @@ class SlotPool:
         """Drop one hold of ``slot``; the last one returns it for reuse and wakes one waiting
         request."""
         with self._cv:
+            if slot.refs <= 0:
+                # A slot returned twice would be handed to two saves at once.
+                raise RuntimeError("gockpt: a host snapshot slot was released more often than held")
             slot.refs -= 1
             if slot.refs > 0:
                 return
-            slot.refs = 0
             self._free.append(slot)
             self._cv.notify()

@@ -85,14 +85,18 @@ def shares_write(trainer: Any, storage_options: Any) -> bool:
     """Whether the DDP ranks of ``trainer`` can share the write of its checkpoints.
 
     Not when an optimizer's state is not replicated (a ZeRO optimizer: Lightning consolidates
-    it on rank 0), nor when a ``ModelCheckpoint`` saves to a path that is not local or on a
-    shared filesystem (sharded checkpoints are local; an object store keeps rank 0's write).
+    it on rank 0), nor when a ``ModelCheckpoint`` saves to a path that is not local (sharded
+    checkpoints are local; an object store keeps rank 0's write), nor across several nodes
+    (every part must land in one directory that rank 0 sees; node-local disks would leave the
+    other nodes' parts where its commit never finds them, so several nodes keep rank 0's write).
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gockpt.fsutil import is_local, url_to_fs
 
     if any(hasattr(o, "consolidate_state_dict") for o in trainer.optimizers):
+        return False
+    if getattr(trainer, "num_nodes", 1) > 1:
         return False
     dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]

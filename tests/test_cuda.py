@@ -53,3 +53,36 @@ def test_cuda_checkpoint_matches_live_state(tmp_path, mode):
             # CPU replay of a CUDA optimizer: bounded by the self-check's recorded error per step.
             bound = 4 * max(replay.get("max_abs_error", 0.0), 1e-7) * m.num_overlap_steps
             assert (got - v).abs().max().item() <= bound, k
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt_o"])
+def test_cuda_saves_sharing_a_snapshot_wait_for_its_last_copy(tmp_path, mode):
+    """Two saves at one step share one pinned snapshot; the second one's files are written only
+    after the first one's last device-to-host copy has landed (both equal at the captured step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # replayed exactly where the self-check says
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=2, max_overlap_steps=2))
+    live, handles = {}, []
+
+    def on_step_end(it):
+        eng.step_end()
+        live.setdefault(eng.version, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+        if it == 3:
+            handles.append(eng.save(str(tmp_path / "a")))
+            handles.append(eng.save(str(tmp_path / "b")))
+
+    _train(model, opt, 8, on_step_end)
+    eng.close()
+    a, b = (h.result() for h in handles)
+    assert b.host_shared and a.captured_step == b.captured_step
+    for m in (a, b):
+        state = gockpt.load_checkpoint(m.path)
+        replay = state.manifest["meta"].get("replay", {})
+        for k, v in live[state.captured_step].items():
+            got = state.model_state_dict[k]
+            if mode == "lazy" or replay.get("exact"):
+                assert torch.equal(got, v), (m.path, k)
+            else:
+                bound = 4 * max(replay.get("max_abs_error", 0.0), 1e-7) * m.num_overlap_steps
+                assert (got - v).abs().max().item() <= bound, (m.path, k)

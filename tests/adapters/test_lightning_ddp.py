@@ -266,8 +266,8 @@ def test_ddp_keeps_one_writer_for_an_object_store_or_a_zero_optimizer(tmp_path):
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
 
-    def trainer(dirpath, optimizer=opt):
-        return SimpleNamespace(optimizers=[optimizer],
+    def trainer(dirpath, optimizer=opt, num_nodes=1):
+        return SimpleNamespace(optimizers=[optimizer], num_nodes=num_nodes,
                                checkpoint_callbacks=[ModelCheckpoint(dirpath=dirpath)])
 
     assert shares_write(trainer(str(tmp_path)), None)
@@ -276,3 +276,5 @@ def test_ddp_keeps_one_writer_for_an_object_store_or_a_zero_optimizer(tmp_path):
     assert not shares_write(trainer("s3://bucket/ckpts"), {"anon": True})
     zero = object.__new__(ZeroRedundancyOptimizer)  # its type is what tells: no process group needed
     assert not shares_write(trainer(str(tmp_path), zero), None)
+    # Several nodes: their local disks may differ, so rank 0 writes alone.
+    assert not shares_write(trainer(str(tmp_path), num_nodes=2), None)
