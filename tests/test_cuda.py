@@ -25,6 +25,21 @@ def _train(model, opt, steps, on_step_end):
         on_step_end(it)
 
 
+def _assert_matches(m, live: dict, mode: str) -> None:
+    """The checkpoint of metrics ``m`` holds the live state of its captured step: bit for bit
+    where nothing was replayed or the replay is exact, else within the self-check's bound."""
+    state = gockpt.load_checkpoint(m.path)
+    replay = state.manifest["meta"].get("replay", {})
+    for k, v in live[state.captured_step].items():
+        got = state.model_state_dict[k]
+        if mode in ("sync", "async", "lazy") or replay.get("exact"):
+            assert torch.equal(got, v), (m.path, k)
+        else:
+            # CPU replay of a CUDA optimizer: bounded by the self-check's recorded error per step.
+            bound = 4 * max(replay.get("max_abs_error", 0.0), 1e-7) * m.num_overlap_steps
+            assert (got - v).abs().max().item() <= bound, (m.path, k)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async", "lazy", "gockpt", "gockpt_o"])
 def test_cuda_checkpoint_matches_live_state(tmp_path, mode):
     torch.manual_seed(0)
@@ -41,18 +56,7 @@ def test_cuda_checkpoint_matches_live_state(tmp_path, mode):
 
     _train(model, opt, 10, on_step_end)
     eng.close()
-    m = handles[0].result()
-    state = gockpt.load_checkpoint(m.path)
-    want = live[state.captured_step]
-    replay = state.manifest["meta"].get("replay", {})
-    for k, v in want.items():
-        got = state.model_state_dict[k]
-        if mode in ("sync", "async", "lazy") or replay.get("exact"):
-            assert torch.equal(got, v), k
-        else:
-            # CPU replay of a CUDA optimizer: bounded by the self-check's recorded error per step.
-            bound = 4 * max(replay.get("max_abs_error", 0.0), 1e-7) * m.num_overlap_steps
-            assert (got - v).abs().max().item() <= bound, k
+    _assert_matches(handles[0].result(), live, mode)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "gockpt_o"])
@@ -77,12 +81,4 @@ def test_cuda_saves_sharing_a_snapshot_wait_for_its_last_copy(tmp_path, mode):
     a, b = (h.result() for h in handles)
     assert b.host_shared and a.captured_step == b.captured_step
     for m in (a, b):
-        state = gockpt.load_checkpoint(m.path)
-        replay = state.manifest["meta"].get("replay", {})
-        for k, v in live[state.captured_step].items():
-            got = state.model_state_dict[k]
-            if mode == "lazy" or replay.get("exact"):
-                assert torch.equal(got, v), (m.path, k)
-            else:
-                bound = 4 * max(replay.get("max_abs_error", 0.0), 1e-7) * m.num_overlap_steps
-                assert (got - v).abs().max().item() <= bound, (m.path, k)
+        _assert_matches(m, live, mode)

@@ -10,90 +10,27 @@ hold the recorded state of the captured step, bit for bit.
 from __future__ import annotations
 
 import os
-import socket
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.multiprocessing as mp
 from _dist import end_rank
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
+from test_lightning_sharded import Net, _equal, _full, _port, _Record
 
 from gockpt.dcp import load_full
 from lightning_gockpt import GoCkptIO
 
-BATCHES = 8  # per epoch and rank
 STOP = 7  # the 2-process run stops here
 EVERY = 4  # ModelCheckpoint(every_n_train_steps=EVERY): captured at EVERY + K - 1
 K = 3
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        # 5 and 30 output rows: shards of uneven sizes on 2 and on 4 ranks.
-        self.body = nn.Sequential(nn.Linear(16, 30), nn.Tanh(), nn.Linear(30, 30), nn.Tanh(), nn.Linear(30, 5))
-
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.body:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.body, mesh=mesh)
-
-    def training_step(self, batch, batch_idx):
-        x, t = batch
-        return (self.body(x) - t).pow(2).mean()
-
-    def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self):
-        return _Batches(self.global_rank)
-
-
-class _Batches:
-    """Batches of 4 of this rank's data in a fixed order (a sized iterable, not a list: Lightning
-    would take a list for several dataloaders)."""
-
-    def __init__(self, rank: int) -> None:
-        self.x = torch.randn(BATCHES * 4, 16, generator=torch.Generator().manual_seed(7 + rank))
-
-    def __len__(self) -> int:
-        return BATCHES
-
-    def __iter__(self):
-        for i in range(BATCHES):
-            b = self.x[i * 4:(i + 1) * 4]
-            yield b, b[:, :5].flip(1)
-
-
-def _full(trainer: pl.Trainer) -> dict:
-    """The gathered live state under DCP's keys, plus the learning rates (collective)."""
-    module, opt = trainer.lightning_module, trainer.optimizers[0]
-
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor().clone() if hasattr(t, "full_tensor") else t.detach().clone()
-
-    out = {f"model.{k}": whole(v) for k, v in module.state_dict().items()}
-    for name, p in module.named_parameters():
-        for k, v in opt.state[p].items():
-            out[f"optim.state.{name}.{k}"] = whole(v)
-    return {"tensors": out, "lr": [g["lr"] for g in opt.param_groups], "step": trainer.global_step}
-
-
-class _Record(Callback):
-    def __init__(self) -> None:
-        self.states: dict[int, dict] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.states[trainer.global_step] = _full(trainer)  # every rank gathers
+def _net() -> Net:
+    # 30 rows: shards of 15 on 2 ranks and of 8, 8, 8, 6 on 4 (uneven).
+    return Net(width=30)
 
 
 def _trainer(root: str, world: int, max_steps: int, callbacks=()) -> pl.Trainer:
@@ -114,13 +51,13 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     if world == 2:
         record = _Record()
         mc = ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{step}", save_top_k=-1, every_n_train_steps=EVERY)
-        _trainer(f"{root}/a", world, STOP, [record, mc]).fit(Net())
+        _trainer(f"{root}/a", world, STOP, [record, mc]).fit(_net())
         if rank == 0:
             torch.save(record.states, f"{root}/ref.pt")
     else:
         # Restored and not trained: max_steps is the checkpoint's step.
         trainer = _trainer(f"{root}/b", world, EVERY + K - 1)
-        trainer.fit(Net(), ckpt_path=ckpt)
+        trainer.fit(_net(), ckpt_path=ckpt)
         assert trainer.global_step == EVERY + K - 1
         weight = trainer.lightning_module.body[0].weight
         assert weight.device_mesh.size() == 4 and weight.to_local().shape[0] == (8, 8, 8, 6)[rank]
@@ -128,18 +65,6 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         if rank == 0:
             torch.save(state, f"{root}/restored-{world}.pt")
     end_rank()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys()))
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
 
 
 @pytest.fixture(scope="module")

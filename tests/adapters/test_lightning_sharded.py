@@ -33,10 +33,11 @@ K = {"lazy": 1, "gockpt_o": 3}
 
 
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
         # 5 output rows: shards of 3 and 2 rows (uneven offsets).
-        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+        self.body = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                  nn.Linear(width, 5))
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
