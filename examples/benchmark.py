@@ -783,6 +783,10 @@ def chart(results: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+#: docs/benchmark.md: what follows this line was measured elsewhere and survives --update-docs.
+KEEP_MARKER = "<!-- measured on other machines; kept by benchmark.py --update-docs -->"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
@@ -946,7 +950,11 @@ def main() -> None:
     if args.update_docs:
         docs = Path(__file__).resolve().parents[1] / "docs"
         docs.mkdir(exist_ok=True)
-        shutil.copyfile(out / "benchmark.md", docs / "benchmark.md")
+        # Sections measured on other machines (the GPU table) follow KEEP_MARKER and are kept.
+        target = docs / "benchmark.md"
+        kept = target.read_text().partition(KEEP_MARKER)[2] if target.exists() else ""
+        text = (out / "benchmark.md").read_text()
+        target.write_text(text + (f"\n{KEEP_MARKER}{kept}" if kept else ""))
         shutil.copyfile(out / "benchmark.png", docs / "benchmark.png")
 
 

@@ -8,6 +8,8 @@ it is an explicit step of the engine, never a side effect of planning.
 
 from __future__ import annotations
 
+import math
+
 import time
 import warnings
 from collections.abc import Callable
@@ -225,7 +227,14 @@ def infer_step(optimizers: list[Optimizer]) -> int:
 def _select_backend(opt: Optimizer, preference: str) -> tuple[ReplayBackend, dict[str, Any]]:
     choice = select_backend(opt, preference)
     return choice.backend, {"backend": choice.backend.name, "exact": choice.exact,
-                            "max_abs_error": choice.max_abs_error, "candidates": choice.candidates}
+                            "max_abs_error": _json_float(choice.max_abs_error),
+                            "candidates": {k: _json_float(v) for k, v in choice.candidates.items()}}
+
+
+def _json_float(x: float) -> float | str:
+    """``x``, or its name (``"inf"``, ``"nan"``) where strict JSON has no number for it: the
+    manifest is read back with NaN/Infinity refused."""
+    return x if math.isfinite(x) else str(x)
 
 
 def _state_missing(layout: StateLayout) -> bool:

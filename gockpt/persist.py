@@ -189,7 +189,7 @@ def persist(req: PersistRequest) -> PersistResult:
     try:
         files = _write_files(req, target, extra_name)
         manifest = build_manifest(req.shards, files, req.aliases, extra_name, req.meta)
-        manifest_bytes = json.dumps(manifest, indent=1).encode()
+        manifest_bytes = json.dumps(manifest, indent=1, allow_nan=False).encode()
         _check_cancel(req)
         _guard(req, target.manifest_path, lambda _m: req.before_publish(target), b"")
         _check_cancel(req)
@@ -304,7 +304,7 @@ def _check_request(req: PersistRequest) -> int | None:
             raise ValueError(f"alias {alias!r} -> {target!r}: target must be stored, alias not")
     if req.num_io_threads < 1 or req.chunk_bytes < 1:
         raise ValueError("num_io_threads and chunk_bytes must be >= 1")
-    json.dumps(req.meta)  # fail before writing anything if meta is not JSON-able
+    json.dumps(req.meta, allow_nan=False)  # fail before writing anything if meta is not strict JSON
     if not req.update_latest:
         return None
     step = req.meta.get("captured_step")

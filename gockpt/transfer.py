@@ -205,7 +205,8 @@ class CudaCopier:
         with torch.cuda.stream(stream):
             for src, dst in pairs:
                 dst.copy_(src.detach(), non_blocking=True)
-                src.record_stream(stream)
+                if src.is_cuda:  # host tensors (Adam's ``step`` counts) need no stream record
+                    src.record_stream(stream)
                 nbytes += dst.numel() * dst.element_size()
             event = torch.cuda.Event()
             event.record(stream)

@@ -21,14 +21,17 @@ from gockpt.sharded import ShardedEngine
 
 
 def model() -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
+    # fully_shard's default mesh is on the accelerator where one exists; these ranks run on CPU.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
     for layer in m:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(m)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
     return m
 
 

@@ -223,6 +223,10 @@ def test_bad_requests_fail_before_writing(store, make_request, make_tensors):
     with pytest.raises(TypeError):
         persist(req)
     req = make_request(store.path("ckpt"), tensors)
+    req.meta["error"] = float("inf")  # the manifest is read back with Infinity refused
+    with pytest.raises(ValueError, match="JSON compliant"):
+        persist(req)
+    req = make_request(store.path("ckpt"), tensors)
     del req.meta["captured_step"]
     with pytest.raises(ValueError, match="captured_step"):
         persist(req)

@@ -167,3 +167,33 @@ def test_missing_kernel_falls_back_to_torch_with_one_info_log(monkeypatch, caplo
     assert "torch backend" in records[0].getMessage()
     with pytest.raises(ValueError, match="not available"):
         selfcheck.select_backend(opt, "native")
+
+
+class _Raising(_Perturbed):
+    def step(self, *a):
+        raise RuntimeError("this backend cannot replay here")
+
+
+def test_a_candidate_that_raised_is_recorded_in_a_readable_manifest(monkeypatch, tmp_path):
+    """A candidate that fails the probe has error inf; the manifest records it as "inf", since
+    strict JSON (what the loader accepts) has no Infinity."""
+    import json
+
+    import gockpt
+
+    ok, broken = _Perturbed("ok", 0.0), _Raising("broken", 0.0)
+    monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [broken, ok])
+    model = torch.nn.Linear(3, 2)
+    opt = AdamW(model.parameters())
+    eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode="gockpt", max_overlap_steps=2))
+    for i in range(4):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            handle = eng.save(str(tmp_path / "ckpt"))
+    eng.close()
+    handle.result()
+    replay = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["meta"]["replay"]
+    assert replay["candidates"] == {"broken": "inf", "ok": 0.0}
+    gockpt.load_checkpoint(str(tmp_path / "ckpt"))  # strict JSON: loads

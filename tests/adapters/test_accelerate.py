@@ -462,7 +462,9 @@ def test_disabled_plugin_leaves_accelerate_alone(tmp_path, monkeypatch):
 def test_two_processes_under_accelerate_launch(tmp_path):
     # No user accelerate config may leak in; "--multi_gpu" is how accelerate launch starts
     # several processes (torchrun), which Accelerator(cpu=True) runs on gloo.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "HF_HOME": str(tmp_path / "hf")}
+    # Hidden GPUs: with one visible, Accelerate's barrier would name a CUDA device per rank.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "HF_HOME": str(tmp_path / "hf"),
+           "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
            "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
