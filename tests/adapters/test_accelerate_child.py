@@ -227,7 +227,11 @@ def _ddp(project_dir: str, mode: str) -> None:
               "published": published}
     with open(os.path.join(project_dir, f"result_{rank}.json"), "w") as f:
         json.dump(result, f)
-    run.acc.end_training()
+    # Not end_training(): tearing a gloo group down races with the peer's exit and can abort
+    # ("terminate called without an active exception") after the results are on disk.
+    run.acc.wait_for_everyone()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _crash(project_dir: str) -> None:
