@@ -42,6 +42,13 @@ so that a full copy takes 4 measured steps. Those rows are labelled "emulated" e
 sleep stands in for the link's transfer time only: the copies themselves still run as memcpys on
 the second core and compete with training for memory bandwidth, which a device's DMA would not.
 
+The emulated-link rows also show the planner's plan of each save (mode and K), its predicted
+stall and the lower bound no plan could beat (``gockpt.plan``), next to the engine-reported and
+the wall-clock stall per checkpoint (medians over the measured saves) and their ratios to the
+prediction. ``--workload`` picks the training set-up (``examples/workload.py``: ``fp32``, the
+default; ``bf16-autocast``; ``bf16-master``; ``lora``), whose gradients are a different share of
+the state; ``--emulated-only`` runs just ``none`` and the emulated-link rows.
+
 ``--io-nice N`` adds GoCkpt lazy and auto rows with ``GoCkptConfig(io_nice=N)`` beside the
 default rows, in the same run; ``--buffered`` adds GoCkpt lazy and gockpt_o rows that write
 their shard files through the page cache (``GoCkptConfig(direct_io=False)``), the default being
@@ -162,6 +169,7 @@ class Scheme:
         self.durable_s: list[float] = []
         self.persist_gbps: list[float] = []
         self.engine_metrics: list[dict] = []
+        self.plans: list[dict] = []  # GoCkpt: the planner's plan of each save
 
     def save(self, path: str, step: int) -> None:
         start = time.perf_counter()
@@ -314,7 +322,13 @@ class GoCkptScheme(Scheme):
         self.handles: list = []
 
     def save(self, path: str, step: int) -> None:
-        self.handles.append(self.engine.save(path, state_fn=lambda: {"step": step}))
+        handle = self.engine.save(path, state_fn=lambda: {"step": step})
+        self.handles.append(handle)
+        m = handle.metrics  # the plan's mode, K, prediction and bound are set at the request
+        self.plans.append({
+            "mode": m.mode, "num_overlap_steps": m.num_overlap_steps,
+            "predicted_stall_s": m.predicted_stall_s, "lower_bound_s": m.stall_lower_bound_s,
+        })
 
     def finish(self) -> None:
         self.engine.wait()
@@ -425,15 +439,14 @@ def run_scheme(args: argparse.Namespace) -> dict:
 
     import bench_timeline
     import torch
-    from workload import PRESETS, build_model, make_dataloader, make_optimizer, text_datasets
+    from workload import PRESETS, build_training, make_dataloader, text_datasets
 
     from gockpt import _trace
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     preset = PRESETS[args.preset]
-    model, loss_fn = build_model(args.preset, seed=0)
-    optimizer = make_optimizer(model)
+    model, optimizer, train_step = build_training(args.workload, args.preset, seed=0)
     train, _ = text_datasets(args.data, seq_len=preset.seq_len)
     scheme = _scheme_class(args.scheme)(model, optimizer, args) if args.scheme != "none" else None
     if scheme is not None:
@@ -452,9 +465,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
     def step(save_path: str | None = None) -> float:
         start = time.perf_counter()
         starts.append(start)
-        loss_fn(model, next(data)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, next(data))
         if save_path is not None and scheme is not None:
             requests.append(time.perf_counter())
             scheme.save(save_path, step.count)
@@ -479,6 +490,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
     drain()
     if scheme is not None:
         scheme.durable_s.clear(), scheme.persist_gbps.clear(), scheme.engine_metrics.clear()
+        scheme.plans.clear()
     clean = [step() for _ in range(args.clean_steps)]
     starts.clear(), requests.clear()
     times, ckpt_steps, last_path = [], [], None
@@ -498,6 +510,13 @@ def run_scheme(args: argparse.Namespace) -> dict:
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     clean += [step() for _ in range(args.clean_steps)]
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    in_model = {t.data_ptr() for t in model.state_dict().values()}
+    state_bytes += sum(  # optimizer parameters outside the model (bf16-master's fp32 masters)
+        p.numel() * p.element_size()
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.data_ptr() not in in_model
+    )
     state_bytes += sum(
         t.numel() * t.element_size()
         for s in optimizer.state_dict()["state"].values()
@@ -514,6 +533,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
     name = args.scheme + ("" if args.scheme_io_nice is None else f" [io_nice {args.scheme_io_nice}]")
     name += " [buffered]" if args.scheme_buffered else ""
     name += " [emulated link]" if args.host_link_bytes_per_s is not None else ""
+    name += f" [{args.workload}]" if args.workload != "fp32" else ""
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
         rows = bench_timeline.timeline(events, requests[k], durable_at[k])
@@ -528,6 +548,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
         "io_nice": args.scheme_io_nice,
         "buffered": args.scheme_buffered,
         "host_link_bytes_per_s": args.host_link_bytes_per_s,
+        "workload": args.workload,
         "state_bytes": state_bytes,
         "step_times_s": times,
         "clean_step_times_s": clean,
@@ -566,6 +587,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
             raw_read_s=raw_read_s,
             restore_s=restore_s,
             engine_metrics=scheme.engine_metrics,
+            plans=scheme.plans,
         )
     shutil.rmtree(ckpt_root, ignore_errors=True)
     return result
@@ -587,6 +609,8 @@ def label(r: dict) -> str:
         text += " [buffered writes]"
     if r["emulated"]:
         text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2f} GB/s]"
+    if r.get("workload", "fp32") != "fp32":
+        text += f" [{r['workload']}]"
     return text
 
 
@@ -604,7 +628,59 @@ def summarize(results: list[dict], raw: dict) -> list[dict]:
             r["engine_stall_per_ckpt_s"] = statistics.mean(
                 m["stall_s"] for m in r["engine_metrics"]
             )
+            r["engine_stall_median_s"] = statistics.median(
+                m["stall_s"] for m in r["engine_metrics"]
+            )
+        if r.get("plans"):
+            plans = r["plans"]
+            r["predicted_stall_s"] = statistics.median(p["predicted_stall_s"] for p in plans)
+            r["lower_bound_s"] = statistics.median(p["lower_bound_s"] for p in plans)
+            r["planned"] = sorted({f"{p['mode']} K={p['num_overlap_steps']}" for p in plans})
+            r["wall_stall_median_s"] = statistics.median(r["stall_windows_s"])
     return results
+
+
+def _plan_summary(r: dict) -> str:
+    """``; planned ..., predicted ... s (bound ... s), engine ... s``: one emulated row's line."""
+    plans = r["plans"]
+    predicted = statistics.median(p["predicted_stall_s"] for p in plans)
+    bound = statistics.median(p["lower_bound_s"] for p in plans)
+    engine = statistics.median(m["stall_s"] for m in r["engine_metrics"])
+    kinds = ", ".join(sorted({f"{p['mode']} K={p['num_overlap_steps']}" for p in plans}))
+    return (f"; planned {kinds}, predicted stall {predicted:.3f} s (lower bound {bound:.3f} s), "
+            f"engine-reported {engine:.3f} s, wall {statistics.median(r['stall_windows_s']):.3f} s "
+            "(medians)")
+
+
+def planner_rows(results: list[dict]) -> list[dict]:
+    """The emulated-link GoCkpt rows with the planner's prediction next to what was measured."""
+    return [r for r in results if r["emulated"] and r.get("plans")]
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 1e-6 else "-"
+
+
+def planner_table(results: list[dict]) -> list[str]:
+    """Markdown: per emulated-link row, the plans chosen, the predicted stall and its lower
+    bound (medians over the measured saves) and the measured stalls with their ratios."""
+    rows = planner_rows(results)
+    if not rows:
+        return []
+    lines = [
+        "| scheme | plans | predicted stall (s) | lower bound (s) | engine-reported stall (s) "
+        "| engine / predicted | wall stall / ckpt (s) | wall / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        engine = r.get("engine_stall_median_s", 0.0)
+        wall = r["wall_stall_median_s"]
+        lines.append(
+            f"| {r['label']} | {', '.join(r['planned'])} | {r['predicted_stall_s']:.3f} "
+            f"| {r['lower_bound_s']:.3f} | {engine:.3f} | {_ratio(engine, r['predicted_stall_s'])} "
+            f"| {wall:.3f} | {_ratio(wall, r['predicted_stall_s'])} |"
+        )
+    return lines
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -641,6 +717,13 @@ def targets(results: list[dict]) -> list[str]:
             lines.append(
                 f"{r['label']}: step during a checkpoint {split['during_vs_free']:.3f} x a step "
                 f"without one (target: within the noise, here {split['noise']:.3f})")
+    for r in planner_rows(results):
+        engine = r.get("engine_stall_median_s", 0.0)
+        lines.append(
+            f"{r['label']}: measured stall {_ratio(engine, r['predicted_stall_s'])} x (engine) and "
+            f"{_ratio(r['wall_stall_median_s'], r['predicted_stall_s'])} x (wall) the predicted "
+            f"{r['predicted_stall_s']:.3f} s, lower bound {r['lower_bound_s']:.3f} s "
+            "(target: within 1.2x)")
     lazy, overlap = by.get(("gockpt-lazy", True)), by.get(("gockpt-gockpt_o", True))
     if lazy and overlap:
         ratio = overlap["stall_per_ckpt_s"] / lazy["stall_per_ckpt_s"]
@@ -684,13 +767,18 @@ def markdown(results: list[dict], raw: dict, meta: dict) -> str:
             "",
             f"`python examples/benchmark.py {meta['argv']}` on {meta['machine']} (niceness "
             f"{meta['nice']}, 1-minute load average {meta['loadavg']} during the runs): preset "
-            f"`{meta['preset']}` ({meta['state_bytes'] / 1e6:.0f} MB of weights and AdamW state), "
+            f"`{meta['preset']}`{meta['workload_text']} ({meta['state_bytes'] / 1e6:.0f} MB of weights "
+            "and AdamW state), "
             f"{meta['steps']} measured steps, a checkpoint every {meta['interval']} steps, one "
             f"training thread (`torch.set_num_threads(1)`), each scheme in its own process; "
             f"total {meta['total_s']:.0f} s.",
             "",
             *lines,
             "",
+            *(["Planner on the emulated link (medians over the measured checkpoints; wall stall: "
+               "the extra step time of the steps from a checkpoint's request to the next, "
+               "engine-reported: `CheckpointMetrics.stall_s`):", "", *planner, ""]
+              if (planner := planner_table(results)) else []),
             f"Raw bandwidth of this machine, same run, {raw['bytes'] / 1e6:.0f} MB: memcpy "
             f"{raw['memcpy_gbps']:.2f} GB/s, write+fsync {raw['write_fsync_gbps']:.2f} GB/s, cold "
             f"read {raw['cold_read_gbps']:.2f} GB/s.",
@@ -797,6 +885,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--data", default=None, help="text file or folder (default: pydoc_data)")
     add("--preset", default="bench", help="model size from examples/workload.py")
+    add(
+        "--workload",
+        default="fp32",
+        help="training set-up from examples/workload.py (WORKLOADS): fp32, bf16-autocast, "
+        "bf16-master, lora",
+    )
     add("--batch-size", type=int, default=None, help="default: the preset's")
     add("--steps", type=int, default=60, help="measured steps")
     add("--warmup", type=int, default=5, help="warm-up steps (one checkpoint among them)")
@@ -835,6 +929,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
     add(
+        "--emulated-only",
+        action="store_true",
+        help="run only 'none' and the emulated-link rows (the planner's predictions)",
+    )
+    add(
         "--nice",
         type=int,
         default=0,
@@ -860,6 +959,16 @@ def main() -> None:
     schemes = [s for s in args.schemes.split(",") if s]
     if unknown := set(schemes) - set(SCHEMES):
         parser.error(f"unknown schemes {sorted(unknown)}; choose from {SCHEMES}")
+    from workload import WORKLOADS
+
+    if args.workload not in WORKLOADS:
+        parser.error(f"unknown workload {args.workload!r}; choose from {WORKLOADS}")
+    if args.workload == "bf16-master" and (
+        others := [s for s in schemes if s != "none" and not s.startswith("gockpt-")]
+    ):
+        # Their state dicts hold optimizer state, not the optimizer's own (master) parameters.
+        parser.error(f"--workload bf16-master keeps fp32 master weights outside the model, which "
+                     f"{', '.join(others)} would not save; pass --schemes with GoCkpt rows only")
     started = time.perf_counter()
     if args.nice:
         try:  # inherited by the scheme processes and all their threads
@@ -895,7 +1004,8 @@ def main() -> None:
             f"{scheme}{' [emulated link]' if link else ''}"
             f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}"
             f"{' [buffered]' if buffered else ''}: clean step "
-            f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s",
+            f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s"
+            + (_plan_summary(r) if link and r.get("plans") else ""),
             flush=True,
         )
         if r["timeline_text"]:
@@ -906,7 +1016,8 @@ def main() -> None:
         results = [run("none")]
         raw = measure_raw(args.ckpt_dir, results[0]["state_bytes"])
         print(f"raw: {json.dumps(raw)}", flush=True)
-        results += [run(s) for s in schemes if s != "none"]
+        if not args.emulated_only:
+            results += [run(s) for s in schemes if s != "none"]
         if args.io_nice is not None:
             results += [run(s, io_nice=args.io_nice) for s in ("gockpt-lazy", "gockpt-auto")
                         if s in schemes]
@@ -931,6 +1042,8 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores",
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "preset": args.preset,
+        "workload": args.workload,
+        "workload_text": "" if args.workload == "fp32" else f", workload `{args.workload}`",
         "state_bytes": results[0]["state_bytes"],
         "steps": args.steps,
         "warmup": args.warmup,

@@ -240,3 +240,118 @@ def make_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW over all parameters, with the fused kernel (the fastest torch one on CPU)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+
+
+# ---------------------------------------------------------------- training set-ups (issue 14)
+TrainStep = Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor], torch.Tensor]
+"""``step(model, optimizer, batch) -> loss``: forward, backward, update and
+``zero_grad(set_to_none=True)``; a checkpoint may be requested right after it returns."""
+
+WORKLOADS = ("fp32", "bf16-autocast", "bf16-master", "lora")
+"""Training set-ups whose gradients are a different share of the checkpointed state:
+
+- ``fp32``: fp32 weights and AdamW state; gradients (fp32) are 4 of 12 bytes per parameter.
+- ``bf16-autocast``: the same tensors, forward and backward under ``torch.autocast`` (bf16):
+  still 4 of 12 bytes.
+- ``bf16-master``: bf16 weights in the model, fp32 master weights and AdamW state in the
+  optimizer (GoCkpt's mixed-precision setting: 2 + 12 bytes per parameter). The optimizer steps
+  the masters with their fp32 gradients (4 bytes) and the bf16 weights are cast from them.
+- ``lora``: the ``fp32`` model frozen, with trainable rank-8 adapters on every linear layer of
+  its decoder blocks (LoRA); the optimizer holds all parameters, and only the adapters get
+  gradients and AdamW state.
+"""
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + (x @ A.T @ B.T) * alpha / rank`` with ``base`` frozen (LoRA, Hu et al. 2021).
+
+    ``A`` (rank, in) starts small and random, ``B`` (out, rank) at zero, so the wrapped layer
+    starts equal to ``base``.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
+
+
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+    loss = lm_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _autocast_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   batch: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lm_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def build_training(
+    workload: str = "fp32", preset: str = "small", *, seed: int = 0
+) -> tuple[nn.Module, torch.optim.Optimizer, TrainStep]:
+    """A model, its optimizer and its training step for one of :data:`WORKLOADS`.
+
+    ``fp32`` is :func:`build_model` with :func:`make_optimizer` and a plain step. The weights
+    depend only on ``preset`` and ``seed`` (adapters included; the global torch RNG is left
+    untouched).
+
+    Returns:
+        ``(model, optimizer, step)``; call ``step(model, optimizer, batch)`` with the model and
+        optimizer a framework may have wrapped (``batch``: (B, seq_len + 1) int64).
+
+    Raises:
+        KeyError: unknown workload or preset.
+    """
+    if workload not in WORKLOADS:
+        raise KeyError(f"unknown workload {workload!r}; choose one of {list(WORKLOADS)}")
+    model, _ = build_model(preset, seed=seed)
+    if workload == "fp32":
+        return model, make_optimizer(model), _plain_step
+    if workload == "bf16-autocast":
+        return model, make_optimizer(model), _autocast_step
+    if workload == "lora":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            for layer in model.model.layers:
+                for parent in (layer.self_attn, layer.mlp):
+                    for name, child in list(parent.named_children()):
+                        if isinstance(child, nn.Linear):
+                            setattr(parent, name, LoRALinear(child))
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_" in name)
+        return model, make_optimizer(model), _plain_step
+    # bf16-master: the optimizer owns fp32 copies; the model's bf16 weights are cast from them.
+    masters = [p.detach().clone() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    weights = list(model.parameters())
+    for m in masters:
+        m.requires_grad_(True)
+    optimizer = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=True)
+
+    def master_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    batch: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(model, batch)
+        loss.backward()
+        for w, m in zip(weights, masters, strict=True):
+            m.grad = w.grad.float()  # exact: every bf16 value is an fp32 value
+            w.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for w, m in zip(weights, masters, strict=True):
+                w.copy_(m)  # round to nearest bf16
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return model, optimizer, master_step

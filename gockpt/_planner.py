@@ -8,8 +8,8 @@ it is an explicit step of the engine, never a side effect of planning.
 
 from __future__ import annotations
 
+import logging
 import math
-
 import time
 import warnings
 from collections.abc import Callable
@@ -28,6 +28,8 @@ from .snapshot import SlotLayout, plan_slot
 from .transfer import PRIORITY_GRAD
 
 _ALIGN = 64
+
+log = logging.getLogger("gockpt")
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and
 #: state (and scalars): replaying them on a local shard of a ``DTensor`` is exact (issue 13).
@@ -85,6 +87,8 @@ class Planner:
         self._layout: StateLayout | None = None
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
+        #: The plan of the latest save (its predicted stall and lower bound), None before one.
+        self.last_plan: CopyPlan | None = None
         # Sharded engines (gockpt.sharded): turns each rank's plan into the one every rank
         # follows (a collective); called at the end of every plan().
         self.agree: Callable[[CopyPlan, list[int]], CopyPlan] | None = None
@@ -112,7 +116,9 @@ class Planner:
 
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
              version: int, window_s: float | None) -> CopyPlan:
-        """The copy plan of one save (``window_s``: the measured copy window, None if unknown)."""
+        """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
+        unknown), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
+        logged at DEBUG and kept in :attr:`last_plan`."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
         local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
@@ -135,12 +141,19 @@ class Planner:
         if exact_step and mode not in ("sync", "async"):
             mode = "lazy"
         unit_bytes = [u.state_bytes for u in layout.units]
-        grad_bytes = [u.grad_bytes for u in layout.units]
+        # A frozen parameter gets no gradient: nothing to copy or replay for it (GoCkpt §4.2.1).
+        grad_bytes = [u.grad_bytes if u.param.requires_grad else 0 for u in layout.units]
+        # Buffers and parameters without an optimizer are copied when the state is taken.
+        static_bytes = sum(e.spec.nbytes for e in layout.static)
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
         plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s),
                          max_overlap_steps=hi, replayable=replayable,
-                         min_overlap_steps=min(self._config.min_overlap_steps, hi))
-        return plan if self.agree is None else self.agree(plan, unit_bytes)
+                         min_overlap_steps=min(self._config.min_overlap_steps, hi),
+                         static_bytes=static_bytes)
+        plan = plan if self.agree is None else self.agree(plan, unit_bytes)
+        self.last_plan = plan
+        log.debug("gockpt: plan %s", plan.describe(unit_bytes))
+        return plan
 
     def _replayable(self, layout: StateLayout, version: int) -> bool:
         # With several optimizers, K-1 updates could end between two optimizers' steps of one

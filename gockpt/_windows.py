@@ -10,6 +10,8 @@ with the engine's current step (``version``). A save leaves it through :meth:`Wi
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 import warnings
 from collections.abc import Sequence
@@ -39,7 +41,11 @@ class Windows:
         self._copier = copier
         self._pipeline = pipeline
         self.saves: list[SaveRecord] = []  # requested, not finalized yet
-        self.window_s: float | None = None  # moving average of one copy window (planning)
+        # One copy window for planning: the median of the latest ones, so that an outlier (the
+        # replay self-check of the first save, a data-loader hiccup) does not inflate the plan's
+        # windows for many steps after it, as a moving average would.
+        self.window_s: float | None = None
+        self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
         self._t_update_end: float | None = None
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -148,8 +154,8 @@ class Windows:
         """End the open copy windows (right before an update); waits for their copies."""
         now = time.perf_counter()
         if self._t_update_end is not None:
-            w = now - self._t_update_end
-            self.window_s = w if self.window_s is None else 0.8 * self.window_s + 0.2 * w
+            self._recent_windows.append(now - self._t_update_end)
+            self.window_s = statistics.median(self._recent_windows)
         for s in list(self.saves):
             if s.phase is not Phase.COPYING:
                 continue

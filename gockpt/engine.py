@@ -206,7 +206,9 @@ class Engine:
                                   window_s=self._windows.window_s)
         seq = next(self._seq)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
-                                    requested_step=self.version)
+                                    requested_step=self.version,
+                                    predicted_stall_s=plan.predicted_stall_s,
+                                    stall_lower_bound_s=plan.lower_bound_s)
         handle = SaveHandle(path, metrics)
         handle._flush = self._flush_windows
         self._all = [x for x in self._all if not x.handle.done()]  # drop finished saves' slots first

@@ -37,6 +37,11 @@ class CheckpointMetrics:
         time_to_durable_s: seconds from the request to the publish.
         persist_s: seconds spent persisting; ``persist_gbps`` = persist_bytes / persist_s / 1e9.
         replay_backend: backend used for replay (empty when nothing was replayed).
+        predicted_stall_s: the planner's predicted stall of this save's copy plan, seconds (0.0
+            where nothing was measured yet); GoCkpt §4.2.3's stall model per window.
+        stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
+            could have for the same measured costs, seconds
+            (:func:`gockpt.plan.stall_lower_bound_s`).
         skipped: the request found no free slot with ``when_full="skip"``.
         superseded: a newer save of the same path was published first; this one was dropped.
     """
@@ -58,6 +63,8 @@ class CheckpointMetrics:
     persist_s: float = 0.0
     persist_gbps: float = 0.0
     replay_backend: str = ""
+    predicted_stall_s: float = 0.0
+    stall_lower_bound_s: float = 0.0
     skipped: bool = False
     superseded: bool = False
 

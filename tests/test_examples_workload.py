@@ -90,3 +90,39 @@ def test_tiny_model_is_deterministic_and_learns():
     assert losses[0][-1] < losses[0][0]
     assert sum(p.numel() for p in model.parameters()) < 150_000
     assert model.config.use_cache is False
+
+
+@pytest.mark.parametrize("name", common.WORKLOADS)
+def test_every_workload_trains_and_its_gradients_are_the_expected_share(name):
+    model, opt, step = common.build_training(name, "tiny", seed=0)
+    batch = next(iter(common.make_dataloader(common.text_datasets(seq_len=32)[0], 2, seed=0)))
+    before = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    loss = step(model, opt, batch)
+    assert torch.isfinite(loss)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert all(p.grad is None for p in params)  # zero_grad(set_to_none=True) ran
+    trained = [p for p in params if opt.state.get(p)]
+    changed = [p for p, b in zip(params, before, strict=True) if not torch.equal(p, b)]
+    in_model = {id(p) for p in model.parameters()}
+    if name == "lora":
+        assert {id(p) for p in trained} == {id(p) for p in model.parameters() if p.requires_grad}
+        assert all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+        assert sum(p.numel() for p in trained) < sum(p.numel() for p in params) / 2
+        assert {id(p) for p in changed} <= {id(p) for p in trained}
+    elif name == "bf16-master":
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        assert all(p.dtype == torch.float32 and id(p) not in in_model for p in params)
+        for w, m in zip(model.parameters(), params, strict=True):
+            assert torch.equal(w, m.to(torch.bfloat16))
+    else:
+        assert len(trained) == len(params) and all(id(p) in in_model for p in params)
+    assert changed
+
+
+def test_the_fp32_workload_is_the_default_model_and_optimizer():
+    model, opt, _ = common.build_training("fp32", "tiny", seed=3)
+    plain, _ = common.build_model("tiny", seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
+    with pytest.raises(KeyError):
+        common.build_training("fp8", "tiny")

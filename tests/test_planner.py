@@ -1,0 +1,86 @@
+"""The planner's wiring: what the engine passes the pure planner, and plans sized per window
+checkpoint exactly what a blocking save holds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _loop import assert_state_equal, make, snapshot, train
+
+import gockpt
+from gockpt import Engine, GoCkptConfig
+from gockpt._planner import Planner
+from gockpt.layout import build_layout
+from gockpt.plan import Costs, make_plan, predict_stall_s
+
+
+def _frozen_model():
+    """The test loop's net with its hidden layer frozen (in the optimizer, never a gradient)."""
+    model, opt, sched, scaler = make("adamw")
+    model.hidden.weight.requires_grad_(False)
+    return model, opt, sched, scaler
+
+
+def test_planner_counts_no_gradient_for_frozen_parameters_and_the_static_copy():
+    model, opt, sched, scaler = _frozen_model()
+    train(model, opt, sched, scaler, 2)  # optimizer state exists
+    planner = Planner(model, [opt], GoCkptConfig(), SimpleNamespace(busy_s=0.0), 1000.0)
+    layout = planner.current_layout()
+    plan = planner.plan(layout, "gockpt_o", False, None, version=2, window_s=0.5)
+    assert planner.last_plan is plan
+    units = [u.state_bytes for u in layout.units]
+    grads = [0 if u.param is model.hidden.weight else u.grad_bytes for u in layout.units]
+    assert sum(grads) < sum(u.grad_bytes for u in layout.units)
+    static = sum(e.spec.nbytes for e in layout.static)
+    assert static > 0  # BatchNorm statistics and the step counter buffer
+    want = make_plan("gockpt_o", units, grads, Costs(1000.0, 0.5), max_overlap_steps=7,
+                     replayable=True, static_bytes=static)
+    assert plan == want
+    assert plan.predicted_stall_s == pytest.approx(predict_stall_s(
+        "gockpt_o", units, grads, plan.blocks, Costs(1000.0, 0.5), static_bytes=static))
+    assert 0 < plan.lower_bound_s <= plan.predicted_stall_s
+
+
+def test_the_layout_of_an_optimizer_over_frozen_parameters_keeps_them_as_units():
+    model, opt, sched, scaler = _frozen_model()
+    train(model, opt, sched, scaler, 2)
+    frozen = [u for u in build_layout(model, [opt]).units if u.param is model.hidden.weight]
+    assert len(frozen) == 1 and not frozen[0].state_entries  # AdamW made no state for it
+
+
+@pytest.mark.parametrize("mode", ["gockpt_o", "auto"])
+def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
+    # Costs as over a link where one copy spans 3 windows: the planner sizes the blocks per
+    # window; the frozen parameter is copied in its block and never replayed.
+    model, opt, sched, scaler = _frozen_model()
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    monkeypatch.setattr(Planner, "_costs", lambda self, w: Costs(1000.0, state_bytes / 3000.0))
+    config = GoCkptConfig(mode=mode, max_overlap_steps=4, host_buffer_bytes=1 << 20,
+                          max_shard_bytes=2048)
+    eng = Engine(model, opt, config)
+    live, handles, plans = {}, [], []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it in (2, 8):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+            plans.append(eng._planner.last_plan)
+
+    train(model, opt, sched, scaler, 16, on_step_end=on_step_end)
+    eng.close()
+    for h, plan in zip(handles, plans, strict=True):
+        assert plan.mode == "gockpt_o" and plan.num_overlap_steps > 1
+        m = h.result()
+        assert m.num_overlap_steps == plan.num_overlap_steps and m.grad_bytes > 0
+        # The metrics carry the plan's prediction and bound (what the benchmark reports).
+        assert (m.predicted_stall_s, m.stall_lower_bound_s) == (plan.predicted_stall_s, plan.lower_bound_s)
+        assert 0.0 <= m.stall_lower_bound_s <= m.predicted_stall_s
+        state = gockpt.load_checkpoint(m.path)
+        v = state.captured_step
+        assert v == m.requested_step + plan.num_overlap_steps - 1
+        assert_state_equal(state.model_state_dict, live[v]["model"], f"{mode}:model@{v}")
+        assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{mode}:optim@{v}")
+    assert torch.equal(model.hidden.weight, live[max(live)]["model"]["hidden.weight"])
