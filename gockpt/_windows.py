@@ -46,6 +46,9 @@ class Windows:
         # windows for many steps after it, as a moving average would.
         self.window_s: float | None = None
         self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
+        # Per-save costs no plan changes (the request's bookkeeping, taking the state tree), in
+        # seconds, of the latest saves: added to the plan's predicted stall in the metrics.
+        self.fixed_stalls: collections.deque[float] = collections.deque(maxlen=15)
         self._t_update_end: float | None = None
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -215,6 +218,9 @@ class Windows:
             return
         if s in self.saves:
             self.saves.remove(s)
+        if s is s.share.leader and s.failed is None:
+            by = s.metrics.stall_by_phase_s
+            self.fixed_stalls.append(by.get("request", 0.0) + by.get("capture", 0.0))
         self._hand_off(s)
         if s is not s.share.leader:
             return
@@ -407,9 +413,13 @@ class Windows:
         t0 = time.perf_counter()
         current, live, pairs = self._live(s)
         if pairs:
+            tc = time.perf_counter()
             t = self._copier.copy(pairs, PRIORITY_GRAD)
             t.wait()
             s.metrics.state_bytes += t.nbytes
+            # Apart from "capture": the planner predicts this copy, the rest is a fixed cost.
+            s.metrics.add_stall("static_copy", time.perf_counter() - tc)
+            t0 += time.perf_counter() - tc
         others = [r for r in s.share.records if r is not s and not r.cancel.is_set()]
         for r in [s, *others] if not s.cancel.is_set() else others:
             if r.captured or (r is not s and r.handed_off):

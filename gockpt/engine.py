@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -205,10 +206,11 @@ class Engine:
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s)
         seq = next(self._seq)
+        fixed = statistics.median(self._windows.fixed_stalls) if self._windows.fixed_stalls else 0.0
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version,
-                                    predicted_stall_s=plan.predicted_stall_s,
-                                    stall_lower_bound_s=plan.lower_bound_s)
+                                    predicted_stall_s=plan.predicted_stall_s + fixed,
+                                    stall_lower_bound_s=plan.lower_bound_s + fixed)
         handle = SaveHandle(path, metrics)
         handle._flush = self._flush_windows
         self._all = [x for x in self._all if not x.handle.done()]  # drop finished saves' slots first

@@ -22,6 +22,7 @@ class CheckpointMetrics:
         requested_step / captured_step: optimizer updates applied at the request / in the data.
         stall_s: training-thread stall in seconds (sum of ``stall_by_phase_s``).
         stall_by_phase_s: seconds by phase (slot_wait, copy, window_end, grad_copy, capture,
+            static_copy (buffers and tensors outside the optimizer, copied at the capture),
             guard, flush, persist for ``sync``).
         state_bytes / grad_bytes: bytes copied to the host (state, gradients); 0 for a save that
             shared the snapshot of another (``host_shared`` and not the first of them).
@@ -37,11 +38,13 @@ class CheckpointMetrics:
         time_to_durable_s: seconds from the request to the publish.
         persist_s: seconds spent persisting; ``persist_gbps`` = persist_bytes / persist_s / 1e9.
         replay_backend: backend used for replay (empty when nothing was replayed).
-        predicted_stall_s: the planner's predicted stall of this save's copy plan, seconds (0.0
-            where nothing was measured yet); GoCkpt §4.2.3's stall model per window.
+        predicted_stall_s: the predicted stall of this save, seconds: the planner's stall model
+            per window for its copy plan (GoCkpt §4.2.3; 0.0 before costs were measured), plus
+            the per-save fixed cost, the median ``request`` + ``capture`` stall of the latest
+            saves.
         stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
-            could have for the same measured costs, seconds
-            (:func:`gockpt.plan.stall_lower_bound_s`).
+            could have for the same measured costs (:func:`gockpt.plan.stall_lower_bound_s`),
+            plus the same fixed cost, seconds.
         skipped: the request found no free slot with ``when_full="skip"``.
         superseded: a newer save of the same path was published first; this one was dropped.
     """

@@ -75,8 +75,11 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
         assert plan.mode == "gockpt_o" and plan.num_overlap_steps > 1
         m = h.result()
         assert m.num_overlap_steps == plan.num_overlap_steps and m.grad_bytes > 0
-        # The metrics carry the plan's prediction and bound (what the benchmark reports).
-        assert (m.predicted_stall_s, m.stall_lower_bound_s) == (plan.predicted_stall_s, plan.lower_bound_s)
+        # The metrics carry the plan's prediction and bound plus one per-save fixed cost
+        # (measured on the earlier saves: none before the first).
+        fixed = m.predicted_stall_s - plan.predicted_stall_s
+        assert fixed == 0.0 if h is handles[0] else fixed > 0.0
+        assert m.stall_lower_bound_s == pytest.approx(plan.lower_bound_s + fixed, abs=1e-12)
         assert 0.0 <= m.stall_lower_bound_s <= m.predicted_stall_s
         state = gockpt.load_checkpoint(m.path)
         v = state.captured_step
