@@ -871,8 +871,9 @@ def chart(results: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-#: docs/benchmark.md: what follows this line was measured elsewhere and survives --update-docs.
-KEEP_MARKER = "<!-- measured on other machines; kept by benchmark.py --update-docs -->"
+#: docs/benchmark.md: what follows this line was measured in other runs (another machine, other
+#: options) and survives --update-docs.
+KEEP_MARKER = "<!-- measured in other runs; kept by benchmark.py --update-docs -->"
 
 
 def _parser() -> argparse.ArgumentParser:
