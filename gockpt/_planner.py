@@ -152,7 +152,8 @@ class Planner:
                          static_bytes=static_bytes)
         plan = plan if self.agree is None else self.agree(plan, unit_bytes)
         self.last_plan = plan
-        log.debug("gockpt: plan %s", plan.describe(unit_bytes))
+        if log.isEnabledFor(logging.DEBUG):  # describe() walks every unit: not on every save
+            log.debug("gockpt: plan %s", plan.describe(unit_bytes))
         return plan
 
     def _replayable(self, layout: StateLayout, version: int) -> bool:
