@@ -169,7 +169,6 @@ class Scheme:
         self.durable_s: list[float] = []
         self.persist_gbps: list[float] = []
         self.engine_metrics: list[dict] = []
-        self.plans: list[dict] = []  # GoCkpt: the planner's plan of each save
 
     def save(self, path: str, step: int) -> None:
         start = time.perf_counter()
@@ -322,13 +321,7 @@ class GoCkptScheme(Scheme):
         self.handles: list = []
 
     def save(self, path: str, step: int) -> None:
-        handle = self.engine.save(path, state_fn=lambda: {"step": step})
-        self.handles.append(handle)
-        m = handle.metrics  # the plan's mode, K, prediction and bound are set at the request
-        self.plans.append({
-            "mode": m.mode, "num_overlap_steps": m.num_overlap_steps,
-            "predicted_stall_s": m.predicted_stall_s, "lower_bound_s": m.stall_lower_bound_s,
-        })
+        self.handles.append(self.engine.save(path, state_fn=lambda: {"step": step}))
 
     def finish(self) -> None:
         self.engine.wait()
@@ -490,7 +483,6 @@ def run_scheme(args: argparse.Namespace) -> dict:
     drain()
     if scheme is not None:
         scheme.durable_s.clear(), scheme.persist_gbps.clear(), scheme.engine_metrics.clear()
-        scheme.plans.clear()
     clean = [step() for _ in range(args.clean_steps)]
     starts.clear(), requests.clear()
     times, ckpt_steps, last_path = [], [], None
@@ -587,7 +579,6 @@ def run_scheme(args: argparse.Namespace) -> dict:
             raw_read_s=raw_read_s,
             restore_s=restore_s,
             engine_metrics=scheme.engine_metrics,
-            plans=scheme.plans,
         )
     shutil.rmtree(ckpt_root, ignore_errors=True)
     return result
@@ -628,33 +619,34 @@ def summarize(results: list[dict], raw: dict) -> list[dict]:
             r["engine_stall_per_ckpt_s"] = statistics.mean(
                 m["stall_s"] for m in r["engine_metrics"]
             )
-            r["engine_stall_median_s"] = statistics.median(
-                m["stall_s"] for m in r["engine_metrics"]
-            )
-        if r.get("plans"):
-            plans = r["plans"]
-            r["predicted_stall_s"] = statistics.median(p["predicted_stall_s"] for p in plans)
-            r["lower_bound_s"] = statistics.median(p["lower_bound_s"] for p in plans)
-            r["planned"] = sorted({f"{p['mode']} K={p['num_overlap_steps']}" for p in plans})
-            r["wall_stall_median_s"] = statistics.median(r["stall_windows_s"])
+            r.update(plan_stats(r))
     return results
+
+
+def plan_stats(r: dict) -> dict:
+    """Medians over a GoCkpt row's measured saves (its ``engine_metrics``): the plans chosen,
+    the predicted stall and its lower bound, the engine-reported and the wall stall, seconds."""
+    ms = r["engine_metrics"]
+    return {
+        "planned": sorted({f"{m['mode']} K={m['num_overlap_steps']}" for m in ms}),
+        "predicted_stall_s": statistics.median(m["predicted_stall_s"] for m in ms),
+        "lower_bound_s": statistics.median(m["stall_lower_bound_s"] for m in ms),
+        "engine_stall_median_s": statistics.median(m["stall_s"] for m in ms),
+        "wall_stall_median_s": statistics.median(r["stall_windows_s"]),
+    }
 
 
 def _plan_summary(r: dict) -> str:
     """``; planned ..., predicted ... s (bound ... s), engine ... s``: one emulated row's line."""
-    plans = r["plans"]
-    predicted = statistics.median(p["predicted_stall_s"] for p in plans)
-    bound = statistics.median(p["lower_bound_s"] for p in plans)
-    engine = statistics.median(m["stall_s"] for m in r["engine_metrics"])
-    kinds = ", ".join(sorted({f"{p['mode']} K={p['num_overlap_steps']}" for p in plans}))
-    return (f"; planned {kinds}, predicted stall {predicted:.3f} s (lower bound {bound:.3f} s), "
-            f"engine-reported {engine:.3f} s, wall {statistics.median(r['stall_windows_s']):.3f} s "
-            "(medians)")
+    st = plan_stats(r)
+    return (f"; planned {', '.join(st['planned'])}, predicted stall {st['predicted_stall_s']:.3f} s "
+            f"(lower bound {st['lower_bound_s']:.3f} s), engine-reported "
+            f"{st['engine_stall_median_s']:.3f} s, wall {st['wall_stall_median_s']:.3f} s (medians)")
 
 
 def planner_rows(results: list[dict]) -> list[dict]:
     """The emulated-link GoCkpt rows with the planner's prediction next to what was measured."""
-    return [r for r in results if r["emulated"] and r.get("plans")]
+    return [r for r in results if r["emulated"] and r.get("engine_metrics")]
 
 
 def _ratio(a: float, b: float) -> str:
@@ -1006,7 +998,7 @@ def main() -> None:
             f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}"
             f"{' [buffered]' if buffered else ''}: clean step "
             f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s"
-            + (_plan_summary(r) if link and r.get("plans") else ""),
+            + (_plan_summary(r) if link and r.get("engine_metrics") else ""),
             flush=True,
         )
         if r["timeline_text"]:

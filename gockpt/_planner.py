@@ -87,8 +87,6 @@ class Planner:
         self._layout: StateLayout | None = None
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
-        #: The plan of the latest save (its predicted stall and lower bound), None before one.
-        self.last_plan: CopyPlan | None = None
         # Sharded engines (gockpt.sharded): turns each rank's plan into the one every rank
         # follows (a collective); called at the end of every plan().
         self.agree: Callable[[CopyPlan, list[int]], CopyPlan] | None = None
@@ -118,7 +116,7 @@ class Planner:
              version: int, window_s: float | None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
         unknown), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
-        logged at DEBUG and kept in :attr:`last_plan`."""
+        logged at DEBUG."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
         local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
@@ -151,7 +149,6 @@ class Planner:
                          min_overlap_steps=min(self._config.min_overlap_steps, hi),
                          static_bytes=static_bytes)
         plan = plan if self.agree is None else self.agree(plan, unit_bytes)
-        self.last_plan = plan
         if log.isEnabledFor(logging.DEBUG):  # describe() walks every unit: not on every save
             log.debug("gockpt: plan %s", plan.describe(unit_bytes))
         return plan
