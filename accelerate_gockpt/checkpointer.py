@@ -33,7 +33,7 @@ from gockpt.folder import StagingFolders, folder_number, latest_numbered
 from gockpt.replicated import ReplicatedEngine
 from gockpt.wrapped import engine_model
 
-from . import _host_state, _publish
+from . import _host_state, _publish, _sharded
 
 if TYPE_CHECKING:
     from .plugin import GoCkptPlugin
@@ -65,13 +65,14 @@ class GoCkptCheckpointer:
     def __init__(self, accelerator: Any, plugin: GoCkptPlugin) -> None:
         self.accelerator = accelerator
         self.plugin = plugin
-        self._rep: ReplicatedEngine | None = None
+        self._rep: ReplicatedEngine | _sharded.ShardedSaves | None = None
         self.automatic = False  # attached at prepare (accelerate_gockpt.run): attach() replaces it
         self._published: list[gockpt.CheckpointMetrics] = []  # of engines replaced since
         self._config = plugin.to_config()
         self._main = accelerator.is_main_process
         self._models = [accelerator.unwrap_model(m) for m in accelerator._models]
         self._optimizers = [o.optimizer for o in accelerator._optimizers]
+        self._check_sharded()
         self._engine_model, self._key_map = engine_model(accelerator._models, self._models)
         # The engine counts updates of any optimizer: with several, K-1 updates after a request
         # can end between two optimizers' steps of one iteration, which no loop resumes from.
@@ -140,8 +141,12 @@ class GoCkptCheckpointer:
         final, root = self._resolve_dir(output_dir)
         assert self._rep is not None
         acc = self.accelerator
-        self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
-                       exact_step=self._exact_step, state_fn=lambda: _host_state.host_files(acc))
+        if isinstance(self._rep, _sharded.ShardedSaves):  # FSDP2: every process saves its shards
+            self._rep.save(final, iteration=acc.save_iteration, exact_step=self._exact_step, rotate_root=root,
+                           total_limit=acc.project_configuration.total_limit if root else None)
+        else:
+            self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
+                           exact_step=self._exact_step, state_fn=lambda: _host_state.host_files(acc))
         self.accelerator.project_configuration.iteration += 1
         self._log_published()
         return Path(final)
@@ -166,6 +171,10 @@ class GoCkptCheckpointer:
             input_dir = latest_numbered(os.path.join(acc.project_dir, "checkpoints"))
         self._stop()  # load_state_dict replaces optimizer state tensors: re-enumerate them
         try:
+            if input_dir is not None and self._sharded and _sharded.is_sharded_checkpoint(os.fspath(input_dir)):
+                pc.iteration = 1 + _sharded.load(acc, os.fspath(input_dir), self._models[0], self._optimizers,
+                                                 verify=self._config.verify_on_load)
+                return
             self._originals["load_state"](input_dir, load_kwargs, **load_model_func_kwargs)
         finally:
             self._start()
@@ -223,6 +232,9 @@ class GoCkptCheckpointer:
 
     def _start(self) -> None:
         acc = self.accelerator
+        if self._sharded:
+            self._rep = _sharded.ShardedSaves(acc, self._models[0], self._optimizers, self._config)
+            return
         broadcast = (lambda obj: broadcast_object_list([obj])[0]) if acc.num_processes > 1 else None
         self._rep = ReplicatedEngine(
             self._engine_model, self._optimizers, self._config, is_writer=self._main,
@@ -260,6 +272,7 @@ class GoCkptCheckpointer:
         self.wait()
         self._stop()
         self._models, self._optimizers = models, optimizers
+        self._check_sharded()
         self._engine_model, self._key_map = engine_model(acc._models, self._models)
         self._start()
 
@@ -316,6 +329,13 @@ class GoCkptCheckpointer:
             claim_directory=root is not None)
 
     # ------------------------------------------------------------------ errors
+
+    def _check_sharded(self) -> None:
+        # FSDP2 (DTensor parameters): every process saves its shards (accelerate_gockpt._sharded).
+        self._sharded = any(_sharded.holds_shards(m) for m in self._models)
+        if self._sharded and len(self._models) != 1:
+            raise NotImplementedError("GoCkpt saves one FSDP2 model per accelerator; "
+                                      f"{len(self._models)} are prepared")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -22,8 +22,9 @@ from gockpt.options import engine_options
 
 from .checkpointer import GoCkptCheckpointer
 
-_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM,
-                DistributedType.XLA)
+# FSDP version 2 is supported (every process saves its shards: accelerate_gockpt._sharded);
+# version 1 is refused in attach().
+_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 
 ENV_PREFIX = _env.ENV_PREFIX
@@ -123,8 +124,9 @@ def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckp
         methods stay in place).
 
     Raises:
-        NotImplementedError: DeepSpeed, FSDP, Megatron-LM or XLA (their own checkpoint
-            formats), or ``save_on_each_node`` across several machines.
+        NotImplementedError: DeepSpeed, FSDP version 1, Megatron-LM or XLA (their own
+            checkpoint formats), several FSDP2 models, or ``save_on_each_node`` across several
+            machines.
         ValueError: nothing prepared, or a wrapper whose state_dict keys do not map onto the
             unwrapped model's.
         RuntimeError: already attached (by an earlier ``attach``; one made automatically at
@@ -136,6 +138,8 @@ def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckp
         return None
     if accelerator.distributed_type in _UNSUPPORTED:
         raise NotImplementedError(f"GoCkpt does not support {accelerator.distributed_type}")
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise NotImplementedError("GoCkpt supports FSDP version 2 (fsdp_version=2, fully_shard), not version 1")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     if accelerator.project_configuration.save_on_each_node and local != accelerator.num_processes:
         raise NotImplementedError("GoCkpt does not support save_on_each_node across machines")

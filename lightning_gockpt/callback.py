@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from torch import nn
 
 import gockpt
 from gockpt import Engine, SaveHandle, _exit
@@ -40,7 +41,9 @@ class GoCkptCallback(Callback):
     Call sequence (training thread, rank 0):
 
     1. ``setup``: link to the ``GoCkptIO``; route ``ModelParallelStrategy``'s and DDP's
-       checkpoints through GoCkpt on every rank; refuse the other strategies that bypass
+       checkpoints through GoCkpt on every rank, and ``FSDPStrategy``'s (``state_dict_type=
+       "full"``) through rank 0's engine, which persists the gathered dict (it tracks no live
+       state: the strategy's gather is the copy); refuse the other strategies that bypass
        CheckpointIO (``ValueError``).
     2. ``on_train_start``: build the engine over ``trainer.lightning_module`` and the raw torch
        optimizers, with ``explicit_before_update`` (Lightning runs forward and backward inside
@@ -71,7 +74,8 @@ class GoCkptCallback(Callback):
     def _reset(self) -> None:
         self.io: GoCkptIO | None = None
         self.engine: Engine | sharded.ShardedAdapterEngine | None = None
-        self._kind: str | None = None  # "sharded" (ModelParallelStrategy), "replicated" (DDP), None
+        # "sharded" (ModelParallelStrategy), "replicated" (DDP), "gathered" (FSDPStrategy, full), None
+        self._kind: str | None = None
         self._every_rank = False  # an engine on every rank (lightning_gockpt.sharded)
         self._zero = True  # global rank 0
         self._trainer: Trainer | None = None
@@ -103,7 +107,7 @@ class GoCkptCallback(Callback):
         if not isinstance(io, GoCkptIO) or _linking_callback(trainer) is not self:
             return
         kind = sharded.strategy_kind(trainer.strategy)
-        if kind not in (None, "sharded", "replicated"):
+        if kind not in (None, "sharded", "replicated", "gathered"):
             raise sharded.unsupported_error(trainer.strategy, kind)
         if kind == "replicated" and trainer.world_size < 2:
             kind = None  # one DDP process: the single-writer path
@@ -213,22 +217,27 @@ class GoCkptCallback(Callback):
         assert self.io is not None and trainer is not None and engine is not None
         weights_only = "optimizer_states" not in checkpoint
         at_batch = self._num_batches
+        # FSDPStrategy (full): the dict holds the state gathered at the request, and dumping it
+        # again is a collective the other ranks do not join; it is taken at once (K = 1).
+        gathered = self._kind == "gathered"
 
         def state_fn() -> dict[str, Any]:
             # Called at the captured step. Later than the request, Lightning's dict is taken
             # again so that loops, schedulers, callbacks and hook edits match the tensors.
-            if self._num_batches == at_batch:
+            if gathered or self._num_batches == at_batch:
                 return {"lightning": checkpoint}
             return {"lightning": trainer._checkpoint_connector.dump_checkpoint(weights_only)}
 
         self._deferred = [(p, hs) for p, hs in self._deferred if p != path]  # replaced, not removed
         if self._zero:
             make_placeholder(path, self.io.config.storage_options)
-        cap = 1 if exact_step else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
+        cap = 1 if exact_step or gathered else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
         options = self.io.config.storage_options
+        mode = None
+        if self._ended or (gathered and engine.config.mode != "sync"):
+            mode = "async"
         try:
-            handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap,
-                                 mode="async" if self._ended else None)
+            handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap, mode=mode)
         except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
             if self._zero:
                 remove_placeholder(path, options)
@@ -337,6 +346,10 @@ class GoCkptCallback(Callback):
         if self._every_rank:
             return sharded.build_engine(self, trainer, trainer.global_step if restored else None,
                                         replicated=self._kind == "replicated")
+        if self._kind == "gathered":
+            # The strategy gathers the state into each checkpoint's dict: the engine tracks
+            # nothing live and copies that dict at the request.
+            return Engine(nn.Module(), [], self.io.config, explicit_before_update=True)
         return Engine(trainer.lightning_module, list(trainer.optimizers), self.io.config,
                       explicit_before_update=True, start_step=trainer.global_step if restored else None)
 

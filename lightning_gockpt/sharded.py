@@ -34,8 +34,10 @@ Call sequence of one checkpoint (every rank, training thread, the same step on a
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -54,6 +56,9 @@ if TYPE_CHECKING:
 
 # Lightning strategies whose checkpoints GoCkpt writes as sharded checkpoints.
 SHARDED_STRATEGIES = ("ModelParallelStrategy",)
+# Strategies that gather the whole state on global rank 0 (``FSDPStrategy`` with
+# ``state_dict_type="full"``, its default): rank 0 persists the gathered dict in the background.
+GATHERED_STRATEGIES = ("FSDPStrategy",)
 # Strategies that write their own checkpoints, bypass CheckpointIO, and are not wired yet.
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 # Replicated strategies whose ranks share the write when there is more than one process.
@@ -67,12 +72,16 @@ def strategy_kind(strategy: Any) -> str | None:
 
     Returns:
         ``"sharded"`` (every rank saves its shards), ``"replicated"`` (a DDP strategy: the ranks
-        share the write when there is more than one), the class name of an unsupported
-        strategy, or None (one device: the CheckpointIO path).
+        share the write when there is more than one), ``"gathered"`` (``FSDPStrategy`` with
+        ``state_dict_type="full"``: the strategy gathers the state on global rank 0, which
+        persists it), the class name of an unsupported strategy, or None (one device: the
+        CheckpointIO path).
     """
     names = [c.__name__ for c in type(strategy).__mro__]
     if any(n in SHARDED_STRATEGIES for n in names):
         return "sharded"
+    if any(n in GATHERED_STRATEGIES for n in names) and getattr(strategy, "_state_dict_type", None) == "full":
+        return "gathered"
     unsupported = next((n for n in names if n in UNSUPPORTED_STRATEGIES), None)
     if unsupported is not None:
         return unsupported
@@ -109,14 +118,16 @@ def install(strategy: Any, callback: GoCkptCallback, kind: str = "sharded") -> N
     The instance's class becomes a subclass of its own class (one per strategy class) whose
     checkpoint methods are :class:`_ShardedCheckpoints`'s (``kind="sharded"``), or only its
     ``save_checkpoint`` (``kind="replicated"``: DDP loads through ``GoCkptIO.load_checkpoint``
-    and dumps its live state dicts as stock does); a later ``install`` only relinks the callback.
+    and dumps its live state dicts as stock does), or :class:`_GatheredCheckpoints`'s
+    (``kind="gathered"``); a later ``install`` only relinks the callback.
     """
     cls = type(strategy)
     if "_gockpt_base" not in cls.__dict__:
         sub = _SUBCLASSES.get((cls, kind))
         if sub is None:
             names = _REPLICATED_METHODS if kind == "replicated" else None
-            methods = {k: v for k, v in vars(_ShardedCheckpoints).items()
+            source = _GatheredCheckpoints if kind == "gathered" else _ShardedCheckpoints
+            methods = {k: v for k, v in vars(source).items()
                        if callable(v) and (names is None or k in names)}
             sub = _SUBCLASSES[(cls, kind)] = type(f"GoCkpt{cls.__name__}", (cls,),
                                                   {**methods, "__module__": __name__, "_gockpt_base": cls})
@@ -227,6 +238,98 @@ class _ShardedCheckpoints:
                                                 path=path)
         # A DDP checkpoint's rank 0 part holds its share of the tensors: loaded above instead.
         return {k: v for k, v in extra["lightning"].items() if k not in TENSOR_KEYS}
+
+
+class _GatheredCheckpoints:
+    """The checkpoint methods of an ``FSDPStrategy`` (``state_dict_type="full"``) under ``GoCkptIO``.
+
+    Saving is stock's up to the write: every rank dumps Lightning's dict, which gathers the
+    whole model and optimizer state on global rank 0 (a collective; CPU tensors when there is
+    more than one rank), and rank 0 hands it to ``GoCkptIO.save_checkpoint``, whose engine holds
+    no live state (:class:`lightning_gockpt.GoCkptCallback`): the gathered tensors are copied
+    into the host snapshot at the request (GoCkpt's ``async``) and persisted in the background.
+    The stall is the gather and that copy; the write is hidden. Stock raises
+    ``IsADirectoryError`` for a path that is a directory; GoCkpt checkpoints are directories, so
+    saving over one (``last.ckpt``) replaces it, as a file is replaced under stock.
+
+    Loading a GoCkpt checkpoint reads Lightning's full dict on every rank (as stock reads the
+    file on every rank) and loads it as stock loads a full checkpoint: the module through
+    FSDP's full state dict, the optimizers through ``FSDP.optim_state_dict_to_load``.
+    """
+
+    _gockpt_base: Any
+    _gockpt_callback: GoCkptCallback | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        """Global rank 0 hands the gathered ``checkpoint`` to ``GoCkptIO.save_checkpoint``.
+
+        Raises:
+            TypeError: ``storage_options`` given (stock ``FSDPStrategy`` raises it too).
+            What ``GoCkptIO.save_checkpoint`` raises.
+        """
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if storage_options is not None or not _gockpt_io(io):
+            self._gockpt_base.save_checkpoint(self, checkpoint, filepath, storage_options)  # type: ignore[misc]
+            return
+        path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
+
+            if _is_sharded_checkpoint(Path(path)):  # stock's sharded directory: replaced, as stock does
+                shutil.rmtree(path)
+            io.save_checkpoint(checkpoint, path)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a GoCkpt checkpoint as stock loads a full checkpoint; other paths as stock.
+
+        Returns:
+            Lightning's dict without ``state_dict`` (loaded into the module here).
+
+        Raises:
+            FileNotFoundError, gockpt.CheckpointCorruptError, ValueError: as
+                ``GoCkptIO.load_checkpoint``.
+            RuntimeError: the checkpoint holds another number of optimizers than the run has.
+        """
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if not _is_gockpt(path, io):
+            return self._gockpt_base.load_checkpoint(self, path, weights_only=weights_only)  # type: ignore[misc]
+        from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
+        from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import OptimStateKeyType
+
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+        module = self.lightning_module  # type: ignore[attr-defined]
+        model = self.model  # type: ignore[attr-defined]
+        world_size = self.world_size  # type: ignore[attr-defined]
+        _load_raw_module_state(checkpoint.pop("state_dict"), module=model, world_size=world_size,
+                               strict=module.strict_loading)
+        optimizer_states = checkpoint.get("optimizer_states")
+        if optimizer_states is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        optimizers = list(self.optimizers)  # type: ignore[attr-defined]
+        if len(optimizers) != len(optimizer_states):
+            raise RuntimeError(
+                f"You have configured {len(optimizers)} optimizers but the checkpoint contains "
+                f"{len(optimizer_states)} optimizers to load. Please resume training with the same "
+                "number of optimizers or edit the checkpoint manually to remove states.")
+        # Every rank loads the whole optimizer state and keeps its own shard of it.
+        with _get_full_state_dict_context(model, world_size=world_size, rank0_only=False):
+            for optimizer, opt_state in zip(optimizers, optimizer_states):
+                if opt_state["state"] and isinstance(next(iter(opt_state["state"])), int):
+                    opt_state = FSDP.rekey_optim_state_dict(opt_state, OptimStateKeyType.PARAM_NAME, model)
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
+                    optim_state_dict=opt_state, model=model, optim=optimizer))
+        return checkpoint
+
+
+def _gockpt_io(io: Any) -> bool:
+    from .io import GoCkptIO
+
+    return isinstance(io, GoCkptIO)
 
 
 def _is_gockpt(path: str, io: Any) -> bool:
@@ -360,12 +463,20 @@ def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None,
 
 def unsupported_error(strategy: Any, name: str) -> ValueError:
     """The error for a strategy that bypasses CheckpointIO and is not wired to GoCkpt."""
+    if name == "FSDPStrategy":
+        return ValueError(
+            f"GoCkptIO does not support {type(strategy).__name__} (FSDPStrategy) with "
+            f"state_dict_type={getattr(strategy, '_state_dict_type', None)!r}: it writes its own "
+            "sharded checkpoints and bypasses CheckpointIO. Use state_dict_type='full' (the "
+            "default; GoCkptIO persists the gathered state in the background), or "
+            "ModelParallelStrategy (FSDP2, fully_shard in configure_model), which GoCkptIO saves "
+            "as sharded GoCkpt checkpoints.")
     return ValueError(
         f"GoCkptIO does not support {type(strategy).__name__} ({name}): it writes its own "
-        "checkpoints and bypasses CheckpointIO. Use one device, strategy='ddp', or "
-        "ModelParallelStrategy (FSDP2, fully_shard in configure_model), which GoCkptIO saves as "
-        "sharded GoCkpt checkpoints.")
+        "checkpoints and bypasses CheckpointIO. Use one device, strategy='ddp', "
+        "FSDPStrategy(state_dict_type='full'), or ModelParallelStrategy (FSDP2, fully_shard in "
+        "configure_model), which GoCkptIO saves as sharded GoCkpt checkpoints.")
 
 
-__all__ = ["REPLICATED_STRATEGIES", "SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES", "ShardedAdapterEngine",
-           "build_engine", "install", "shares_write", "strategy_kind", "unsupported_error"]
+__all__ = ["GATHERED_STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES",
+           "ShardedAdapterEngine", "build_engine", "install", "shares_write", "strategy_kind", "unsupported_error"]

@@ -494,7 +494,8 @@ def test_strategies_that_bypass_checkpoint_io_are_refused(tmp_path):
     class DeepSpeedStrategy(DDPStrategy):  # stands in for lightning's (deepspeed is not installed)
         pass
 
-    for strategy in (FSDPStrategy(), DeepSpeedStrategy()):
+    # FSDPStrategy's default (state_dict_type="full") is saved: tests/adapters/test_lightning_fsdp.py.
+    for strategy in (FSDPStrategy(state_dict_type="sharded"), DeepSpeedStrategy()):
         cb = GoCkptCallback()
 
         class FakeTrainer:

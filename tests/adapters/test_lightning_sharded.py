@@ -220,13 +220,15 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
 
 
 def test_unsupported_strategies_are_refused(tmp_path):
-    """FSDPStrategy and DeepSpeedStrategy bypass CheckpointIO: a clear error in setup, no hang."""
+    """DeepSpeedStrategy and FSDPStrategy(state_dict_type="sharded") bypass CheckpointIO: a clear
+    error in setup, no hang (FSDPStrategy's default, "full", is saved: test_lightning_fsdp)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     from lightning_gockpt import sharded
 
     assert sharded.strategy_kind(ModelParallelStrategy()) == "sharded"
-    assert sharded.strategy_kind(FSDPStrategy()) == "FSDPStrategy"
+    assert sharded.strategy_kind(FSDPStrategy()) == "gathered"  # state_dict_type="full", the default
+    assert sharded.strategy_kind(FSDPStrategy(state_dict_type="sharded")) == "FSDPStrategy"
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # the deepspeed package is not needed
     assert sharded.strategy_kind(deepspeed) == "DeepSpeedStrategy"
     assert "DeepSpeedStrategy" in str(sharded.unsupported_error(deepspeed, "DeepSpeedStrategy"))
@@ -235,11 +237,12 @@ def test_unsupported_strategies_are_refused(tmp_path):
     class CpuFSDP(FSDPStrategy):  # Lightning refuses FSDPStrategy itself on the CPU before setup
         pass
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CpuFSDP(), plugins=[GoCkptIO()],
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CpuFSDP(state_dict_type="sharded"),
+                         plugins=[GoCkptIO()],
                          max_steps=1, logger=False, enable_progress_bar=False,
                          default_root_dir=str(tmp_path))
     try:
-        with pytest.raises(ValueError, match="does not support CpuFSDP .FSDPStrategy."):
+        with pytest.raises(ValueError, match="does not support CpuFSDP .FSDPStrategy. with state_dict_type='sharded'"):
             trainer.fit(Net())
     finally:
         if dist.is_initialized():

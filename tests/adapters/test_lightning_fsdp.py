@@ -1,0 +1,180 @@
+"""``GoCkptIO`` under Lightning's ``FSDPStrategy`` (``state_dict_type="full"``), on one GPU (issue 13).
+
+FSDP (version 1) needs an accelerator, so these tests run only where CUDA is present. The
+scenario runs in a child process (this file as a script): Lightning initializes a NCCL process
+group there, which must not leak into the other tests of a pytest worker.
+
+1. The stock run (no GoCkpt) records, after every optimizer step, the dict stock FSDPStrategy
+   would write (``dump_checkpoint``: the gathered weights and optimizer state).
+2. The GoCkpt run, from the same seed, checkpoints every ``EVERY`` steps (``save_last=True``
+   too: ``last.ckpt`` is saved over again and again) and stops at ``STOP``.
+3. A fresh Trainer resumes from ``step=4.ckpt`` with ``fit(ckpt_path=...)`` to ``TOTAL``.
+
+Checked: the checkpoint of step 4 equals stock's dict of step 4 bit for bit; the resumed run
+ends bit-identical to the uninterrupted stock run; the saves took GoCkpt's path (``async``:
+the gathered dict is copied at the request and written in the background).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDPStrategy needs a CUDA device"),
+]
+
+BATCHES = 6  # per epoch
+EVERY = 4
+STOP = 8
+TOTAL = 12
+
+
+def _child(root: str) -> None:  # noqa: PLR0915 - one scenario, read top to bottom
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch import nn
+
+    from lightning_gockpt import GoCkptIO
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _lightning_train import _clone, assert_bitwise_equal
+
+    torch.use_deterministic_algorithms(True)
+
+    class Data:
+        """Sized, stateful batches in a fixed order (Lightning checkpoints the position)."""
+
+        def __init__(self) -> None:
+            self.x = torch.randn(BATCHES * 4, 16, generator=torch.Generator().manual_seed(7))
+            self.pos = 0
+
+        def __len__(self) -> int:
+            return BATCHES
+
+        def __iter__(self):
+            if self.pos >= BATCHES:
+                self.pos = 0
+            while self.pos < BATCHES:
+                b = self.x[self.pos * 4:(self.pos + 1) * 4]
+                self.pos += 1
+                yield b, b[:, :5].flip(1)
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, state):
+            self.pos = state["pos"]
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+
+        def training_step(self, batch, batch_idx):
+            x, t = batch
+            return (self.body(x) - t).pow(2).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def train_dataloader(self):
+            return Data()
+
+    class Record(Callback):
+        """Stock's checkpoint dict after every step (the strategy gathers it on rank 0)."""
+
+        def __init__(self) -> None:
+            self.dicts: dict[int, dict] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ck = trainer._checkpoint_connector.dump_checkpoint()  # noqa: SLF001 - what stock saves
+            self.dicts[trainer.global_step] = _clone({k: ck[k] for k in ("state_dict", "optimizer_states")})
+
+    class Handles(Callback):
+        """The engine's handles of the saves requested so far (read after step 5)."""
+
+        def __init__(self, io: GoCkptIO) -> None:
+            self.io, self.handles = io, []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == EVERY + 1:
+                cb = self.io._callback  # noqa: SLF001 - the test reads the engine's handles
+                self.handles = list(cb._pending) + list(cb._finished)  # noqa: SLF001
+
+    def trainer(path: str, max_steps: int, callbacks=(), io=None) -> pl.Trainer:
+        return pl.Trainer(accelerator="cuda", devices=1, strategy=FSDPStrategy(), max_steps=max_steps,
+                          default_root_dir=path, plugins=[io] if io is not None else None,
+                          callbacks=list(callbacks), logger=False, enable_progress_bar=False,
+                          enable_model_summary=False,
+                          enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
+
+    def live(tr: pl.Trainer) -> dict:
+        ck = tr._checkpoint_connector.dump_checkpoint()  # noqa: SLF001
+        return _clone({k: ck[k] for k in ("state_dict", "optimizer_states")})
+
+    pl.seed_everything(0, verbose=False)
+    record = Record()
+    ref = trainer(f"{root}/ref", TOTAL, [record])
+    ref.fit(Net())
+
+    pl.seed_everything(0, verbose=False)
+    io = GoCkptIO(mode="lazy")
+    probe = Handles(io)
+    mc = ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{step}", save_top_k=-1,
+                         every_n_train_steps=EVERY, save_last=True)
+    tr = trainer(f"{root}/a", STOP, [probe, mc], io)
+    tr.fit(Net())
+    assert type(tr.strategy).__name__ == "GoCkptFSDPStrategy"
+    assert probe.handles, "no checkpoint was requested through GoCkpt"
+    for h in probe.handles:
+        assert h.result().mode == "async"
+    ck4 = f"{root}/ckpt/step={EVERY}.ckpt"
+    assert os.path.isfile(os.path.join(ck4, "manifest.json"))  # a GoCkpt checkpoint directory
+    got = io.load_checkpoint(ck4)
+    assert got["global_step"] == EVERY
+    assert_bitwise_equal({k: got[k] for k in ("state_dict", "optimizer_states")},
+                         {k: _to_cpu(v) for k, v in record.dicts[EVERY].items()}, "step 4")
+    last = io.load_checkpoint(f"{root}/ckpt/last.ckpt")
+    assert last["global_step"] == STOP
+    assert_bitwise_equal(last["state_dict"], _to_cpu(record.dicts[STOP]["state_dict"]), "last")
+
+    pl.seed_everything(0, verbose=False)
+    resumed = trainer(f"{root}/b", TOTAL, [], GoCkptIO(mode="lazy"))
+    resumed.fit(Net(), ckpt_path=ck4)
+    assert resumed.global_step == TOTAL
+    assert_bitwise_equal(_to_cpu(live(resumed)), _to_cpu(live(ref)), "resumed")
+    print("fsdp-ok", flush=True)
+
+
+def _to_cpu(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_cpu(v) for v in tree]
+    return tree
+
+
+def test_fsdp_full_checkpoint_equals_stock_and_resumes_exactly(tmp_path):
+    """FSDPStrategy (full state dict) with GoCkptIO on one GPU: the checkpoint equals stock's
+    dict of its step bit for bit, and a resume from it ends bit-identical to the uninterrupted
+    stock run."""
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", MASTER_ADDR="127.0.0.1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "fsdp-ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
