@@ -15,12 +15,14 @@ from gockpt import Engine, SaveHandle, _exit
 from gockpt.sharded import ShardedHandle
 from gockpt.storage import cleanup_staging
 
-from . import sharded
+from . import deepspeed, sharded
+from .deepspeed import DeepSpeedHandle
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
 
 log = logging.getLogger("lightning_gockpt")
 
-_Handle = SaveHandle | ShardedHandle  # one writer | an engine on every rank (sharded, DDP shares)
+# One writer | an engine on every rank (sharded, DDP shares) | DeepSpeed's files.
+_Handle = SaveHandle | ShardedHandle | DeepSpeedHandle
 
 
 class GoCkptCallback(Callback):
@@ -43,8 +45,9 @@ class GoCkptCallback(Callback):
     1. ``setup``: link to the ``GoCkptIO``; route ``ModelParallelStrategy``'s and DDP's
        checkpoints through GoCkpt on every rank, and ``FSDPStrategy``'s (``state_dict_type=
        "full"``) through rank 0's engine, which persists the gathered dict (it tracks no live
-       state: the strategy's gather is the copy); refuse the other strategies that bypass
-       CheckpointIO (``ValueError``).
+       state: the strategy's gather is the copy), and ``DeepSpeedStrategy``'s through an engine
+       on every rank that takes DeepSpeed's files (:mod:`lightning_gockpt.deepspeed`); refuse
+       ``FSDPStrategy(state_dict_type="sharded")`` (``ValueError``).
     2. ``on_train_start``: build the engine over ``trainer.lightning_module`` and the raw torch
        optimizers, with ``explicit_before_update`` (Lightning runs forward and backward inside
        ``optimizer.step(closure)``, so the step pre-hook fires before the forward). It runs
@@ -73,7 +76,7 @@ class GoCkptCallback(Callback):
 
     def _reset(self) -> None:
         self.io: GoCkptIO | None = None
-        self.engine: Engine | sharded.ShardedAdapterEngine | None = None
+        self.engine: Engine | sharded.ShardedAdapterEngine | deepspeed.DeepSpeedAdapterEngine | None = None
         # "sharded" (ModelParallelStrategy), "replicated" (DDP), "gathered" (FSDPStrategy, full), None
         self._kind: str | None = None
         self._every_rank = False  # an engine on every rank (lightning_gockpt.sharded)
@@ -107,12 +110,13 @@ class GoCkptCallback(Callback):
         if not isinstance(io, GoCkptIO) or _linking_callback(trainer) is not self:
             return
         kind = sharded.strategy_kind(trainer.strategy)
-        if kind not in (None, "sharded", "replicated", "gathered"):
+        if kind not in (None, "sharded", "replicated", "gathered", "deepspeed"):
             raise sharded.unsupported_error(trainer.strategy, kind)
         if kind == "replicated" and trainer.world_size < 2:
             kind = None  # one DDP process: the single-writer path
         self._kind, self._zero = kind, trainer.is_global_zero
-        self._every_rank = kind == "sharded"  # DDP: decided in on_train_start, with the optimizers
+        # DDP: decided in on_train_start, with the optimizers.
+        self._every_rank = kind in ("sharded", "deepspeed")
         if kind is not None:
             sharded.install(trainer.strategy, self, kind)
         self.io, self._trainer = io, trainer
@@ -343,6 +347,8 @@ class GoCkptCallback(Callback):
         # checkpoints of a resumed run rank above the ones it resumed from. Before any optimizer
         # holds state the engine counts from 0, as it must to plan multi-step copies safely.
         restored = trainer.global_step and all(opt.state for opt in trainer.optimizers)
+        if self._kind == "deepspeed":
+            return deepspeed.build_engine(self, trainer)
         if self._every_rank:
             return sharded.build_engine(self, trainer, trainer.global_step if restored else None,
                                         replicated=self._kind == "replicated")

@@ -59,8 +59,12 @@ SHARDED_STRATEGIES = ("ModelParallelStrategy",)
 # Strategies that gather the whole state on global rank 0 (``FSDPStrategy`` with
 # ``state_dict_type="full"``, its default): rank 0 persists the gathered dict in the background.
 GATHERED_STRATEGIES = ("FSDPStrategy",)
-# Strategies that write their own checkpoints, bypass CheckpointIO, and are not wired yet.
-UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+# Strategies whose files DeepSpeed writes through its checkpoint-engine seam, which GoCkpt takes
+# over: copied to the host at the request, written and committed in the background.
+DEEPSPEED_STRATEGIES = ("DeepSpeedStrategy",)
+# Strategies that write their own checkpoints, bypass CheckpointIO, and are not wired
+# (FSDPStrategy with state_dict_type="sharded").
+UNSUPPORTED_STRATEGIES = ("FSDPStrategy",)
 # Replicated strategies whose ranks share the write when there is more than one process.
 # (XLAStrategy derives from DDPStrategy but saves through XLA: it keeps rank 0's write.)
 REPLICATED_STRATEGIES = ("DDPStrategy",)
@@ -74,14 +78,17 @@ def strategy_kind(strategy: Any) -> str | None:
         ``"sharded"`` (every rank saves its shards), ``"replicated"`` (a DDP strategy: the ranks
         share the write when there is more than one), ``"gathered"`` (``FSDPStrategy`` with
         ``state_dict_type="full"``: the strategy gathers the state on global rank 0, which
-        persists it), the class name of an unsupported strategy, or None (one device: the
-        CheckpointIO path).
+        persists it), ``"deepspeed"`` (every rank's DeepSpeed files written in the background:
+        :mod:`lightning_gockpt.deepspeed`), the class name of an unsupported strategy, or None
+        (one device: the CheckpointIO path).
     """
     names = [c.__name__ for c in type(strategy).__mro__]
     if any(n in SHARDED_STRATEGIES for n in names):
         return "sharded"
     if any(n in GATHERED_STRATEGIES for n in names) and getattr(strategy, "_state_dict_type", None) == "full":
         return "gathered"
+    if any(n in DEEPSPEED_STRATEGIES for n in names):  # before DDPStrategy, its base class
+        return "deepspeed"
     unsupported = next((n for n in names if n in UNSUPPORTED_STRATEGIES), None)
     if unsupported is not None:
         return unsupported
@@ -125,7 +132,7 @@ def install(strategy: Any, callback: GoCkptCallback, kind: str = "sharded") -> N
     if "_gockpt_base" not in cls.__dict__:
         sub = _SUBCLASSES.get((cls, kind))
         if sub is None:
-            names = _REPLICATED_METHODS if kind == "replicated" else None
+            names = _REPLICATED_METHODS if kind in ("replicated", "deepspeed") else None
             source = _GatheredCheckpoints if kind == "gathered" else _ShardedCheckpoints
             methods = {k: v for k, v in vars(source).items()
                        if callable(v) and (names is None or k in names)}
@@ -318,7 +325,7 @@ class _GatheredCheckpoints:
                 "number of optimizers or edit the checkpoint manually to remove states.")
         # Every rank loads the whole optimizer state and keeps its own shard of it.
         with _get_full_state_dict_context(model, world_size=world_size, rank0_only=False):
-            for optimizer, opt_state in zip(optimizers, optimizer_states):
+            for optimizer, opt_state in zip(optimizers, optimizer_states, strict=True):
                 if opt_state["state"] and isinstance(next(iter(opt_state["state"])), int):
                     opt_state = FSDP.rekey_optim_state_dict(opt_state, OptimStateKeyType.PARAM_NAME, model)
                 optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
@@ -473,10 +480,10 @@ def unsupported_error(strategy: Any, name: str) -> ValueError:
             "as sharded GoCkpt checkpoints.")
     return ValueError(
         f"GoCkptIO does not support {type(strategy).__name__} ({name}): it writes its own "
-        "checkpoints and bypasses CheckpointIO. Use one device, strategy='ddp', "
+        "checkpoints and bypasses CheckpointIO. Use one device, strategy='ddp', DeepSpeedStrategy, "
         "FSDPStrategy(state_dict_type='full'), or ModelParallelStrategy (FSDP2, fully_shard in "
         "configure_model), which GoCkptIO saves as sharded GoCkpt checkpoints.")
 
 
-__all__ = ["GATHERED_STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES",
+__all__ = ["DEEPSPEED_STRATEGIES", "GATHERED_STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES",
            "ShardedAdapterEngine", "build_engine", "install", "shares_write", "strategy_kind", "unsupported_error"]

@@ -491,20 +491,45 @@ def test_hyperparameters_needing_pickle_load_only_when_allowed(tmp_path):
 
 
 def test_strategies_that_bypass_checkpoint_io_are_refused(tmp_path):
-    class DeepSpeedStrategy(DDPStrategy):  # stands in for lightning's (deepspeed is not installed)
-        pass
+    # FSDPStrategy's default (state_dict_type="full") is saved: tests/adapters/test_lightning_fsdp.py;
+    # DeepSpeedStrategy too: tests/adapters/test_lightning_deepspeed.py.
+    strategy = FSDPStrategy(state_dict_type="sharded")
+    cb = GoCkptCallback()
 
-    # FSDPStrategy's default (state_dict_type="full") is saved: tests/adapters/test_lightning_fsdp.py.
-    for strategy in (FSDPStrategy(state_dict_type="sharded"), DeepSpeedStrategy()):
-        cb = GoCkptCallback()
+    class FakeTrainer:
+        callbacks = [cb]
 
-        class FakeTrainer:
-            callbacks = [cb]
+    FakeTrainer.strategy = strategy
+    strategy.checkpoint_io = GoCkptIO()
+    with pytest.raises(ValueError, match="does not support FSDPStrategy"):
+        cb.setup(FakeTrainer(), None, "fit")
 
-        FakeTrainer.strategy = strategy
-        strategy.checkpoint_io = GoCkptIO()
-        with pytest.raises(ValueError, match=f"does not support {type(strategy).__name__}"):
-            cb.setup(FakeTrainer(), None, "fit")
+
+def test_deepspeed_host_copy_engine_keeps_the_state_of_the_call():
+    """DeepSpeed's files are copied at the call: later changes to the live tensors and objects
+    do not reach them; a save outside a GoCkpt request is refused rather than written unseen."""
+    from lightning_gockpt.deepspeed import HostCopyEngine
+
+    class Scaler:  # a live object DeepSpeed passes along (its loss scaler)
+        def __init__(self) -> None:
+            self.scale = 1.0
+
+    eng = HostCopyEngine()
+    with pytest.raises(RuntimeError, match="inside a GoCkpt request"):
+        eng.save({"w": torch.ones(2)}, "x.pt")
+    w, scaler = torch.arange(6.0), Scaler()
+    view = w[2:4]
+    eng.begin()
+    eng.save({"w": w, "view": view, "scaler": scaler, "groups": [w]}, "a.pt")
+    w.add_(10)
+    scaler.scale = 2.0
+    (path, tree), = eng.end()
+    assert path == "a.pt"
+    assert torch.equal(tree["w"], torch.arange(6.0)) and torch.equal(tree["view"], torch.tensor([2.0, 3.0]))
+    assert tree["view"].untyped_storage().nbytes() == 8  # its own storage: the file holds the view only
+    assert tree["scaler"].scale == 1.0 and tree["groups"][0] is not w
+    assert eng.state_bytes == (6 + 2 + 6) * 4
+    assert eng.preserves_storage_sharing() is False and not eng.is_decoupled()
 
 
 def test_storage_options_per_save_are_rejected(tmp_path):
