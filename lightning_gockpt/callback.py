@@ -15,14 +15,14 @@ from gockpt import Engine, SaveHandle, _exit
 from gockpt.sharded import ShardedHandle
 from gockpt.storage import cleanup_staging
 
-from . import deepspeed, sharded
-from .deepspeed import DeepSpeedHandle
+from . import deepspeed, fsdp, sharded
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
+from .staged import StagedAdapterEngine, StagedHandle
 
 log = logging.getLogger("lightning_gockpt")
 
 # One writer | an engine on every rank (sharded, DDP shares) | DeepSpeed's files.
-_Handle = SaveHandle | ShardedHandle | DeepSpeedHandle
+_Handle = SaveHandle | ShardedHandle | StagedHandle
 
 
 class GoCkptCallback(Callback):
@@ -46,8 +46,9 @@ class GoCkptCallback(Callback):
        checkpoints through GoCkpt on every rank, and ``FSDPStrategy``'s (``state_dict_type=
        "full"``) through rank 0's engine, which persists the gathered dict (it tracks no live
        state: the strategy's gather is the copy), and ``DeepSpeedStrategy``'s through an engine
-       on every rank that takes DeepSpeed's files (:mod:`lightning_gockpt.deepspeed`); refuse
-       ``FSDPStrategy(state_dict_type="sharded")`` (``ValueError``).
+       on every rank that takes DeepSpeed's files (:mod:`lightning_gockpt.deepspeed`), and
+       ``FSDPStrategy(state_dict_type="sharded")``'s through one that writes stock's DCP
+       directory with ``async_save`` (:mod:`lightning_gockpt.fsdp`).
     2. ``on_train_start``: build the engine over ``trainer.lightning_module`` and the raw torch
        optimizers, with ``explicit_before_update`` (Lightning runs forward and backward inside
        ``optimizer.step(closure)``, so the step pre-hook fires before the forward). It runs
@@ -76,8 +77,9 @@ class GoCkptCallback(Callback):
 
     def _reset(self) -> None:
         self.io: GoCkptIO | None = None
-        self.engine: Engine | sharded.ShardedAdapterEngine | deepspeed.DeepSpeedAdapterEngine | None = None
-        # "sharded" (ModelParallelStrategy), "replicated" (DDP), "gathered" (FSDPStrategy, full), None
+        self.engine: Engine | sharded.ShardedAdapterEngine | StagedAdapterEngine | None = None
+        # "sharded" (ModelParallelStrategy), "replicated" (DDP), "gathered" (FSDPStrategy, full),
+        # "fsdp_sharded" (FSDPStrategy, sharded), "deepspeed", None (one device)
         self._kind: str | None = None
         self._every_rank = False  # an engine on every rank (lightning_gockpt.sharded)
         self._zero = True  # global rank 0
@@ -110,13 +112,11 @@ class GoCkptCallback(Callback):
         if not isinstance(io, GoCkptIO) or _linking_callback(trainer) is not self:
             return
         kind = sharded.strategy_kind(trainer.strategy)
-        if kind not in (None, "sharded", "replicated", "gathered", "deepspeed"):
-            raise sharded.unsupported_error(trainer.strategy, kind)
         if kind == "replicated" and trainer.world_size < 2:
             kind = None  # one DDP process: the single-writer path
         self._kind, self._zero = kind, trainer.is_global_zero
         # DDP: decided in on_train_start, with the optimizers.
-        self._every_rank = kind in ("sharded", "deepspeed")
+        self._every_rank = kind in ("sharded", "deepspeed", "fsdp_sharded")
         if kind is not None:
             sharded.install(trainer.strategy, self, kind)
         self.io, self._trainer = io, trainer
@@ -349,6 +349,8 @@ class GoCkptCallback(Callback):
         restored = trainer.global_step and all(opt.state for opt in trainer.optimizers)
         if self._kind == "deepspeed":
             return deepspeed.build_engine(self, trainer)
+        if self._kind == "fsdp_sharded":
+            return fsdp.build_engine(self, trainer)
         if self._every_rank:
             return sharded.build_engine(self, trainer, trainer.global_step if restored else None,
                                         replicated=self._kind == "replicated")

@@ -16,17 +16,15 @@ Call sequence of one checkpoint (every rank, the same step, ``Trainer.save_check
 
 1. (training thread) the strategy's ``save_checkpoint`` (installed by
    :func:`lightning_gockpt.sharded.install`) requests the save through the callback; global
-   rank 0 makes a staging directory beside the checkpoint path (locked, named so that
-   :func:`gockpt.storage.cleanup_staging` knows it) and broadcasts it; stock
+   rank 0 makes a staging directory beside the checkpoint path and broadcasts it; stock
    ``DeepSpeedStrategy.save_checkpoint`` then runs with the staging directory as its path. Each
    file DeepSpeed saves reaches :class:`HostCopyEngine`, which copies the state dict's tensors
    into host memory (the stall; a device-to-host copy for GPU tensors) and queues the file.
 2. (writer thread, every rank) each file is serialized with its tensor bytes copied outside
-   the GIL (:func:`gockpt.torchfile.torch_file`), written and fsynced; then the rank's marker.
-3. (commit thread, global rank 0) waits at most ``commit_timeout_s`` for every rank's marker,
-   fsyncs and renames the staging directory into place (an atomic exchange where the kernel has
-   it: :class:`gockpt.targets.LocalTarget`). A rank that fails or dies leaves no checkpoint at
-   the path, and the previous one there is untouched.
+   the GIL (:func:`gockpt.torchfile.torch_file`), written and fsynced.
+3. The directory is committed as every staged checkpoint is (:mod:`lightning_gockpt.staged`:
+   per-rank markers, then one rename by global rank 0), so a rank that fails or dies leaves no
+   checkpoint at the path, and the previous one there is untouched.
 
 Loading is stock's: DeepSpeed reads its own files (``fit(ckpt_path=...)``).
 """
@@ -34,28 +32,18 @@ Loading is stock's: DeepSpeed reads its own files (``fit(ckpt_path=...)``).
 from __future__ import annotations
 
 import copy
-import logging
 import os
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-import gockpt
-from gockpt import CheckpointMetrics, GoCkptConfig
-from gockpt._sharded_commit import await_part, part_name, write_atomic
-from gockpt.fsutil import fsync_path, is_local, scratch_path, split, url_to_fs
+from gockpt.fsutil import fsync_path
 from gockpt.snapshot import map_tree
-from gockpt.storage import claim_directory, cleanup_staging
-from gockpt.targets import LocalTarget
 from gockpt.torchfile import torch_file
 
-log = logging.getLogger("lightning_gockpt")
-
-COMMIT_TIMEOUT_S = 300.0  # seconds rank 0 waits for the other ranks' files once its own are written
+from .staged import StagedAdapterEngine
 
 
 def _host_copy(tree: Any) -> tuple[Any, int]:
@@ -142,243 +130,54 @@ class HostCopyEngine:
         return False
 
 
-class DeepSpeedHandle:
-    """One DeepSpeed checkpoint in flight; the interface the callback uses (as a SaveHandle)."""
+def writer(strategy: Any) -> Callable[[str, dict], tuple[Future[int], int]]:
+    """The :data:`lightning_gockpt.staged.Writer` of ``strategy``'s DeepSpeed files.
 
-    skipped = False
-
-    def __init__(self, path: str, future: Future[CheckpointMetrics]) -> None:
-        self.path = path
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn: Callable[[DeepSpeedHandle], None]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
-        """The save's metrics once durable (committed, on global rank 0).
-
-        Raises:
-            TimeoutError: not finished within ``timeout_s`` seconds.
-            The save's own error (a failed write, a missing rank: ``TimeoutError``).
-        """
-        return self._future.result(timeout_s)
-
-
-class DeepSpeedAdapterEngine:
-    """The engine interface :class:`~lightning_gockpt.GoCkptCallback` drives under DeepSpeed.
-
-    Args:
-        strategy: the ``DeepSpeedStrategy`` (its stock ``save_checkpoint`` writes the files).
-        config: engine options (``max_inflight``: saves held in host memory per rank at once;
-            ``storage_options`` must name a local filesystem).
-        rank: this process's global rank; ``world``: the number of processes.
-        collective: whether the ranks still meet (False once this rank's run failed).
-
-    Raises:
-        ValueError: a checkpoint path that is not local (checked per save).
+    Runs stock ``DeepSpeedStrategy.save_checkpoint`` into the staging directory with
+    :class:`HostCopyEngine` as DeepSpeed's checkpoint engine (the host copy is the stall), then
+    writes the files on a thread of its own.
     """
+    host = HostCopyEngine()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-ds-write")
 
-    def __init__(self, strategy: Any, config: GoCkptConfig, *, rank: int, world: int,
-                 collective: Callable[[], bool]) -> None:
-        self.strategy = strategy
-        self.config = config
-        self.rank, self.world = rank, world
-        self._collective = collective
-        self.version = 0  # optimizer updates seen (for the callback's bookkeeping)
-        self._ds_engine = HostCopyEngine()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gockpt-ds-write")
-        self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-ds-commit") if rank == 0 else None
-        self._handles: list[DeepSpeedHandle] = []
-        self._latest: dict[str, DeepSpeedHandle] = {}
-        self._lock = threading.Lock()
-        self._claimed: set[str] = set()
-        self._claims: list[Any] = []
-
-    # --- the step hooks (nothing is tracked between saves)
-    def before_update(self) -> None:
-        pass
-
-    def step_end(self) -> None:
-        self.version += 1
-
-    def flush(self) -> None:
-        pass
-
-    def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
-             mode: str | None = None) -> DeepSpeedHandle:
-        """Save DeepSpeed's checkpoint of this step at ``path`` in the background; collective.
-
-        Returns after DeepSpeed's files are copied into host memory (``max_overlap_steps`` and
-        ``mode`` are ignored: captured at the request).
-
-        Raises:
-            ValueError: ``path`` is not local.
-            RuntimeError: the request failed on another rank (every rank raises).
-            What DeepSpeed's save raises.
-        """
-        t0 = time.perf_counter()
-        fs, root = url_to_fs(path, self.config.storage_options)
-        if not is_local(fs):
-            raise ValueError(f"DeepSpeed checkpoints are written to local paths only, got {path}")
-        self._bound_inflight()
-        parent, name = split(root)
-        target, problem = None, None
-        if self.rank == 0:
-            try:
-                if parent not in self._claimed:
-                    os.makedirs(parent, exist_ok=True)
-                    self._claims.append(claim_directory(parent, self.config.storage_options,
-                                                        timeout_s=self.config.storage_timeout_s))
-                    cleanup_staging(parent, self.config.storage_options)
-                    self._claimed.add(parent)
-                stage = scratch_path(parent, name)
-                os.mkdir(stage)
-                target = LocalTarget(fs, root, staging=stage)
-            except BaseException as e:  # noqa: BLE001 - every rank must reach the broadcast
-                problem = f"{type(e).__name__}: {e}"
-        stage, problem = self.strategy.broadcast((target.staging if target else None, problem))
-        if problem is not None:
-            raise RuntimeError(f"gockpt: DeepSpeed checkpoint {path} not taken: {problem}")
-        checkpoint = state_fn()["lightning"]
-        engine = self.strategy.deepspeed_engine
+    def write(stage: str, checkpoint: dict) -> tuple[Future[int], int]:
+        engine = strategy.deepspeed_engine
         original = engine.checkpoint_engine
-        engine.checkpoint_engine = self._ds_engine
-        self._ds_engine.begin()
+        engine.checkpoint_engine = host
+        host.begin()
         try:
-            self.strategy._gockpt_base.save_checkpoint(self.strategy, checkpoint, stage)  # noqa: SLF001
-        except BaseException:
-            self._ds_engine.end()
-            if target is not None:
-                target.cleanup(False)
-            raise
+            strategy._gockpt_base.save_checkpoint(strategy, checkpoint, stage)  # noqa: SLF001
         finally:
             engine.checkpoint_engine = original
-        files = self._ds_engine.end()
-        stall = time.perf_counter() - t0
-        metrics = CheckpointMetrics(path=root, mode="lazy", num_overlap_steps=1, requested_step=self.version,
-                                    captured_step=self.version, stall_s=stall, stall_by_phase_s={"copy": stall},
-                                    state_bytes=self._ds_engine.state_bytes, host_bytes=self._ds_engine.state_bytes)
-        written: Future[CheckpointMetrics] = self._writer.submit(self._write, stage, files, metrics, t0)
-        future = written
-        if self._commits is not None:
-            assert target is not None
-            future = self._commits.submit(self._commit, target, written, t0)
-        handle = DeepSpeedHandle(root, future)
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()] + [handle]
-            self._latest[root] = handle
-        return handle
+            files = host.end()
+        return pool.submit(_write_files, stage, files), host.state_bytes
 
-    def _bound_inflight(self) -> None:
-        # Each save in flight holds its own host copy: at most max_inflight of them per rank.
-        with self._lock:
-            pending = [h for h in self._handles if not h.done()]
-        while len(pending) >= max(1, self.config.max_inflight):
-            try:
-                pending[0].result()
-            except BaseException:  # noqa: BLE001 - raised by wait(); here only room is awaited
-                pass
-            pending = pending[1:]
-
-    def _write(self, stage: str, files: list[tuple[str, Any]], metrics: CheckpointMetrics,
-               t0: float) -> CheckpointMetrics:
-        # Writer thread: DeepSpeed's files into the staging directory, fsynced, then the marker.
-        marker = os.path.join(stage, f"{part_name(self.rank)}.failed")
-        try:
-            start = time.perf_counter()
-            nbytes, dirs = 0, {stage}
-            for path, tree in files:
-                data = torch_file(tree)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                nbytes += len(data)
-                dirs.add(os.path.dirname(path))
-            for d in sorted(dirs, key=len, reverse=True):
-                fsync_path(d)
-            marker = os.path.join(stage, f"{part_name(self.rank)}.done")
-            metrics.persist_bytes = nbytes
-            metrics.persist_s = time.perf_counter() - start
-            metrics.persist_gbps = nbytes / metrics.persist_s / 1e9 if metrics.persist_s > 0 else 0.0
-            metrics.time_to_durable_s = time.perf_counter() - t0
-            return metrics
-        finally:
-            if os.path.isdir(stage):
-                try:
-                    write_atomic(marker, b"")
-                except OSError as e:  # the staging directory was removed by an abort
-                    log.info("gockpt: could not mark %s: %s", stage, e)
-
-    def _commit(self, target: LocalTarget, written: Future[CheckpointMetrics], t0: float) -> CheckpointMetrics:
-        # Rank 0's commit thread: every rank's files durable, then one atomic rename.
-        published = False
-        try:
-            metrics = written.result()
-            deadline = time.monotonic() + COMMIT_TIMEOUT_S
-            for r in range(self.world):
-                await_part(target.staging, r, deadline)
-            for r in range(self.world):
-                os.unlink(os.path.join(target.staging, f"{part_name(r)}.done"))
-            fsync_path(target.staging)
-            target.publish(b"")
-            published = True
-            metrics.time_to_durable_s = time.perf_counter() - t0
-            return metrics
-        finally:
-            target.cleanup(published)
-            if not published:
-                log.warning("gockpt: DeepSpeed checkpoint %s not committed", target.root)
-
-    def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
-        """Finish every pending save of this rank (rank 0: committed); raises the first error."""
-        with self._lock:
-            handles = list(self._handles)
-        out = [h.result(timeout_s) for h in handles]
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()]
-        if self._collective():
-            self.strategy.barrier("gockpt_deepspeed_wait")
-        return out
-
-    def remove(self, path: str) -> None:
-        """Delete the checkpoint at ``path`` (rank 0); a save of it in flight first commits."""
-        with self._lock:
-            handle = self._latest.get(path)
-        if handle is None or handle.done():
-            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
-            return
-
-        def drop(h: DeepSpeedHandle) -> None:
-            with self._lock:
-                if self._latest.get(path) is not h:
-                    return  # saved again since: that save is the checkpoint now
-            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
-
-        handle.add_done_callback(drop)
-
-    def close(self) -> None:
-        """Finish the pending saves and stop (collective while the ranks meet)."""
-        try:
-            self.wait()
-        finally:
-            self._writer.shutdown(wait=True)
-            if self._commits is not None:
-                self._commits.shutdown(wait=True)
-            for c in self._claims:
-                c.release()
-            self._claims = []
+    return write
 
 
-def build_engine(callback: Any, trainer: Any) -> DeepSpeedAdapterEngine:
+def _write_files(stage: str, files: list[tuple[str, Any]]) -> int:
+    """Writer thread: DeepSpeed's files into the staging directory, each fsynced, then the directories."""
+    nbytes, dirs = 0, {stage}
+    for path, tree in files:
+        data = torch_file(tree)  # the tensors' bytes are copied outside the GIL
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        nbytes += len(data)
+        dirs.add(os.path.dirname(path))
+    for d in sorted(dirs, key=len, reverse=True):
+        fsync_path(d)
+    return nbytes
+
+
+def build_engine(callback: Any, trainer: Any) -> StagedAdapterEngine:
     """The engine of ``callback`` over ``trainer``'s DeepSpeed strategy (every rank)."""
     assert callback.io is not None
-    return DeepSpeedAdapterEngine(trainer.strategy, callback.io.config, rank=trainer.global_rank,
-                                  world=trainer.world_size, collective=lambda: not callback._failed)  # noqa: SLF001
+    return StagedAdapterEngine(trainer.strategy, callback.io.config, writer(trainer.strategy),
+                               rank=trainer.global_rank, world=trainer.world_size,
+                               collective=lambda: not callback._failed)  # noqa: SLF001
 
 
-__all__ = ["DeepSpeedAdapterEngine", "DeepSpeedHandle", "HostCopyEngine", "build_engine"]
+__all__ = ["HostCopyEngine", "build_engine", "writer"]

@@ -73,9 +73,12 @@ class GoCkptIO(CheckpointIO):
     one device included; with a ZeRO optimizer or checkpoints on an object store global rank 0
     writes, as for one device); ``ModelParallelStrategy`` (FSDP2): every rank saves its shards,
     committed together as one sharded checkpoint (:mod:`lightning_gockpt.sharded`; resume with
-    ``fit(ckpt_path=...)`` with any number of ranks). ``FSDPStrategy`` and ``DeepSpeedStrategy``
-    write their own checkpoints, bypassing CheckpointIO; they are refused in ``setup`` with a
-    ``ValueError``.
+    ``fit(ckpt_path=...)`` with any number of ranks). ``FSDPStrategy`` with ``state_dict_type="full"``
+    (its default): global rank 0 persists the gathered dict in the background; with
+    ``"sharded"``: stock's DCP directory, written with ``async_save`` and committed whole
+    (:mod:`lightning_gockpt.fsdp`); ``DeepSpeedStrategy``: DeepSpeed's own files, copied to the
+    host at the request and written in the background (:mod:`lightning_gockpt.deepspeed`). The
+    last two are loaded by the strategy itself, as its own.
 
     The callback half (:class:`~lightning_gockpt.GoCkptCallback`) is added to every Trainer by the
     ``lightning.pytorch.callbacks_factory`` entry point and links itself to this plugin in

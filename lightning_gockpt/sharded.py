@@ -62,9 +62,6 @@ GATHERED_STRATEGIES = ("FSDPStrategy",)
 # Strategies whose files DeepSpeed writes through its checkpoint-engine seam, which GoCkpt takes
 # over: copied to the host at the request, written and committed in the background.
 DEEPSPEED_STRATEGIES = ("DeepSpeedStrategy",)
-# Strategies that write their own checkpoints, bypass CheckpointIO, and are not wired
-# (FSDPStrategy with state_dict_type="sharded").
-UNSUPPORTED_STRATEGIES = ("FSDPStrategy",)
 # Replicated strategies whose ranks share the write when there is more than one process.
 # (XLAStrategy derives from DDPStrategy but saves through XLA: it keeps rank 0's write.)
 REPLICATED_STRATEGIES = ("DDPStrategy",)
@@ -78,20 +75,19 @@ def strategy_kind(strategy: Any) -> str | None:
         ``"sharded"`` (every rank saves its shards), ``"replicated"`` (a DDP strategy: the ranks
         share the write when there is more than one), ``"gathered"`` (``FSDPStrategy`` with
         ``state_dict_type="full"``: the strategy gathers the state on global rank 0, which
-        persists it), ``"deepspeed"`` (every rank's DeepSpeed files written in the background:
-        :mod:`lightning_gockpt.deepspeed`), the class name of an unsupported strategy, or None
-        (one device: the CheckpointIO path).
+        persists it), ``"fsdp_sharded"`` (``FSDPStrategy`` with ``state_dict_type="sharded"``:
+        stock's DCP directory, written in the background: :mod:`lightning_gockpt.fsdp`),
+        ``"deepspeed"`` (every rank's DeepSpeed files written in the background:
+        :mod:`lightning_gockpt.deepspeed`), or None (one device: the CheckpointIO path).
     """
     names = [c.__name__ for c in type(strategy).__mro__]
     if any(n in SHARDED_STRATEGIES for n in names):
         return "sharded"
-    if any(n in GATHERED_STRATEGIES for n in names) and getattr(strategy, "_state_dict_type", None) == "full":
-        return "gathered"
+    if any(n in GATHERED_STRATEGIES for n in names):
+        # "full" (the default): gathered on rank 0; "sharded": stock's DCP directory, staged.
+        return "gathered" if getattr(strategy, "_state_dict_type", None) == "full" else "fsdp_sharded"
     if any(n in DEEPSPEED_STRATEGIES for n in names):  # before DDPStrategy, its base class
         return "deepspeed"
-    unsupported = next((n for n in names if n in UNSUPPORTED_STRATEGIES), None)
-    if unsupported is not None:
-        return unsupported
     if any(n in REPLICATED_STRATEGIES for n in names) and not any(n in _REPLICATED_EXCLUDED for n in names):
         return "replicated"
     return None
@@ -132,7 +128,7 @@ def install(strategy: Any, callback: GoCkptCallback, kind: str = "sharded") -> N
     if "_gockpt_base" not in cls.__dict__:
         sub = _SUBCLASSES.get((cls, kind))
         if sub is None:
-            names = _REPLICATED_METHODS if kind in ("replicated", "deepspeed") else None
+            names = _REPLICATED_METHODS if kind in ("replicated", "deepspeed", "fsdp_sharded") else None
             source = _GatheredCheckpoints if kind == "gathered" else _ShardedCheckpoints
             methods = {k: v for k, v in vars(source).items()
                        if callable(v) and (names is None or k in names)}
@@ -468,22 +464,5 @@ def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None,
                                 replicated=replicated, explicit_before_update=True, start_step=start_step)
 
 
-def unsupported_error(strategy: Any, name: str) -> ValueError:
-    """The error for a strategy that bypasses CheckpointIO and is not wired to GoCkpt."""
-    if name == "FSDPStrategy":
-        return ValueError(
-            f"GoCkptIO does not support {type(strategy).__name__} (FSDPStrategy) with "
-            f"state_dict_type={getattr(strategy, '_state_dict_type', None)!r}: it writes its own "
-            "sharded checkpoints and bypasses CheckpointIO. Use state_dict_type='full' (the "
-            "default; GoCkptIO persists the gathered state in the background), or "
-            "ModelParallelStrategy (FSDP2, fully_shard in configure_model), which GoCkptIO saves "
-            "as sharded GoCkpt checkpoints.")
-    return ValueError(
-        f"GoCkptIO does not support {type(strategy).__name__} ({name}): it writes its own "
-        "checkpoints and bypasses CheckpointIO. Use one device, strategy='ddp', DeepSpeedStrategy, "
-        "FSDPStrategy(state_dict_type='full'), or ModelParallelStrategy (FSDP2, fully_shard in "
-        "configure_model), which GoCkptIO saves as sharded GoCkpt checkpoints.")
-
-
-__all__ = ["DEEPSPEED_STRATEGIES", "GATHERED_STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES", "UNSUPPORTED_STRATEGIES",
-           "ShardedAdapterEngine", "build_engine", "install", "shares_write", "strategy_kind", "unsupported_error"]
+__all__ = ["DEEPSPEED_STRATEGIES", "GATHERED_STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES",
+           "ShardedAdapterEngine", "build_engine", "install", "shares_write", "strategy_kind"]

@@ -20,7 +20,6 @@ import pytest
 import torch
 from _lightning_train import Crash, CrashAfter, assert_bitwise_equal, fit, results
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 import gockpt
 from gockpt.dcp import load_full
@@ -488,21 +487,6 @@ def test_hyperparameters_needing_pickle_load_only_when_allowed(tmp_path):
     assert GoCkptIO().load_checkpoint(str(tmp_path / "hp.ckpt"), weights_only=False)["hyper_parameters"] == {
         "lr": Fraction(1, 20)}
     assert GoCkptIO(allow_pickle=True).load_checkpoint(str(tmp_path / "hp.ckpt"))["global_step"] == 2
-
-
-def test_strategies_that_bypass_checkpoint_io_are_refused(tmp_path):
-    # FSDPStrategy's default (state_dict_type="full") is saved: tests/adapters/test_lightning_fsdp.py;
-    # DeepSpeedStrategy too: tests/adapters/test_lightning_deepspeed.py.
-    strategy = FSDPStrategy(state_dict_type="sharded")
-    cb = GoCkptCallback()
-
-    class FakeTrainer:
-        callbacks = [cb]
-
-    FakeTrainer.strategy = strategy
-    strategy.checkpoint_io = GoCkptIO()
-    with pytest.raises(ValueError, match="does not support FSDPStrategy"):
-        cb.setup(FakeTrainer(), None, "fit")
 
 
 def test_deepspeed_host_copy_engine_keeps_the_state_of_the_call():

@@ -14,7 +14,6 @@ import socket
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from _dist import end_rank
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -219,31 +218,22 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
     assert resumed["lr"] == ref[TOTAL]["lr"]
 
 
-def test_unsupported_strategies_are_refused(tmp_path):
-    """FSDPStrategy(state_dict_type="sharded") bypasses CheckpointIO: a clear error in setup, no
-    hang (FSDPStrategy's default, "full", and DeepSpeedStrategy are saved: test_lightning_fsdp,
-    test_lightning_deepspeed)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+def test_every_lightning_strategy_that_bypasses_checkpoint_io_has_a_path():
+    """Which GoCkpt path each strategy takes (the GPU-only ones are exercised in
+    test_lightning_fsdp and test_lightning_deepspeed, marked cuda)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        SingleDeviceStrategy,
+    )
 
     from lightning_gockpt import sharded
 
     assert sharded.strategy_kind(ModelParallelStrategy()) == "sharded"
     assert sharded.strategy_kind(FSDPStrategy()) == "gathered"  # state_dict_type="full", the default
-    assert sharded.strategy_kind(FSDPStrategy(state_dict_type="sharded")) == "FSDPStrategy"
+    assert sharded.strategy_kind(FSDPStrategy(state_dict_type="sharded")) == "fsdp_sharded"
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # the deepspeed package is not needed
-    assert sharded.strategy_kind(deepspeed) == "deepspeed"  # tests/adapters/test_lightning_deepspeed.py
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_port())
-    class CpuFSDP(FSDPStrategy):  # Lightning refuses FSDPStrategy itself on the CPU before setup
-        pass
-
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CpuFSDP(state_dict_type="sharded"),
-                         plugins=[GoCkptIO()],
-                         max_steps=1, logger=False, enable_progress_bar=False,
-                         default_root_dir=str(tmp_path))
-    try:
-        with pytest.raises(ValueError, match="does not support CpuFSDP .FSDPStrategy. with state_dict_type='sharded'"):
-            trainer.fit(Net())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    assert sharded.strategy_kind(deepspeed) == "deepspeed"  # a DDPStrategy subclass, yet not replicated
+    assert sharded.strategy_kind(DDPStrategy()) == "replicated"
+    assert sharded.strategy_kind(SingleDeviceStrategy("cpu")) is None

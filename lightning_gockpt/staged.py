@@ -1,0 +1,271 @@
+"""Checkpoints a strategy writes in its own format, committed by GoCkpt: staging, markers, one rename.
+
+Some strategies write their checkpoints themselves, in their own format, on every rank
+(DeepSpeed's files, ``FSDPStrategy``'s sharded DCP directory). GoCkpt keeps the format (the
+strategy loads it as its own) and changes when and how it lands:
+
+1. (every rank, training thread, :meth:`StagedAdapterEngine.save`) global rank 0 makes a
+   staging directory beside the checkpoint path (locked, named so that
+   :func:`gockpt.storage.cleanup_staging` knows it) and broadcasts it; the strategy's writer
+   (``write``) takes what it must at once (a copy into host memory: the stall) and returns a
+   future of its files in the staging directory, written and fsynced in the background.
+2. (every rank) when that future resolves, the rank's marker ``rank-<r>.done`` (or
+   ``.failed``) is written into the staging directory.
+3. (commit thread, global rank 0) waits at most ``COMMIT_TIMEOUT_S`` for every marker, removes
+   them, fsyncs and renames the staging directory into place (an atomic exchange where the
+   kernel has it: :class:`gockpt.targets.LocalTarget`). A rank that fails or dies leaves no
+   checkpoint at the path, and the previous one there is untouched (PCcheck §4.1).
+
+The engine has the interface :class:`~lightning_gockpt.GoCkptCallback` drives (``save``,
+``wait``, ``remove``, ``close`` and the step hooks), and its handles that of a save handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import gockpt
+from gockpt import CheckpointMetrics, GoCkptConfig
+from gockpt._sharded_commit import await_part, part_name, write_atomic
+from gockpt.fsutil import fsync_path, is_local, scratch_path, split, url_to_fs
+from gockpt.storage import claim_directory, cleanup_staging
+from gockpt.targets import LocalTarget
+
+log = logging.getLogger("lightning_gockpt")
+
+COMMIT_TIMEOUT_S = 300.0  # seconds rank 0 waits for the other ranks' files once its own are written
+
+Writer = Callable[[str, dict], "tuple[Future[int], int]"]
+"""``write(stage, checkpoint) -> (future of the bytes written, bytes copied now)``: puts the
+strategy's files of Lightning's ``checkpoint`` dict into ``stage`` (collective, every rank)."""
+
+
+class StagedHandle:
+    """One staged checkpoint in flight; the interface the callback uses (as a SaveHandle)."""
+
+    skipped = False
+
+    def __init__(self, path: str, future: Future[CheckpointMetrics]) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[StagedHandle], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def result(self, timeout_s: float | None = None) -> CheckpointMetrics:
+        """The save's metrics once durable (committed, on global rank 0).
+
+        Raises:
+            TimeoutError: not finished within ``timeout_s`` seconds.
+            The save's own error (a failed write, a missing rank: ``TimeoutError``).
+        """
+        return self._future.result(timeout_s)
+
+
+class StagedAdapterEngine:
+    """The engine interface :class:`~lightning_gockpt.GoCkptCallback` drives over a strategy's writer.
+
+    Args:
+        strategy: the Lightning strategy (``broadcast``, ``barrier``).
+        config: engine options (``max_inflight``: saves in flight per rank at once, each holding
+            its own host copy; ``storage_options`` must name a local filesystem).
+        write: the strategy's :data:`Writer`.
+        rank: this process's global rank; ``world``: the number of processes.
+        collective: whether the ranks still meet (False once this rank's run failed).
+        mode: the mode reported in the metrics (``"lazy"``: captured at the request).
+    """
+
+    def __init__(self, strategy: Any, config: GoCkptConfig, write: Writer, *, rank: int, world: int,
+                 collective: Callable[[], bool], mode: str = "lazy") -> None:
+        self.strategy = strategy
+        self.config = config
+        self.rank, self.world = rank, world
+        self.mode = mode
+        self._write = write
+        self._collective = collective
+        self.version = 0  # batch ends seen: the step the metrics name
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if rank == 0 else None
+        self._handles: list[StagedHandle] = []
+        self._latest: dict[str, StagedHandle] = {}
+        self._lock = threading.Lock()
+        self._claimed: set[str] = set()
+        self._claims: list[Any] = []
+
+    # --- the step hooks (nothing is tracked between saves)
+    def before_update(self) -> None:
+        pass
+
+    def step_end(self) -> None:
+        self.version += 1
+
+    def flush(self) -> None:
+        pass
+
+    def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
+             mode: str | None = None) -> StagedHandle:
+        """Save the strategy's checkpoint of this step at ``path`` in the background; collective.
+
+        Returns once the writer has taken what it copies at once (``max_overlap_steps`` and
+        ``mode`` are ignored: captured at the request).
+
+        Raises:
+            ValueError: ``path`` is not local.
+            RuntimeError: the staging directory could not be made (every rank raises).
+            What the writer raises.
+        """
+        t0 = time.perf_counter()
+        fs, root = url_to_fs(path, self.config.storage_options)
+        if not is_local(fs):
+            raise ValueError(f"these checkpoints are written to local paths only, got {path}")
+        self._bound_inflight()
+        parent, name = split(root)
+        target, problem = None, None
+        if self.rank == 0:
+            try:
+                if parent not in self._claimed:
+                    os.makedirs(parent, exist_ok=True)
+                    self._claims.append(claim_directory(parent, self.config.storage_options,
+                                                        timeout_s=self.config.storage_timeout_s))
+                    cleanup_staging(parent, self.config.storage_options)
+                    self._claimed.add(parent)
+                stage = scratch_path(parent, name)
+                os.mkdir(stage)
+                target = LocalTarget(fs, root, staging=stage)
+            except BaseException as e:  # noqa: BLE001 - every rank must reach the broadcast
+                problem = f"{type(e).__name__}: {e}"
+        stage, problem = self.strategy.broadcast((target.staging if target else None, problem))
+        if problem is not None:
+            raise RuntimeError(f"gockpt: checkpoint {path} not taken: {problem}")
+        try:
+            written, copied = self._write(stage, state_fn()["lightning"])
+        except BaseException:
+            if target is not None:
+                target.cleanup(False)
+            raise
+        stall = time.perf_counter() - t0
+        metrics = CheckpointMetrics(path=root, mode=self.mode, num_overlap_steps=1, requested_step=self.version,
+                                    captured_step=self.version, stall_s=stall, stall_by_phase_s={"copy": stall},
+                                    state_bytes=copied, host_bytes=copied, host_peak_bytes=copied)
+        written.add_done_callback(lambda f: _mark(stage, self.rank, f))
+        outcome: Future[CheckpointMetrics] = Future()
+        if self._commits is not None:
+            assert target is not None
+            outcome = self._commits.submit(self._commit, target, written, metrics, t0)
+        else:
+            written.add_done_callback(lambda f: _settle(outcome, f, metrics, t0))
+        handle = StagedHandle(root, outcome)
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
+            self._latest[root] = handle
+        return handle
+
+    def _bound_inflight(self) -> None:
+        # Each save in flight holds its own host copy: at most max_inflight of them per rank.
+        with self._lock:
+            pending = [h for h in self._handles if not h.done()]
+        while len(pending) >= max(1, self.config.max_inflight):
+            try:
+                pending[0].result()
+            except BaseException:  # noqa: BLE001 - raised by wait(); here only room is awaited
+                pass
+            pending = pending[1:]
+
+    def _commit(self, target: LocalTarget, written: Future[int], metrics: CheckpointMetrics,
+                t0: float) -> CheckpointMetrics:
+        # Rank 0's commit thread: every rank's files durable, then one atomic rename.
+        published = False
+        try:
+            _fill(metrics, written.result(), t0)
+            deadline = time.monotonic() + COMMIT_TIMEOUT_S
+            for r in range(self.world):
+                await_part(target.staging, r, deadline)
+            for r in range(self.world):
+                os.unlink(os.path.join(target.staging, f"{part_name(r)}.done"))
+            fsync_path(target.staging)
+            target.publish(b"")
+            published = True
+            metrics.time_to_durable_s = time.perf_counter() - t0
+            return metrics
+        finally:
+            target.cleanup(published)
+            if not published:
+                log.warning("gockpt: checkpoint %s not committed", target.root)
+
+    def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
+        """Finish every pending save of this rank (rank 0: committed); raises the first error."""
+        with self._lock:
+            handles = list(self._handles)
+        out = [h.result(timeout_s) for h in handles]
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()]
+        if self._collective():
+            self.strategy.barrier("gockpt_staged_wait")
+        return out
+
+    def remove(self, path: str) -> None:
+        """Delete the checkpoint at ``path`` (rank 0); a save of it in flight first commits."""
+        with self._lock:
+            handle = self._latest.get(path)
+        if handle is None or handle.done():
+            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
+            return
+
+        def drop(h: StagedHandle) -> None:
+            with self._lock:
+                if self._latest.get(path) is not h:
+                    return  # saved again since: that save is the checkpoint now
+            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
+
+        handle.add_done_callback(drop)
+
+    def close(self) -> None:
+        """Finish the pending saves and stop (collective while the ranks meet)."""
+        try:
+            self.wait()
+        finally:
+            if self._commits is not None:
+                self._commits.shutdown(wait=True)
+            for c in self._claims:
+                c.release()
+            self._claims = []
+
+
+def _fill(metrics: CheckpointMetrics, nbytes: int, t0: float) -> None:
+    metrics.persist_bytes = nbytes
+    metrics.persist_s = time.perf_counter() - t0 - metrics.stall_s
+    metrics.persist_gbps = nbytes / metrics.persist_s / 1e9 if metrics.persist_s > 0 else 0.0
+    metrics.time_to_durable_s = time.perf_counter() - t0
+
+
+def _settle(outcome: Future[CheckpointMetrics], written: Future[int], metrics: CheckpointMetrics,
+            t0: float) -> None:
+    # A rank other than 0: its save is done once its own files are durable.
+    try:
+        _fill(metrics, written.result(), t0)
+    except BaseException as e:  # noqa: BLE001 - delivered through the handle
+        outcome.set_exception(e)
+        return
+    outcome.set_result(metrics)
+
+
+def _mark(stage: str, rank: int, written: Future[int]) -> None:
+    """This rank's outcome for rank 0's commit: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic)."""
+    kind = "failed" if written.exception() is not None else "done"
+    if not os.path.isdir(stage):
+        return
+    try:
+        write_atomic(os.path.join(stage, f"{part_name(rank)}.{kind}"), b"")
+    except OSError as e:  # the staging directory was removed by an abort
+        log.info("gockpt: could not mark %s: %s", stage, e)
+
+
+__all__ = ["COMMIT_TIMEOUT_S", "StagedAdapterEngine", "StagedHandle", "Writer"]
