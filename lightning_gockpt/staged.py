@@ -11,7 +11,7 @@ strategy loads it as its own) and changes when and how it lands:
    future of its files in the staging directory, written and fsynced in the background.
 2. (every rank) when that future resolves, the rank's marker ``rank-<r>.done`` (or
    ``.failed``) is written into the staging directory.
-3. (commit thread, global rank 0) waits at most ``COMMIT_TIMEOUT_S`` for every marker, removes
+3. (commit thread, global rank 0) waits at most ``commit_timeout_s`` for every marker, removes
    them, fsyncs and renames the staging directory into place (an atomic exchange where the
    kernel has it: :class:`gockpt.targets.LocalTarget`). A rank that fails or dies leaves no
    checkpoint at the path, and the previous one there is untouched (PCcheck §4.1).
@@ -82,14 +82,18 @@ class StagedAdapterEngine:
         rank: this process's global rank; ``world``: the number of processes.
         collective: whether the ranks still meet (False once this rank's run failed).
         mode: the mode reported in the metrics (``"lazy"``: captured at the request).
+        commit_timeout_s: seconds rank 0 waits for the other ranks' markers once its own files
+            are written (a crashed or stalled rank: the save fails, nothing is published).
     """
 
     def __init__(self, strategy: Any, config: GoCkptConfig, write: Writer, *, rank: int, world: int,
-                 collective: Callable[[], bool], mode: str = "lazy") -> None:
+                 collective: Callable[[], bool], mode: str = "lazy",
+                 commit_timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         self.strategy = strategy
         self.config = config
         self.rank, self.world = rank, world
         self.mode = mode
+        self.commit_timeout_s = commit_timeout_s
         self._write = write
         self._collective = collective
         self.version = 0  # batch ends seen: the step the metrics name
@@ -185,7 +189,7 @@ class StagedAdapterEngine:
         published = False
         try:
             _fill(metrics, written.result(), t0)
-            deadline = time.monotonic() + COMMIT_TIMEOUT_S
+            deadline = time.monotonic() + self.commit_timeout_s
             for r in range(self.world):
                 await_part(target.staging, r, deadline)
             for r in range(self.world):
