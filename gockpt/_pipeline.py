@@ -32,7 +32,7 @@ from .handle import CheckpointMetrics
 from .layout import Unit
 from .persist import PersistRequest, io_threads_cap, lower_thread_priority, persist
 from .replay import TorchReplay
-from .snapshot import resolve
+from .snapshot import references, resolve
 from .targets import LocalTarget
 from .transfer import CopyTicket, SlotPool
 from .writer import Snapshot
@@ -189,7 +189,7 @@ class Pipeline:
             }
             blob = io.BytesIO()
             with _trace.phase("serialize"):
-                torch.save(s.extra, blob)
+                torch.save(_stored_record(s), blob)
             snap, hooks = self._writer_parts(s) if s.writer is not None else (None, {})
             req = PersistRequest(
                 path=s.path, shards=s.shards, slot=s.slot.data, shard_bases=s.shard_bases,
@@ -238,3 +238,19 @@ class Pipeline:
         log.info("gockpt: %s durable (%s, K=%d, stall %.4fs)", s.path, m.mode, m.num_overlap_steps, m.stall_s)
         s.handle._future.set_result(m)
         s.phase = Phase.DONE
+
+
+def _stored_record(s: SaveRecord) -> dict:
+    """The save's state trees as they go into its files.
+
+    A writer that names its own tensor files may leave tracked tensors out (a weights-only
+    save keeps the optimizer state for replay but writes none of it). The record then drops the
+    optimizers whose state is not all stored under its own key, so it never names a tensor the
+    checkpoint does not hold.
+    """
+    if s.shard_segments is None:  # GoCkpt's own shards hold every tracked tensor
+        return s.extra
+    stored = {name for shard in s.shards for name in shard.offsets}
+    if all(references(o) <= stored for o in s.extra["optimizers"]):
+        return s.extra
+    return {**s.extra, "optimizers": []}

@@ -49,6 +49,7 @@ import dataclasses
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -72,11 +73,12 @@ from ._sharded_commit import (
 )
 from .config import GoCkptConfig
 from .engine import Engine
+from .format import plan_shards
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
 from .partition import Partition, partition_layout
 from .plan import MULTI_STEP_MODES, CopyPlan, split_blocks
-from .writer import CheckpointWriter, Snapshot
+from .writer import CheckpointWriter, Snapshot, TensorFile
 
 __all__ = ["ShardedEngine", "ShardedHandle", "INDEX_FILE", "part_name", "sharding_name"]
 
@@ -105,18 +107,21 @@ class _PartWriter(CheckpointWriter):
 
     claim_directory = False
 
-    def __init__(self, rank: int, world: int, user: CheckpointWriter | None) -> None:
+    def __init__(self, rank: int, world: int, user: CheckpointWriter | None, *,
+                 store: Callable[[str], bool] | None = None, max_shard_bytes: int = 1 << 30) -> None:
         self.rank, self.world, self.user = rank, world, user
+        self.store, self.max_shard_bytes = store, max_shard_bytes
         self.sharding: bytes = b""
         self.partition: Partition | None = None  # this save's share of a replicated state
 
-    def tensor_files(self, layout: StateLayout) -> None:
+    def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
         # Called by Engine.save with the save's own layout, before any capture: the share a
         # part_state_fn is given is the one this part stores, even if a later save re-partitions.
         self.partition = layout.partition
         keys = dcp_keys(layout)
+        kept = [e for e in layout.entries if self.store is None or self.store(e.key)]
         tensors = {}
-        for e in layout.entries:
+        for e in kept:
             sh = e.shard
             tensors[e.key] = {
                 "fqn": keys[e.key],
@@ -129,13 +134,18 @@ class _PartWriter(CheckpointWriter):
                 # read, or the one copy of a shared write (each unit stored by its owner).
                 "replica": sh.replica if sh else 0 if layout.partition is not None else self.rank,
             }
-        aliases = {a: keys.get(t, t) for a, t in layout.aliases.items()}
+        aliases = {a: keys.get(t, t) for a, t in layout.aliases.items() if t in tensors}
         self.sharding = json.dumps({"format": "gockpt-sharding", "rank": self.rank,
                                     "world_size": self.world, "tensors": tensors,
                                     "aliases": aliases}, sort_keys=True).encode()
         if self.user is not None and self.user.tensor_files(layout) is not None:
             raise ValueError("a sharded save keeps GoCkpt's shards: the writer must not name tensor files")
-        return None
+        if self.store is None:
+            return None
+        # The tensors left out are still copied (and replayed: a multi-step capture needs the
+        # optimizer state), just not written. File names unique to this save, as GoCkpt's own.
+        shards = plan_shards([e.spec for e in kept], self.max_shard_bytes, f"shard-{uuid.uuid4().hex[:8]}")
+        return [TensorFile(sh.file, [(k, k) for k in sh.offsets]) for sh in shards]
 
     def bind(self, fn: Callable[[Partition | None], Any]) -> Callable[[], Any]:
         """A ``state_fn`` calling ``fn`` with this save's partition (set by :meth:`tensor_files`)."""
@@ -270,7 +280,8 @@ class ShardedEngine:
     def save(self, path: str, *, state_fn: Callable[[], Any] | None = None,
              mode: str | None = None, max_overlap_steps: int | None = None,
              writer: CheckpointWriter | None = None,
-             part_state_fn: Callable[[Partition | None], Any] | None = None) -> ShardedHandle:
+             part_state_fn: Callable[[Partition | None], Any] | None = None,
+             store: Callable[[str], bool] | None = None) -> ShardedHandle:
         """Request a sharded checkpoint at ``path`` (a local directory); collective.
 
         Call on every rank at the same step boundary. Arguments as :meth:`gockpt.Engine.save`
@@ -283,6 +294,10 @@ class ShardedEngine:
                 ``replicated``), so that the rank keeps only its share of a state tree that
                 names the live tensors (:func:`gockpt.partition.prune_model`); a tensor of the
                 tree that this rank does not store is otherwise copied into its part.
+            store: which of the rank's tracked tensors its part writes, by layout key
+                (``model.<name>``, ``optim.<i>.<param index>.<name>``); None: all. The others
+                are still copied and replayed but not written (a weights-only checkpoint:
+                ``lambda key: key.startswith("model.")``); the state tree must not name them.
 
         Returns:
             A :class:`ShardedHandle` (skipped on every rank when any rank had no free slot).
@@ -328,7 +343,8 @@ class ShardedEngine:
         handle, error = None, None
         mine: tuple[Any, ...]
         try:
-            part_writer = _PartWriter(self.rank, self.world, writer)
+            part_writer = _PartWriter(self.rank, self.world, writer, store=store,
+                                      max_shard_bytes=self.config.max_shard_bytes)
             fn = state_fn if part_state_fn is None else part_writer.bind(part_state_fn)
             handle = self.engine.save(part_path, state_fn=fn, mode=mode,
                                       max_overlap_steps=max_overlap_steps, writer=part_writer)

@@ -104,6 +104,23 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
     return map_tree(tree, leaf)
 
 
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, dict) and REF in x and set(x) == {REF, "stride"}
+
+
+def references(tree: Any) -> set[str]:
+    """The shard keys the reference markers of a :func:`to_skeleton` tree name."""
+    found: set[str] = set()
+
+    def leaf(x: Any) -> Any:
+        if _is_ref(x):
+            found.add(x[REF])
+        return x
+
+    map_tree(tree, leaf, is_leaf=_is_ref)
+    return found
+
+
 def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> Any:
     """Replace the reference markers of a loaded state tree by the stored tensors.
 
@@ -120,11 +137,8 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
     """
     cache: dict[tuple, torch.Tensor] = {}
 
-    def is_ref(x: Any) -> bool:
-        return isinstance(x, dict) and REF in x and set(x) == {REF, "stride"}
-
     def leaf(x: Any) -> Any:
-        if not is_ref(x):
+        if not _is_ref(x):
             return x
         key, stride = x[REF], x["stride"]
         if not isinstance(key, str) or key not in tensors:
@@ -140,7 +154,7 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
             cache[ck] = t
         return cache[ck]
 
-    return map_tree(tree, leaf, is_ref)
+    return map_tree(tree, leaf, _is_ref)
 
 
 @dataclass(frozen=True)

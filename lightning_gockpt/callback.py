@@ -240,8 +240,10 @@ class GoCkptCallback(Callback):
         mode = None
         if self._ended or (gathered and engine.config.mode != "sync"):
             mode = "async"
+        # DDP shares: a weights-only save writes no optimizer state (stock's file holds none).
+        only = {"weights_only": True} if weights_only and self._kind == "replicated" and self._every_rank else {}
         try:
-            handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap, mode=mode)
+            handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap, mode=mode, **only)
         except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
             if self._zero:
                 remove_placeholder(path, options)

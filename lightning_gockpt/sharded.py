@@ -404,9 +404,13 @@ class ShardedAdapterEngine:
         self.sharded.flush()
 
     def save(self, path: str, *, state_fn: Callable[[], Any], max_overlap_steps: int | None = None,
-             mode: str | None = None) -> ShardedHandle:
+             mode: str | None = None, weights_only: bool = False) -> ShardedHandle:
         """:meth:`gockpt.sharded.ShardedEngine.save`; only rank 0's part keeps Lightning's
-        non-tensor dict (under DDP each part also keeps its share of the tensor entries)."""
+        non-tensor dict (under DDP each part also keeps its share of the tensor entries).
+
+        ``weights_only`` (DDP): the parts write the model's tensors only, as stock's
+        ``save_weights_only`` file holds no optimizer state (still copied, to replay).
+        """
         def part_state(part: Partition | None) -> Any:
             tree = state_fn()  # on every rank: Lightning's hooks run where stock runs them
             if self.replicated:
@@ -415,8 +419,9 @@ class ShardedAdapterEngine:
                 return None
             return {"lightning": {k: v for k, v in tree["lightning"].items() if k not in TENSOR_KEYS}}
 
+        store = _model_tensor if weights_only and self.replicated else None
         handle = self.sharded.save(path, part_state_fn=part_state, mode=mode,
-                                   max_overlap_steps=max_overlap_steps)
+                                   max_overlap_steps=max_overlap_steps, store=store)
         with self._lock:
             self._latest[path] = handle
         return handle
@@ -450,6 +455,10 @@ class ShardedAdapterEngine:
     def close(self) -> None:
         """Finish the pending saves and stop (collective while the ranks meet)."""
         self.sharded.close(collective=self._collective())
+
+
+def _model_tensor(key: str) -> bool:
+    return key.startswith("model.")
 
 
 def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None, *,

@@ -683,3 +683,31 @@ def test_a_writer_lays_out_the_files_and_they_equal_a_blocking_save(tmp_path, mo
     assert writer.calls[1] == ("after", m.captured_step)
     assert gockpt.is_complete(str(tmp_path / "ckpt"))
     eng.close()
+
+
+class _WeightsOnly(gockpt.writer.CheckpointWriter):
+    """Stores the model's tensors under their layout keys and nothing of the optimizer."""
+
+    def tensor_files(self, layout):
+        keys = [e.key for e in layout.entries if e.key.startswith("model.")]
+        return [gockpt.writer.TensorFile("weights.safetensors", [(k, k) for k in keys])]
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt_o"])
+def test_a_writer_that_stores_no_optimizer_state_leaves_a_loadable_checkpoint(tmp_path, mode):
+    """The optimizer state is still copied (and replayed) but not written: the checkpoint's
+    record names no tensor it does not hold, so it loads, with no optimizer state."""
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    train(model, opt, sched, scaler, 3)
+    live = {eng.version: snapshot(model, opt)}
+    h = eng.save(str(tmp_path / "ckpt"), writer=_WeightsOnly())
+    train(model, opt, sched, scaler, 8, start_iter=3,
+          on_step_end=lambda it: live.setdefault(eng.version, snapshot(model, opt)))
+    eng.close()
+    m = h.result()
+    state = gockpt.load_checkpoint(str(tmp_path / "ckpt"))
+    assert state.optimizer_state_dicts == []
+    assert not [k for k in state.manifest["tensors"] if not k.startswith("model.")]
+    for k, v in live[m.captured_step]["model"].items():
+        assert torch.equal(state.model_state_dict[k], v), k

@@ -246,9 +246,6 @@ def test_ddp_weights_only_loads_the_stock_dict(weights_only_run):
         assert {f"model.{k}" for k in stock["state_dict"]} <= stored[0] | stored[1]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: a DDP part stores the whole share of its engine, "
-                   "optimizer state included; leaving it out needs ShardedEngine.save to store a subset "
-                   "of the tracked tensors (gockpt/sharded.py)")
 def test_ddp_weights_only_parts_hold_no_optimizer_state(weights_only_run):
     """Like stock's weights-only ``.ckpt``, no part of a weights-only DDP checkpoint holds
     optimizer state: no optimizer tensor in any part's files or sharding, none in its tree."""
