@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -12,6 +13,7 @@ from torch import nn
 
 import gockpt
 from gockpt import Engine, SaveHandle, _exit
+from gockpt.plan import MULTI_STEP_MODES
 from gockpt.sharded import ShardedHandle
 from gockpt.storage import cleanup_staging
 
@@ -119,6 +121,11 @@ class GoCkptCallback(Callback):
         self._every_rank = kind in ("sharded", "deepspeed", "fsdp_sharded")
         if kind is not None:
             sharded.install(trainer.strategy, self, kind)
+        if kind in ("gathered", "fsdp_sharded", "deepspeed") and io.config.mode in MULTI_STEP_MODES:
+            # Their state (flat parameters, ZeRO partitions) is not tracked by the engine.
+            warnings.warn(f"GoCkptIO: {type(trainer.strategy).__name__} checkpoints are captured at their "
+                          f"request (mode {io.config.mode!r} needs an engine over the live state): the "
+                          "write is done in the background, with no multi-step overlap", stacklevel=2)
         self.io, self._trainer = io, trainer
         io._callback = self
         cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]

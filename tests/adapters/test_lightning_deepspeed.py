@@ -38,6 +38,8 @@ TOTAL = 12
 
 
 def _child(root: str) -> None:  # noqa: PLR0915 - one scenario, read top to bottom
+    import warnings
+
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -122,11 +124,14 @@ def _child(root: str) -> None:  # noqa: PLR0915 - one scenario, read top to bott
     ref.fit(Net())
 
     pl.seed_everything(0, verbose=False)
-    io = GoCkptIO()
+    io = GoCkptIO(mode="gockpt_o")  # falls back to captures at the request, with a warning
     mc = ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{step}", save_top_k=-1,
                          every_n_train_steps=EVERY, save_last=True)
     tr = trainer(f"{root}/a", STOP, [mc], io)
-    tr.fit(Net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.fit(Net())
+    assert any("captured at their request" in str(w.message) for w in caught)
     assert type(tr.strategy).__name__ == "GoCkptDeepSpeedStrategy"
     assert sorted(os.listdir(f"{root}/ckpt")) == ["last.ckpt", f"step={EVERY}.ckpt", f"step={STOP}.ckpt"]
     ck4 = f"{root}/ckpt/step={EVERY}.ckpt"
