@@ -81,6 +81,7 @@ class ShardedSaves:
         self._handles: list[ShardedHandle] = []
         self._finished: list[gockpt.CheckpointMetrics] = []
         self._taken = 0
+        self._warned_hooks = False
 
     @property
     def engine(self) -> gockpt.Engine:
@@ -99,13 +100,21 @@ class ShardedSaves:
             ValueError: ``final`` exists or is being written (automatic naming, as Accelerate).
             RuntimeError, OSError: as :meth:`gockpt.sharded.ShardedEngine.save`.
         """
+        from accelerate.utils import broadcast_object_list
+
         acc = self.accelerator
-        if rotate_root is not None and (os.path.exists(final) or any(
-                h.path == final and not h.done() for h in self._handles)):
-            # Every process sees the same folder (sharded checkpoints are on a shared path).
+        taken = rotate_root is not None and acc.is_main_process and (os.path.exists(final) or any(
+            h.path == final and not h.done() for h in self._handles))
+        if acc.num_processes > 1:  # the main process decides: every process raises, or none
+            taken = broadcast_object_list([taken])[0]
+        if taken:
             raise ValueError(
                 f"Checkpoint directory {final} ({acc.save_iteration}) already exists. Please "
                 "manually override `self.save_iteration` with what iteration to start with.")
+        if acc._save_model_state_pre_hook and not self._warned_hooks:
+            self._warned_hooks = True
+            log.warning("gockpt: save_state pre-hooks are not run for FSDP2 checkpoints (the weights "
+                        "are saved from every process's shards, not handed to the hooks)")
 
         def part_state(_part: Any) -> dict[str, Any]:
             # At the captured step, on every process: Accelerate's files describe that step.
@@ -196,6 +205,8 @@ def load(accelerator: Any, path: str, model: nn.Module, optimizers: Sequence[Opt
 
     from gockpt.dcp import load_sharded
 
+    for hook in accelerator._load_model_state_pre_hook.values():
+        hook([], path)  # as stock under FSDP: the sharded models are not handed to the hooks
     # This process's part when the number of processes is the one saved, else the main one's.
     own = load_sharded(path, model, list(optimizers), verify=verify)
     if not isinstance(own, dict) or own.get("format") != PART_FORMAT:

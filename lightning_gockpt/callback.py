@@ -231,12 +231,20 @@ class GoCkptCallback(Callback):
         # FSDPStrategy (full): the dict holds the state gathered at the request, and dumping it
         # again is a collective the other ranks do not join; it is taken at once (K = 1).
         gathered = self._kind == "gathered"
+        # The gathered dict is a whole copy of the state: handed over once, so that only the
+        # engine's snapshot of it stays alive while the save is in flight.
+        held = [checkpoint]
+
+        def take_gathered() -> dict[str, Any]:
+            if not held:
+                raise RuntimeError("gockpt: the gathered checkpoint dict was already taken")
+            return {"lightning": held.pop()}
 
         def state_fn() -> dict[str, Any]:
             # Called at the captured step. Later than the request, Lightning's dict is taken
             # again so that loops, schedulers, callbacks and hook edits match the tensors.
-            if gathered or self._num_batches == at_batch:
-                return {"lightning": checkpoint}
+            if self._num_batches == at_batch:
+                return {"lightning": held[0]}
             return {"lightning": trainer._checkpoint_connector.dump_checkpoint(weights_only)}
 
         self._deferred = [(p, hs) for p, hs in self._deferred if p != path]  # replaced, not removed
@@ -250,7 +258,8 @@ class GoCkptCallback(Callback):
         # DDP shares: a weights-only save writes no optimizer state (stock's file holds none).
         only = {"weights_only": True} if weights_only and self._kind == "replicated" and self._every_rank else {}
         try:
-            handle = engine.save(path, state_fn=state_fn, max_overlap_steps=cap, mode=mode, **only)
+            handle = engine.save(path, state_fn=take_gathered if gathered else state_fn, max_overlap_steps=cap,
+                                 mode=mode, **only)
         except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
             if self._zero:
                 remove_placeholder(path, options)

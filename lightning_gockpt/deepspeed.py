@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -130,29 +129,39 @@ class HostCopyEngine:
         return False
 
 
-def writer(strategy: Any) -> Callable[[str, dict], tuple[Future[int], int]]:
-    """The :data:`lightning_gockpt.staged.Writer` of ``strategy``'s DeepSpeed files.
+class _Writer:
+    """The :data:`lightning_gockpt.staged.Writer` of a DeepSpeed strategy's files.
 
     Runs stock ``DeepSpeedStrategy.save_checkpoint`` into the staging directory with
     :class:`HostCopyEngine` as DeepSpeed's checkpoint engine (the host copy is the stall), then
     writes the files on a thread of its own.
     """
-    host = HostCopyEngine()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-ds-write")
 
-    def write(stage: str, checkpoint: dict) -> tuple[Future[int], int]:
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.host = HostCopyEngine()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-ds-write")
+
+    def __call__(self, stage: str, checkpoint: dict) -> tuple[Future[int], int]:
+        strategy = self.strategy
         engine = strategy.deepspeed_engine
         original = engine.checkpoint_engine
-        engine.checkpoint_engine = host
-        host.begin()
+        engine.checkpoint_engine = self.host
+        self.host.begin()
         try:
             strategy._gockpt_base.save_checkpoint(strategy, checkpoint, stage)  # noqa: SLF001
         finally:
             engine.checkpoint_engine = original
-            files = host.end()
-        return pool.submit(_write_files, stage, files), host.state_bytes
+            files = self.host.end()
+        return self.pool.submit(_write_files, stage, files), self.host.state_bytes
 
-    return write
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def writer(strategy: Any) -> _Writer:
+    """The :data:`lightning_gockpt.staged.Writer` of ``strategy``'s DeepSpeed files (has ``close``)."""
+    return _Writer(strategy)
 
 
 def _write_files(stage: str, files: list[tuple[str, Any]]) -> int:
@@ -160,7 +169,8 @@ def _write_files(stage: str, files: list[tuple[str, Any]]) -> int:
     nbytes, dirs = 0, {stage}
     for path, tree in files:
         data = torch_file(tree)  # the tensors' bytes are copied outside the GIL
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # DeepSpeed made the directories; one that is gone was removed by an abort, and is not
+        # made again (it would outlive the save).
         with open(path, "wb") as f:
             f.write(data)
             f.flush()

@@ -16,7 +16,6 @@ take no multi-step overlap or replay: each is captured at its request (``lazy``)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,16 +26,20 @@ from gockpt.fsutil import fsync_path
 from .staged import StagedAdapterEngine
 
 
-def writer(strategy: Any) -> Callable[[str, dict], tuple[Future[int], int]]:
-    """The :data:`lightning_gockpt.staged.Writer` of ``strategy``'s sharded checkpoints.
+class _Writer:
+    """The :data:`lightning_gockpt.staged.Writer` of a sharded ``FSDPStrategy``'s checkpoints.
 
-    Makes a gloo group over every rank (collective: call on every rank).
+    Makes a gloo group over every rank for DCP (collective: build it on every rank);
+    :meth:`close` destroys it.
     """
-    import torch.distributed as dist
 
-    group = dist.new_group(backend="gloo")
+    def __init__(self, strategy: Any) -> None:
+        import torch.distributed as dist
 
-    def write(stage: str, checkpoint: dict) -> tuple[Future[int], int]:
+        self.strategy = strategy
+        self.group = dist.new_group(backend="gloo")
+
+    def __call__(self, stage: str, checkpoint: dict) -> tuple[Future[int], int]:
         import torch.distributed.checkpoint as dcp
         from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
 
@@ -44,8 +47,8 @@ def writer(strategy: Any) -> Callable[[str, dict], tuple[Future[int], int]]:
         converted = {"model": rest.pop("state_dict")}  # as stock FSDPStrategy.save_checkpoint
         converted.update({f"optimizer_{i}": s for i, s in enumerate(rest.pop("optimizer_states", []))})
         nbytes = _local_bytes(converted)
-        uploaded = dcp.async_save(converted, checkpoint_id=stage, process_group=group)
-        if strategy.global_rank == 0:  # Lightning's dict, small: written now, durable before the commit
+        uploaded = dcp.async_save(converted, checkpoint_id=stage, process_group=self.group)
+        if self.strategy.global_rank == 0:  # Lightning's dict, small: written now, durable before the commit
             meta = os.path.join(stage, _METADATA_FILENAME)
             with open(meta, "wb") as f:
                 torch.save(rest, f)
@@ -65,7 +68,16 @@ def writer(strategy: Any) -> Callable[[str, dict], tuple[Future[int], int]]:
         uploaded.add_done_callback(done)
         return written, nbytes
 
-    return write
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group(self.group)
+
+
+def writer(strategy: Any) -> _Writer:
+    """The :data:`lightning_gockpt.staged.Writer` of ``strategy``'s sharded checkpoints (has ``close``)."""
+    return _Writer(strategy)
 
 
 def _local_bytes(tree: Any) -> int:
@@ -86,9 +98,11 @@ def _local_bytes(tree: Any) -> int:
 def build_engine(callback: Any, trainer: Any) -> StagedAdapterEngine:
     """The engine of ``callback`` over ``trainer``'s sharded FSDPStrategy (every rank; collective)."""
     assert callback.io is not None
+    # One save in flight: DCP's background collectives of two saves on one group could
+    # interleave differently on different ranks.
     return StagedAdapterEngine(trainer.strategy, callback.io.config, writer(trainer.strategy),
                                rank=trainer.global_rank, world=trainer.world_size,
-                               collective=lambda: not callback._failed)  # noqa: SLF001
+                               collective=lambda: not callback._failed, max_inflight=1)  # noqa: SLF001
 
 
 __all__ = ["build_engine", "writer"]

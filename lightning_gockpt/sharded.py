@@ -34,10 +34,8 @@ Call sequence of one checkpoint (every rank, training thread, the same step on a
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -253,7 +251,9 @@ class _GatheredCheckpoints:
     into the host snapshot at the request (GoCkpt's ``async``) and persisted in the background.
     The stall is the gather and that copy; the write is hidden. Stock raises
     ``IsADirectoryError`` for a path that is a directory; GoCkpt checkpoints are directories, so
-    saving over one (``last.ckpt``) replaces it, as a file is replaced under stock.
+    saving over one (``last.ckpt``) replaces it, as a file is replaced under stock (and stock's
+    sharded directory at the path, which stock deletes first, is replaced only once the new
+    checkpoint is complete).
 
     Loading a GoCkpt checkpoint reads Lightning's full dict on every rank (as stock reads the
     file on every rank) and loads it as stock loads a full checkpoint: the module through
@@ -277,10 +277,8 @@ class _GatheredCheckpoints:
             return
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]
         if self.is_global_zero:  # type: ignore[attr-defined]
-            from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
-
-            if _is_sharded_checkpoint(Path(path)):  # stock's sharded directory: replaced, as stock does
-                shutil.rmtree(path)
+            # A directory at the path (stock's sharded checkpoint, an older GoCkpt one) is
+            # replaced by the publish, atomically, once the new checkpoint is complete.
             io.save_checkpoint(checkpoint, path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

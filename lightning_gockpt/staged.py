@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import gockpt
@@ -84,16 +85,29 @@ class StagedAdapterEngine:
         mode: the mode reported in the metrics (``"lazy"``: captured at the request).
         commit_timeout_s: seconds rank 0 waits for the other ranks' markers once its own files
             are written (a crashed or stalled rank: the save fails, nothing is published).
+        max_inflight: saves in flight per rank at once; None: ``config.max_inflight`` (a writer
+            whose background work runs collectives needs 1: two saves' collectives on one group
+            could interleave differently on different ranks).
+
+    With more than one rank the engine makes a gloo group over them for its own collectives
+    (collective: build it on every rank). ``write`` may have a ``close()``, called by
+    :meth:`close`.
     """
 
     def __init__(self, strategy: Any, config: GoCkptConfig, write: Writer, *, rank: int, world: int,
                  collective: Callable[[], bool], mode: str = "lazy",
-                 commit_timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+                 commit_timeout_s: float = COMMIT_TIMEOUT_S, max_inflight: int | None = None) -> None:
         self.strategy = strategy
         self.config = config
         self.rank, self.world = rank, world
         self.mode = mode
         self.commit_timeout_s = commit_timeout_s
+        self.max_inflight = max(1, config.max_inflight if max_inflight is None else max_inflight)
+        self._group = None
+        if world > 1:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=commit_timeout_s))
         self._write = write
         self._collective = collective
         self.version = 0  # batch ends seen: the step the metrics name
@@ -131,10 +145,14 @@ class StagedAdapterEngine:
         if not is_local(fs):
             raise ValueError(f"these checkpoints are written to local paths only, got {path}")
         self._bound_inflight()
+        waited = time.perf_counter() - t0
         parent, name = split(root)
         target, problem = None, None
         if self.rank == 0:
             try:
+                if os.path.ismount(root):
+                    # Publishing is one rename in the parent directory; a mount point cannot be.
+                    raise ValueError(f"{root} is a mount point: checkpoint into a directory inside it")
                 if parent not in self._claimed:
                     os.makedirs(parent, exist_ok=True)
                     self._claims.append(claim_directory(parent, self.config.storage_options,
@@ -147,17 +165,29 @@ class StagedAdapterEngine:
             except BaseException as e:  # noqa: BLE001 - every rank must reach the broadcast
                 problem = f"{type(e).__name__}: {e}"
         stage, problem = self.strategy.broadcast((target.staging if target else None, problem))
+        if problem is None and self._group is not None:
+            # Every rank must write where rank 0 commits: a directory not shared across nodes
+            # would only fail each save after commit_timeout_s.
+            blind = [r for r, seen in enumerate(self._gather(os.path.isdir(stage))) if not seen]
+            if blind:
+                problem = (f"ranks {blind} do not see the staging directory {stage}: the checkpoint "
+                           "directory must be on a filesystem every node shares")
         if problem is not None:
+            if target is not None:
+                target.cleanup(False)
             raise RuntimeError(f"gockpt: checkpoint {path} not taken: {problem}")
         try:
-            written, copied = self._write(stage, state_fn()["lightning"])
+            checkpoint = state_fn()["lightning"]
+            written, copied = self._write(stage, checkpoint)
         except BaseException:
             if target is not None:
                 target.cleanup(False)
             raise
         stall = time.perf_counter() - t0
-        metrics = CheckpointMetrics(path=root, mode=self.mode, num_overlap_steps=1, requested_step=self.version,
-                                    captured_step=self.version, stall_s=stall, stall_by_phase_s={"copy": stall},
+        step = checkpoint.get("global_step", self.version)  # Lightning's optimizer steps
+        metrics = CheckpointMetrics(path=root, mode=self.mode, num_overlap_steps=1, requested_step=step,
+                                    captured_step=step, stall_s=stall,
+                                    stall_by_phase_s={"slot_wait": waited, "copy": stall - waited},
                                     state_bytes=copied, host_bytes=copied, host_peak_bytes=copied)
         written.add_done_callback(lambda f: _mark(stage, self.rank, f))
         outcome: Future[CheckpointMetrics] = Future()
@@ -166,17 +196,24 @@ class StagedAdapterEngine:
             outcome = self._commits.submit(self._commit, target, written, metrics, t0)
         else:
             written.add_done_callback(lambda f: _settle(outcome, f, metrics, t0))
-        handle = StagedHandle(root, outcome)
+        handle = StagedHandle(path, outcome)  # the caller's path: the callback compares it with its own
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
-            self._latest[root] = handle
+            self._latest[path] = handle
         return handle
+
+    def _gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
 
     def _bound_inflight(self) -> None:
         # Each save in flight holds its own host copy: at most max_inflight of them per rank.
         with self._lock:
             pending = [h for h in self._handles if not h.done()]
-        while len(pending) >= max(1, self.config.max_inflight):
+        while len(pending) >= self.max_inflight:
             try:
                 pending[0].result()
             except BaseException:  # noqa: BLE001 - raised by wait(); here only room is awaited
@@ -194,7 +231,11 @@ class StagedAdapterEngine:
                 await_part(target.staging, r, deadline)
             for r in range(self.world):
                 os.unlink(os.path.join(target.staging, f"{part_name(r)}.done"))
-            fsync_path(target.staging)
+            # Files the strategy wrote itself (DeepSpeed's `latest`, its scripts) were not fsynced.
+            for d, _, names in os.walk(target.staging):
+                for n in names:
+                    fsync_path(os.path.join(d, n))
+                fsync_path(d)
             target.publish(b"")
             published = True
             metrics.time_to_durable_s = time.perf_counter() - t0
@@ -205,14 +246,29 @@ class StagedAdapterEngine:
                 log.warning("gockpt: checkpoint %s not committed", target.root)
 
     def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
-        """Finish every pending save of this rank (rank 0: committed); raises the first error."""
+        """Finish every pending save (rank 0: committed); collective while the ranks meet.
+
+        Raises:
+            The first error of this rank's saves; on the other ranks a ``RuntimeError`` naming
+            it, so that no rank waits for one that raised.
+        """
         with self._lock:
             handles = list(self._handles)
-        out = [h.result(timeout_s) for h in handles]
+        out, error = [], None
+        try:
+            out = [h.result(timeout_s) for h in handles]
+        except BaseException as e:  # noqa: BLE001 - raised below, after the ranks have met
+            error = e
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()]
-        if self._collective():
-            self.strategy.barrier("gockpt_staged_wait")
+        errors = [None if error is None else f"{type(error).__name__}: {error}"]
+        if self._group is not None and self._collective():
+            errors = self._gather(errors[0])
+        if error is not None:
+            raise error
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if bad:
+            raise RuntimeError("gockpt: a checkpoint failed on another rank: " + "; ".join(bad))
         return out
 
     def remove(self, path: str) -> None:
@@ -238,6 +294,9 @@ class StagedAdapterEngine:
         finally:
             if self._commits is not None:
                 self._commits.shutdown(wait=True)
+            close = getattr(self._write, "close", None)
+            if close is not None:
+                close()
             for c in self._claims:
                 c.release()
             self._claims = []

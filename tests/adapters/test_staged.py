@@ -3,16 +3,20 @@
 Driven through :class:`lightning_gockpt.staged.StagedAdapterEngine`'s own interface with a
 writer that writes plain files from a background thread, as the strategies' writers do; the
 "strategy" is the seam the engine uses of Lightning's (``broadcast``, ``barrier``), for one
-process, or for rank 0 of two where the other rank never delivers.
+process, or over the gloo group of two spawned ranks.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from gockpt import GoCkptConfig
 from lightning_gockpt.staged import StagedAdapterEngine
@@ -34,6 +38,7 @@ class FileWriter:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        self.fail_after = ""  # fail only once this file exists in the staging directory
 
     def __call__(self, stage: str, checkpoint: dict) -> tuple[Future, int]:
         files = dict(checkpoint["files"])  # taken at the request
@@ -41,6 +46,10 @@ class FileWriter:
         def run() -> int:
             self.gate.wait(30)
             if self.fail:
+                for _ in range(1000):  # fail once the other rank's file is in (no race on the abort)
+                    if not self.fail_after or os.path.exists(os.path.join(stage, self.fail_after)):
+                        break
+                    time.sleep(0.01)
                 raise OSError(28, "No space left on device")
             for name, data in files.items():
                 with open(os.path.join(stage, name), "wb") as f:
@@ -95,12 +104,87 @@ def test_a_failed_write_publishes_nothing_and_keeps_the_previous_checkpoint(tmp_
         eng.close()  # the background error reaches the caller
 
 
-def test_a_rank_that_never_delivers_leaves_no_checkpoint(tmp_path):
-    eng = _engine(FileWriter(), world=2, commit_timeout_s=0.5)  # rank 1 never writes its marker
-    path = tmp_path / "step.ckpt"
-    with pytest.raises(TimeoutError, match="rank 1"):
-        _request(eng, path, {"a.pt": b"x"}).result(30)
-    assert not path.exists() and _hidden(tmp_path) == []
+class Ranks:
+    """Lightning's strategy seam over the default gloo group of spawned ranks."""
+
+    def broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self, name=None):
+        dist.barrier()
+
+
+def _two_ranks(rank: int, port: int, root: str, scenario: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    writer = FileWriter()
+    if scenario == "dies" and rank == 1:
+        writer = lambda stage, ck: (Future(), 0)  # noqa: E731 - its files never arrive
+    writer_fails = scenario == "fails" and rank == 0
+    if writer_fails:
+        writer.fail, writer.fail_after = True, "r1.pt"
+    eng = StagedAdapterEngine(Ranks(), GoCkptConfig(), writer, rank=rank, world=2,
+                              collective=lambda: True, commit_timeout_s=1.0)
+    path = os.path.join(root, "step.ckpt")
+    handle = eng.save(path, state_fn=lambda: {"lightning": {"files": {f"r{rank}.pt": b"x"}}})
+    if scenario == "dies":
+        if rank == 1:
+            os._exit(0)  # killed after its request, before its files
+        try:
+            handle.result(30)
+        except TimeoutError as e:
+            outcome = f"timeout: {e}"
+        else:
+            outcome = "published"
+    else:
+        try:
+            handle.result(30)
+        except OSError:
+            assert writer_fails
+        try:
+            eng.wait(30)  # collective: no rank may wait for one that raised
+            outcome = "no error"
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"outcome-{rank}"), "w") as f:
+        f.write(outcome)
+    os._exit(0)
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_rank_that_dies_before_its_files_leaves_no_checkpoint(tmp_path):
+    """Rank 1 is gone after its request: rank 0 gives up after commit_timeout_s, nothing is
+    published at the path and no staging directory is left."""
+    mp.spawn(_two_ranks, args=(_port(), str(tmp_path), "dies"), nprocs=2)
+    assert (tmp_path / "outcome-0").read_text().startswith("timeout: ")
+    assert "rank 1" in (tmp_path / "outcome-0").read_text()
+    assert sorted(os.listdir(tmp_path)) == ["outcome-0"]
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """Rank 0's write fails (disk full): nothing is published, and the collective wait raises on
+    both ranks (rank 1 names rank 0's error) instead of leaving one waiting for the other."""
+    mp.spawn(_two_ranks, args=(_port(), str(tmp_path), "fails"), nprocs=2)
+    assert (tmp_path / "outcome-0").read_text().startswith("OSError: [Errno 28]")
+    assert (tmp_path / "outcome-1").read_text().startswith("RuntimeError: gockpt: a checkpoint failed on "
+                                                           "another rank: rank 0: OSError")
+    assert sorted(os.listdir(tmp_path)) == ["outcome-0", "outcome-1"]
+
+
+def test_two_ranks_write_one_checkpoint(tmp_path):
+    """Both ranks write into rank 0's staging directory (a shared filesystem): the checkpoint
+    holds both ranks' files, and both ranks' waits return."""
+    mp.spawn(_two_ranks, args=(_port(), str(tmp_path), "shared"), nprocs=2)
+    assert sorted(os.listdir(tmp_path / "step.ckpt")) == ["r0.pt", "r1.pt"]
+    assert (tmp_path / "outcome-0").read_text() == "no error"
+    assert (tmp_path / "outcome-1").read_text() == "no error"
 
 
 def test_removing_a_checkpoint_in_flight_waits_for_its_commit(tmp_path):
