@@ -436,19 +436,9 @@ class ShardedAdapterEngine:
         A sharded save cannot be cancelled on one rank alone: one in flight is deleted once it
         has ended, unless ``path`` was requested again meanwhile.
         """
-        with self._lock:
-            handle = self._latest.get(path)
-        if handle is None or handle.done():
-            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
-            return
+        from .staged import remove_when_done
 
-        def drop(h: ShardedHandle) -> None:
-            with self._lock:
-                if self._latest.get(path) is not h:
-                    return  # saved again since: that save is the checkpoint now
-            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
-
-        handle.add_done_callback(drop)
+        remove_when_done(path, self._latest, self._lock, self.config)
 
     def close(self) -> None:
         """Finish the pending saves and stop (collective while the ranks meet)."""

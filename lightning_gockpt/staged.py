@@ -273,19 +273,7 @@ class StagedAdapterEngine:
 
     def remove(self, path: str) -> None:
         """Delete the checkpoint at ``path`` (rank 0); a save of it in flight first commits."""
-        with self._lock:
-            handle = self._latest.get(path)
-        if handle is None or handle.done():
-            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
-            return
-
-        def drop(h: StagedHandle) -> None:
-            with self._lock:
-                if self._latest.get(path) is not h:
-                    return  # saved again since: that save is the checkpoint now
-            gockpt.remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
-
-        handle.add_done_callback(drop)
+        remove_when_done(path, self._latest, self._lock, self.config)
 
     def close(self) -> None:
         """Finish the pending saves and stop (collective while the ranks meet)."""
@@ -300,6 +288,27 @@ class StagedAdapterEngine:
             for c in self._claims:
                 c.release()
             self._claims = []
+
+
+def remove_when_done(path: str, latest: dict[str, Any], lock: threading.Lock, config: GoCkptConfig) -> None:
+    """Delete the checkpoint at ``path`` now, or once the save of it in flight has ended.
+
+    ``latest`` maps each path to the handle of its newest save (read under ``lock``); a save of
+    ``path`` requested again meanwhile is the checkpoint then, and is kept.
+    """
+    with lock:
+        handle = latest.get(path)
+    if handle is None or handle.done():
+        gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s)
+        return
+
+    def drop(h: Any) -> None:
+        with lock:
+            if latest.get(path) is not h:
+                return  # saved again since: that save is the checkpoint now
+        gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s)
+
+    handle.add_done_callback(drop)
 
 
 def _fill(metrics: CheckpointMetrics, nbytes: int, t0: float) -> None:
@@ -331,4 +340,4 @@ def _mark(stage: str, rank: int, written: Future[int]) -> None:
         log.info("gockpt: could not mark %s: %s", stage, e)
 
 
-__all__ = ["COMMIT_TIMEOUT_S", "StagedAdapterEngine", "StagedHandle", "Writer"]
+__all__ = ["COMMIT_TIMEOUT_S", "StagedAdapterEngine", "StagedHandle", "Writer", "remove_when_done"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
@@ -31,7 +30,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeedStrategy needs a CUDA device"),
 ]
 
-BATCHES = 6  # per epoch
 EVERY = 4
 STOP = 8
 TOTAL = 12
@@ -43,55 +41,14 @@ def _child(root: str) -> None:  # noqa: PLR0915 - one scenario, read top to bott
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
-    from torch import nn
 
     from lightning_gockpt import GoCkptIO
 
     sys.path.insert(0, os.path.dirname(__file__))
     from _lightning_train import assert_bitwise_equal
+    from _one_gpu import Net, to_cpu
 
     torch.use_deterministic_algorithms(True)
-
-    class Data:
-        """Sized, stateful batches in a fixed order (Lightning checkpoints the position)."""
-
-        def __init__(self) -> None:
-            self.x = torch.randn(BATCHES * 4, 16, generator=torch.Generator().manual_seed(7))
-            self.pos = 0
-
-        def __len__(self) -> int:
-            return BATCHES
-
-        def __iter__(self):
-            if self.pos >= BATCHES:
-                self.pos = 0
-            while self.pos < BATCHES:
-                b = self.x[self.pos * 4:(self.pos + 1) * 4]
-                self.pos += 1
-                yield b, b[:, :5].flip(1)
-
-        def state_dict(self):
-            return {"pos": self.pos}
-
-        def load_state_dict(self, state):
-            self.pos = state["pos"]
-
-    class Net(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
-
-        def training_step(self, batch, batch_idx):
-            x, t = batch
-            return (self.body(x) - t).pow(2).mean()
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-        def train_dataloader(self):
-            return Data()
 
     class SaveAt(Callback):
         """Stock run: DeepSpeed's own checkpoint of step ``EVERY``."""
@@ -143,12 +100,12 @@ def _child(root: str) -> None:  # noqa: PLR0915 - one scenario, read top to bott
             # (not "callbacks": only the GoCkpt run has a ModelCheckpoint)
             for key in ("loops", "lr_schedulers", "global_step", "epoch"):
                 assert_bitwise_equal(g.get(key), w.get(key), f"{name}:{key}")
-            assert_bitwise_equal(_to_cpu(g["module"]), _to_cpu(w["module"]), f"{name}:module")
+            assert_bitwise_equal(to_cpu(g["module"]), to_cpu(w["module"]), f"{name}:module")
         else:  # the ZeRO partition: fp32 master weights and optimizer state
-            assert_bitwise_equal(_to_cpu(g["optimizer_state_dict"]["single_partition_of_fp32_groups"]),
-                                 _to_cpu(w["optimizer_state_dict"]["single_partition_of_fp32_groups"]), name)
-            assert_bitwise_equal(_to_cpu(g["optimizer_state_dict"]["base_optimizer_state"]),
-                                 _to_cpu(w["optimizer_state_dict"]["base_optimizer_state"]), name)
+            assert_bitwise_equal(to_cpu(g["optimizer_state_dict"]["single_partition_of_fp32_groups"]),
+                                 to_cpu(w["optimizer_state_dict"]["single_partition_of_fp32_groups"]), name)
+            assert_bitwise_equal(to_cpu(g["optimizer_state_dict"]["base_optimizer_state"]),
+                                 to_cpu(w["optimizer_state_dict"]["base_optimizer_state"]), name)
     last = files(f"{root}/ckpt/last.ckpt")
     model_file = next(n for n in last if "model_states" in n)
     assert last[model_file]["global_step"] == STOP
@@ -161,26 +118,14 @@ def _child(root: str) -> None:  # noqa: PLR0915 - one scenario, read top to bott
     print("deepspeed-ok", flush=True)
 
 
-def _to_cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_cpu(v) for v in tree]
-    return tree
-
-
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
 def test_deepspeed_checkpoint_equals_stock_files_and_resumes_exactly(tmp_path):
     """DeepSpeedStrategy (ZeRO 2) with GoCkptIO on one GPU: the checkpoint's files equal stock's
     of the same step bit for bit, and a resume from it ends bit-identical to the uninterrupted
     stock run."""
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", MASTER_ADDR="127.0.0.1")
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and "deepspeed-ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    from _one_gpu import run_child
+
+    run_child(__file__, str(tmp_path), ok="deepspeed-ok")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ directory.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -31,7 +30,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDPStrategy needs a CUDA device"),
 ]
 
-BATCHES = 6  # per epoch
 EVERY = 4
 STOP = 8
 TOTAL = 12
@@ -41,55 +39,14 @@ def _child(root: str, sdt: str) -> None:  # noqa: PLR0915 - one scenario, read t
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import FSDPStrategy
-    from torch import nn
 
     from lightning_gockpt import GoCkptIO
 
     sys.path.insert(0, os.path.dirname(__file__))
     from _lightning_train import _clone, assert_bitwise_equal
+    from _one_gpu import Net, to_cpu
 
     torch.use_deterministic_algorithms(True)
-
-    class Data:
-        """Sized, stateful batches in a fixed order (Lightning checkpoints the position)."""
-
-        def __init__(self) -> None:
-            self.x = torch.randn(BATCHES * 4, 16, generator=torch.Generator().manual_seed(7))
-            self.pos = 0
-
-        def __len__(self) -> int:
-            return BATCHES
-
-        def __iter__(self):
-            if self.pos >= BATCHES:
-                self.pos = 0
-            while self.pos < BATCHES:
-                b = self.x[self.pos * 4:(self.pos + 1) * 4]
-                self.pos += 1
-                yield b, b[:, :5].flip(1)
-
-        def state_dict(self):
-            return {"pos": self.pos}
-
-        def load_state_dict(self, state):
-            self.pos = state["pos"]
-
-    class Net(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
-
-        def training_step(self, batch, batch_idx):
-            x, t = batch
-            return (self.body(x) - t).pow(2).mean()
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-        def train_dataloader(self):
-            return Data()
 
     class Record(Callback):
         """Stock's checkpoint dict after every step (the strategy gathers it on rank 0)."""
@@ -148,7 +105,7 @@ def _child(root: str, sdt: str) -> None:  # noqa: PLR0915 - one scenario, read t
         assert h.result().mode == ("async" if sdt == "full" else "lazy")
     assert sorted(os.listdir(f"{root}/ckpt")) == ["last.ckpt", f"step={EVERY}.ckpt", f"step={STOP}.ckpt"]
     ck4 = f"{root}/ckpt/step={EVERY}.ckpt"
-    want = {k: _to_cpu(v) for k, v in record.dicts[EVERY].items()}
+    want = {k: to_cpu(v) for k, v in record.dicts[EVERY].items()}
     if sdt == "full":
         assert os.path.isfile(os.path.join(ck4, "manifest.json"))  # a GoCkpt checkpoint directory
         got = io.load_checkpoint(ck4)
@@ -156,7 +113,7 @@ def _child(root: str, sdt: str) -> None:  # noqa: PLR0915 - one scenario, read t
         assert_bitwise_equal({k: got[k] for k in ("state_dict", "optimizer_states")}, want, "step 4")
         last = io.load_checkpoint(f"{root}/ckpt/last.ckpt")
         assert last["global_step"] == STOP
-        assert_bitwise_equal(last["state_dict"], _to_cpu(record.dicts[STOP]["state_dict"]), "last")
+        assert_bitwise_equal(last["state_dict"], to_cpu(record.dicts[STOP]["state_dict"]), "last")
     else:  # stock's DCP directory and meta.pt
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -176,29 +133,17 @@ def _child(root: str, sdt: str) -> None:  # noqa: PLR0915 - one scenario, read t
     assert resumed.global_step == TOTAL
     assert_bitwise_equal(weights(resumed), weights(ref), "resumed")
     if sdt == "full":
-        assert_bitwise_equal(_to_cpu(live(resumed)), _to_cpu(live(ref)), "resumed")
+        assert_bitwise_equal(to_cpu(live(resumed)), to_cpu(live(ref)), "resumed")
     print("fsdp-ok", flush=True)
-
-
-def _to_cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_cpu(v) for v in tree]
-    return tree
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_fsdp_checkpoint_equals_stock_and_resumes_exactly(tmp_path, state_dict_type):
     """FSDPStrategy with GoCkptIO on one GPU: the checkpoint equals stock's dict of its step bit
     for bit, and a resume from it ends bit-identical to the uninterrupted stock run."""
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", MASTER_ADDR="127.0.0.1")
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path), state_dict_type], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and "fsdp-ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    from _one_gpu import run_child
+
+    run_child(__file__, str(tmp_path), state_dict_type, ok="fsdp-ok")
 
 
 if __name__ == "__main__":
