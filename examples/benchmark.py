@@ -921,6 +921,9 @@ def _parser() -> argparse.ArgumentParser:
         "(shard files through the page cache), beside the rows at the default (O_DIRECT)",
     )
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
+    add("--no-lightning", action="store_true",
+        help="skip the section with Lightning's defaults (a Trainer and its default ModelCheckpoint "
+             "per checkpoint I/O: examples/bench_lightning.py)")
     add(
         "--emulated-only",
         action="store_true",
@@ -1025,6 +1028,11 @@ def main() -> None:
             results += [run(s, link) for s in EMULATED_SCHEMES if s in schemes]
         if not args.no_repeat:
             results.append({**run("none"), "repeat": True})
+        lightning_results = []
+        if not args.no_lightning and not args.emulated_only and args.workload == "fp32":
+            import bench_lightning
+
+            lightning_results = bench_lightning.run_all(args, fork, args.ckpt_dir)
     finally:
         shutil.rmtree(args.ckpt_dir, ignore_errors=True)
 
@@ -1047,8 +1055,13 @@ def main() -> None:
         "loadavg": f"{min(loads):.1f} to {max(loads):.1f}",
     }
     table = markdown(results, raw, meta)
+    if lightning_results:
+        import bench_lightning
+
+        table += "\n" + bench_lightning.section(lightning_results, args.interval)
     out = Path(args.out)
-    report = {"meta": meta, "raw": raw, "results": results, "targets": targets(results)}
+    report = {"meta": meta, "raw": raw, "results": results, "targets": targets(results),
+              "lightning_defaults": lightning_results}
     (out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (out / "benchmark.md").write_text(table)
     chart(results, str(out / "benchmark.png"))

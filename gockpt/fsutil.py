@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -194,7 +194,7 @@ def remove_file(fs: AbstractFileSystem, path: str) -> None:
         pass
 
 
-def remove_local_checkpoint(root: str) -> None:
+def remove_local_checkpoint(root: str, discard: Callable[[str], None] | None = None) -> None:
     """Delete the local checkpoint directory ``root`` so that it stops being complete in one
     durable step before any file goes; a symlink (or other non-directory) is unlinked, its
     target kept; a missing ``root`` is fine.
@@ -203,6 +203,12 @@ def remove_local_checkpoint(root: str) -> None:
     the scratch tree deleted (a crash leaves it to :func:`gockpt.storage.cleanup_staging`).
     Where it cannot be renamed (a mount point, ...), ``manifest.json`` is unlinked and ``root``
     fsynced first, then the rest deleted.
+
+    Args:
+        root: the checkpoint directory.
+        discard: deletes the renamed scratch tree instead of this call (e.g. on a background
+            thread: unlinking gigabytes takes the kernel a while); ``root`` is gone when this
+            call returns either way.
 
     Raises:
         OSError: a rename, unlink, fsync or deletion failed.
@@ -227,7 +233,10 @@ def remove_local_checkpoint(root: str) -> None:
         fsync_path(parent)
         return
     fsync_path(parent)
-    shutil.rmtree(aside)
+    if discard is None:
+        shutil.rmtree(aside)
+    else:
+        discard(aside)
 
 
 def remove_remote_checkpoint(fs: AbstractFileSystem, root: str) -> None:

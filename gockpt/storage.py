@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gockpt import _claim, _pointer, fsutil
@@ -212,6 +212,8 @@ def remove_checkpoint(
     path: str,
     storage_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
+    *,
+    discard: Callable[[str], None] | None = None,
 ) -> None:
     """Delete the checkpoint at ``path``, crash-safely; a symlink is unlinked, its target kept.
 
@@ -227,6 +229,8 @@ def remove_checkpoint(
         path: checkpoint directory (local path or fsspec URL).
         storage_options: fsspec options.
         timeout_s: bound on one object-store operation in seconds (see :func:`url_to_fs`).
+        discard: locally, deletes the files of the checkpoint once it is renamed aside (see
+            :func:`gockpt.fsutil.remove_local_checkpoint`); None: this call deletes them.
 
     Raises:
         CheckpointStorageError: the pointer could be neither moved nor deleted (the checkpoint
@@ -253,7 +257,7 @@ def remove_checkpoint(
                 log.warning("gockpt: %s; removed the 'latest' pointer instead", e)
     try:
         if is_local(fs):
-            remove_local_checkpoint(root)
+            remove_local_checkpoint(root, discard)
         else:
             remove_remote_checkpoint(fs, root)
     except CheckpointError:

@@ -442,7 +442,12 @@ class ShardedAdapterEngine:
 
     def close(self) -> None:
         """Finish the pending saves and stop (collective while the ranks meet)."""
-        self.sharded.close(collective=self._collective())
+        from .staged import drain_discards
+
+        try:
+            self.sharded.close(collective=self._collective())
+        finally:
+            drain_discards()
 
 
 def _model_tensor(key: str) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 import gockpt
 from gockpt import CheckpointMetrics, GoCkptConfig
 from gockpt._sharded_commit import await_part, part_name, write_atomic
-from gockpt.fsutil import fsync_path, is_local, scratch_path, split, url_to_fs
+from gockpt.fsutil import fsync_path, is_local, remove_local, scratch_path, split, url_to_fs
 from gockpt.storage import claim_directory, cleanup_staging
 from gockpt.targets import LocalTarget
 
@@ -285,6 +285,7 @@ class StagedAdapterEngine:
             close = getattr(self._write, "close", None)
             if close is not None:
                 close()
+            drain_discards()
             for c in self._claims:
                 c.release()
             self._claims = []
@@ -299,16 +300,38 @@ def remove_when_done(path: str, latest: dict[str, Any], lock: threading.Lock, co
     with lock:
         handle = latest.get(path)
     if handle is None or handle.done():
-        gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s)
+        gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s,
+                                 discard=_discard)
         return
 
     def drop(h: Any) -> None:
         with lock:
             if latest.get(path) is not h:
                 return  # saved again since: that save is the checkpoint now
-        gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s)
+        gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s,
+                                 discard=_discard)
 
     handle.add_done_callback(drop)
+
+
+_DISCARDS = ThreadPoolExecutor(1, thread_name_prefix="gockpt-discard")
+
+
+def _discard(aside: str) -> None:
+    # The checkpoint is already renamed aside (gone from its path); unlinking its files takes
+    # the kernel long enough to stall a training step, so it happens on a thread.
+    def delete() -> None:
+        try:
+            remove_local(aside)
+        except OSError as e:
+            log.warning("gockpt: could not delete %s (cleanup_staging will): %s", aside, e)
+
+    _DISCARDS.submit(delete)
+
+
+def drain_discards() -> None:
+    """Wait until the files of every checkpoint removed so far are deleted."""
+    _DISCARDS.submit(lambda: None).result()  # one thread, in order: every earlier one is done
 
 
 def _fill(metrics: CheckpointMetrics, nbytes: int, t0: float) -> None:
@@ -340,4 +363,5 @@ def _mark(stage: str, rank: int, written: Future[int]) -> None:
         log.info("gockpt: could not mark %s: %s", stage, e)
 
 
-__all__ = ["COMMIT_TIMEOUT_S", "StagedAdapterEngine", "StagedHandle", "Writer", "remove_when_done"]
+__all__ = ["COMMIT_TIMEOUT_S", "StagedAdapterEngine", "StagedHandle", "Writer", "drain_discards",
+           "remove_when_done"]

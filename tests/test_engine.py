@@ -711,3 +711,18 @@ def test_a_writer_that_stores_no_optimizer_state_leaves_a_loadable_checkpoint(tm
     assert not [k for k in state.manifest["tensors"] if not k.startswith("model.")]
     for k, v in live[m.captured_step]["model"].items():
         assert torch.equal(state.model_state_dict[k], v), k
+
+
+def test_remove_unpublishes_at_once_and_deletes_the_files_before_close_returns(tmp_path):
+    """Engine.remove: the checkpoint is gone from its path when the call returns (renamed aside,
+    the parent fsynced); its files are deleted on a thread, all of them by the time close()
+    returns, leaving nothing behind."""
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="async"))
+    train(model, opt, sched, scaler, 2)
+    eng.save(str(tmp_path / "a")).result()
+    eng.save(str(tmp_path / "b")).result()
+    eng.remove(str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists() and gockpt.is_complete(str(tmp_path / "b"))
+    eng.close()
+    assert sorted(os.listdir(tmp_path)) == ["b", "latest"]  # no scratch entry left
