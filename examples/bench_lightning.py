@@ -119,7 +119,9 @@ def section(results: list[dict], interval: int) -> str:
         "",
         f"A `Trainer` with its default `ModelCheckpoint` (one checkpoint per epoch of {interval} "
         f"steps, `save_top_k=1`), {results[0]['global_step']} steps, each variant in its own process "
-        f"(`examples/bench_lightning.py`); checkpoint size {size / 1e6:.0f} MB (weights + AdamW state).",
+        f"(`examples/bench_lightning.py`); checkpoint size {size / 1e6:.0f} MB (weights + AdamW state). "
+        "Fit time includes waiting for the last checkpoint to be written, as every variant does "
+        "before `fit` returns.",
         "",
         "| variant | fit (s) | wall above none / ckpt (s) | peak RSS (MB) | peak RSS above none (ckpts) |",
         "|---|---:|---:|---:|---:|",
