@@ -46,7 +46,7 @@ from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_c
 from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
-from .fsutil import remove_local
+from .fsutil import BACKGROUND_DELETE_BYTES, remove_local, tree_bytes
 from .handle import CheckpointMetrics, SaveHandle
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
@@ -326,7 +326,8 @@ class Engine:
                           discard=self._discard)
 
     def _discard(self, aside: str) -> None:
-        if self._closed:
+        # A small tree goes at once: nothing is left beside the checkpoints while it is deleted.
+        if self._closed or tree_bytes(aside) < BACKGROUND_DELETE_BYTES:
             remove_local(aside)
             return
         if self._discards is None:

@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from gockpt.errors import CheckpointError, CheckpointStorageError, CheckpointTimeoutError
 
 __all__ = [
+    "BACKGROUND_DELETE_BYTES",
     "DEFAULT_STORAGE_TIMEOUT_S",
     "MANIFEST_NAME",
     "S3_MAX_ATTEMPTS",
@@ -39,6 +40,7 @@ __all__ = [
     "scratch_path",
     "split",
     "storage_error",
+    "tree_bytes",
     "url_to_fs",
 ]
 
@@ -192,6 +194,23 @@ def remove_file(fs: AbstractFileSystem, path: str) -> None:
         fs.rm_file(path)
     except FileNotFoundError:
         pass
+
+
+BACKGROUND_DELETE_BYTES = 64 << 20
+"""Trees at least this large (bytes) are worth deleting on a thread (see :func:`tree_bytes`)."""
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under local ``path`` (symlinks not followed)."""
+    total = 0
+    for d, _, names in os.walk(path):
+        for n in names:
+            try:
+                st = os.lstat(os.path.join(d, n))
+            except FileNotFoundError:
+                continue
+            total += st.st_size
+    return total
 
 
 def remove_local_checkpoint(root: str, discard: Callable[[str], None] | None = None) -> None:

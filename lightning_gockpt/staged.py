@@ -34,7 +34,16 @@ from typing import Any
 import gockpt
 from gockpt import CheckpointMetrics, GoCkptConfig
 from gockpt._sharded_commit import await_part, part_name, write_atomic
-from gockpt.fsutil import fsync_path, is_local, remove_local, scratch_path, split, url_to_fs
+from gockpt.fsutil import (
+    BACKGROUND_DELETE_BYTES,
+    fsync_path,
+    is_local,
+    remove_local,
+    scratch_path,
+    split,
+    tree_bytes,
+    url_to_fs,
+)
 from gockpt.storage import claim_directory, cleanup_staging
 from gockpt.targets import LocalTarget
 
@@ -318,8 +327,13 @@ _DISCARDS = ThreadPoolExecutor(1, thread_name_prefix="gockpt-discard")
 
 
 def _discard(aside: str) -> None:
-    # The checkpoint is already renamed aside (gone from its path); unlinking its files takes
-    # the kernel long enough to stall a training step, so it happens on a thread.
+    # The checkpoint is already renamed aside (gone from its path); unlinking a large one takes
+    # the kernel long enough to stall a training step, so it happens on a thread. A small tree
+    # goes at once: nothing is left beside the checkpoints while it is deleted.
+    if tree_bytes(aside) < BACKGROUND_DELETE_BYTES:
+        remove_local(aside)
+        return
+
     def delete() -> None:
         try:
             remove_local(aside)

@@ -715,8 +715,8 @@ def test_a_writer_that_stores_no_optimizer_state_leaves_a_loadable_checkpoint(tm
 
 def test_remove_unpublishes_at_once_and_deletes_the_files_before_close_returns(tmp_path):
     """Engine.remove: the checkpoint is gone from its path when the call returns (renamed aside,
-    the parent fsynced); its files are deleted on a thread, all of them by the time close()
-    returns, leaving nothing behind."""
+    the parent fsynced); its files are deleted (on a thread when large), all of them by the time
+    close() returns, leaving nothing behind."""
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode="async"))
     train(model, opt, sched, scaler, 2)
@@ -726,3 +726,24 @@ def test_remove_unpublishes_at_once_and_deletes_the_files_before_close_returns(t
     assert not (tmp_path / "a").exists() and gockpt.is_complete(str(tmp_path / "b"))
     eng.close()
     assert sorted(os.listdir(tmp_path)) == ["b", "latest"]  # no scratch entry left
+
+
+def test_remove_checkpoint_hands_the_renamed_tree_to_discard(tmp_path):
+    """remove_checkpoint(discard=...): the checkpoint is gone from its path before the callable
+    gets the renamed tree, whole, to delete (as Engine.remove does on a thread)."""
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="async"))
+    train(model, opt, sched, scaler, 1)
+    eng.save(str(tmp_path / "a")).result()
+    eng.close()
+    files = sorted(os.listdir(tmp_path / "a"))
+    seen = []
+
+    def discard(aside):
+        assert not (tmp_path / "a").exists()
+        seen.append((os.path.basename(aside), sorted(os.listdir(aside))))
+        gockpt.fsutil.remove_local(aside)
+
+    gockpt.remove_checkpoint(str(tmp_path / "a"), discard=discard)
+    assert len(seen) == 1 and seen[0][0].startswith(".a.gockpt-tmp-") and seen[0][1] == files
+    assert sorted(os.listdir(tmp_path)) == ["latest"] or sorted(os.listdir(tmp_path)) == []
