@@ -32,7 +32,6 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -46,11 +45,10 @@ from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_c
 from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
-from .fsutil import BACKGROUND_DELETE_BYTES, remove_local, tree_bytes
 from .handle import CheckpointMetrics, SaveHandle
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
-from .storage import claim_directory, cleanup_staging, remove_checkpoint
+from .storage import BackgroundDeleter, claim_directory, cleanup_staging, remove_checkpoint
 from .transfer import SlotPool, make_copier
 from .writer import CheckpointWriter
 
@@ -97,7 +95,7 @@ class Engine:
         self._seq = itertools.count()
         self._all: list[SaveRecord] = []  # every save whose handle may not be resolved yet
         self._closed = False
-        self._discards: ThreadPoolExecutor | None = None  # deletes removed checkpoints' files
+        self._deleter = BackgroundDeleter()  # deletes removed checkpoints' files
         self._cleaned_dirs: set[str] = set()
         self._claims: list = []  # one writer per checkpoint directory (gockpt.storage.claim_directory)
 
@@ -320,19 +318,10 @@ class Engine:
             except BaseException:  # noqa: BLE001 - the save was cancelled on purpose
                 pass
         self._all = [s for s in self._all if not (s.path == path and s.handle.done())]
-        # The checkpoint is gone when this returns (renamed aside); its files are deleted on a
-        # thread: unlinking a large checkpoint takes the kernel long enough to stall a step.
+        # The checkpoint is gone when this returns (renamed aside); a large one's files are
+        # deleted on a thread: unlinking them takes the kernel long enough to stall a step.
         remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s,
-                          discard=self._discard)
-
-    def _discard(self, aside: str) -> None:
-        # A small tree goes at once: nothing is left beside the checkpoints while it is deleted.
-        if self._closed or tree_bytes(aside) < BACKGROUND_DELETE_BYTES:
-            remove_local(aside)
-            return
-        if self._discards is None:
-            self._discards = ThreadPoolExecutor(1, thread_name_prefix="gockpt-discard")
-        self._discards.submit(_delete_tree, aside)
+                          discard=None if self._closed else self._deleter)
 
     def restore(self, path: str, *, allow_pickle: bool = False) -> Any:
         """Load a checkpoint into the live model and optimizers; returns its non-tensor state.
@@ -369,8 +358,7 @@ class Engine:
                 o.__dict__.pop("zero_grad", None)
             self._pipeline.close()
             self._copier.close()
-            if self._discards is not None:
-                self._discards.shutdown(wait=True)
+            self._deleter.close()
             for claim in self._claims:
                 claim.release()
         self._pipeline.raise_errors()
@@ -417,11 +405,3 @@ class Engine:
 
     def _on_forward(self) -> None:
         self._windows.forward_start(self.version)
-
-
-def _delete_tree(path: str) -> None:
-    # A checkpoint already renamed aside: a failure leaves it to cleanup_staging.
-    try:
-        remove_local(path)
-    except OSError as e:
-        log.warning("gockpt: could not delete %s (cleanup_staging will): %s", path, e)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gockpt import _claim, _pointer, fsutil
@@ -50,6 +52,7 @@ from gockpt._pointer import (
 from gockpt._safe_read import open_local_regular, read_bounded
 from gockpt.errors import CheckpointError, CheckpointStorageError
 from gockpt.fsutil import (
+    BACKGROUND_DELETE_BYTES,
     MANIFEST_NAME,
     SCRATCH_RE,
     fsync_path,
@@ -62,11 +65,13 @@ from gockpt.fsutil import (
     remove_remote_checkpoint,
     split,
     storage_error,
+    tree_bytes,
     url_to_fs,
 )
 
 __all__ = [
     "DEFAULT_CLAIM_LEASE_S",
+    "BackgroundDeleter",
     "DEFAULT_STORAGE_TIMEOUT_S",
     "LATEST_NAME",
     "MANIFEST_NAME",
@@ -264,6 +269,52 @@ def remove_checkpoint(
         raise
     except Exception as e:
         raise storage_error(e, path, root, action="deleting checkpoint") from e
+
+
+class BackgroundDeleter:
+    """Deletes checkpoint trees already renamed aside: a large one on a thread, a small one at once.
+
+    Pass it as ``remove_checkpoint(..., discard=deleter)``. The checkpoint leaves its path in the
+    call either way; unlinking the files of a large one (:data:`gockpt.fsutil.BACKGROUND_DELETE_BYTES`
+    or more) takes the kernel long enough to stall a training step, so that happens on a thread
+    of this object's, in order. A small tree is deleted at once, so nothing is left beside the
+    checkpoints while it goes. A deletion that fails is logged; the scratch name it has left is
+    :func:`cleanup_staging`'s.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, aside: str) -> None:
+        if tree_bytes(aside) < BACKGROUND_DELETE_BYTES:
+            _delete_aside(aside)
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-delete")
+            self._pool.submit(_delete_aside, aside)
+
+    def drain(self) -> None:
+        """Wait until every tree handed over so far is deleted."""
+        with self._lock:
+            pool = self._pool
+        if pool is not None:
+            pool.submit(lambda: None).result()  # one thread, in order: every earlier one is done
+
+    def close(self) -> None:
+        """:meth:`drain`, then stop the thread (a later tree starts a new one)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _delete_aside(path: str) -> None:
+    try:
+        remove_local(path)
+    except OSError as e:
+        log.warning("gockpt: could not delete %s (cleanup_staging will): %s", path, e)
 
 
 def checkpoint_number(name: str) -> int | None:

@@ -34,17 +34,8 @@ from typing import Any
 import gockpt
 from gockpt import CheckpointMetrics, GoCkptConfig
 from gockpt._sharded_commit import await_part, part_name, write_atomic
-from gockpt.fsutil import (
-    BACKGROUND_DELETE_BYTES,
-    fsync_path,
-    is_local,
-    remove_local,
-    scratch_path,
-    split,
-    tree_bytes,
-    url_to_fs,
-)
-from gockpt.storage import claim_directory, cleanup_staging
+from gockpt.fsutil import fsync_path, is_local, scratch_path, split, url_to_fs
+from gockpt.storage import BackgroundDeleter, claim_directory, cleanup_staging
 from gockpt.targets import LocalTarget
 
 log = logging.getLogger("lightning_gockpt")
@@ -310,7 +301,7 @@ def remove_when_done(path: str, latest: dict[str, Any], lock: threading.Lock, co
         handle = latest.get(path)
     if handle is None or handle.done():
         gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s,
-                                 discard=_discard)
+                                 discard=_DELETER)
         return
 
     def drop(h: Any) -> None:
@@ -318,34 +309,18 @@ def remove_when_done(path: str, latest: dict[str, Any], lock: threading.Lock, co
             if latest.get(path) is not h:
                 return  # saved again since: that save is the checkpoint now
         gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s,
-                                 discard=_discard)
+                                 discard=_DELETER)
 
     handle.add_done_callback(drop)
 
 
-_DISCARDS = ThreadPoolExecutor(1, thread_name_prefix="gockpt-discard")
-
-
-def _discard(aside: str) -> None:
-    # The checkpoint is already renamed aside (gone from its path); unlinking a large one takes
-    # the kernel long enough to stall a training step, so it happens on a thread. A small tree
-    # goes at once: nothing is left beside the checkpoints while it is deleted.
-    if tree_bytes(aside) < BACKGROUND_DELETE_BYTES:
-        remove_local(aside)
-        return
-
-    def delete() -> None:
-        try:
-            remove_local(aside)
-        except OSError as e:
-            log.warning("gockpt: could not delete %s (cleanup_staging will): %s", aside, e)
-
-    _DISCARDS.submit(delete)
+# One deleter for every engine of the process: removals may happen after an engine closed.
+_DELETER = BackgroundDeleter()
 
 
 def drain_discards() -> None:
     """Wait until the files of every checkpoint removed so far are deleted."""
-    _DISCARDS.submit(lambda: None).result()  # one thread, in order: every earlier one is done
+    _DELETER.drain()
 
 
 def _fill(metrics: CheckpointMetrics, nbytes: int, t0: float) -> None:

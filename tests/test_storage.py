@@ -467,3 +467,25 @@ def test_publish_across_devices_copies_with_the_manifest_last(tmp_path, make_req
         assert torch.equal(loaded.tensors[name], t), name
     assert not [n for n in os.listdir(root) if ".gockpt-" in n]
     assert read_checkpoint(str(root / "older")).extra == {"step": 1}
+
+
+def test_background_deleter_deletes_small_trees_at_once_and_large_ones_by_drain(tmp_path):
+    """A small renamed-aside tree is gone when the call returns; a large one (a sparse file of
+    BACKGROUND_DELETE_BYTES: no disk used) is handed to the deleter's thread and gone by drain()."""
+    from gockpt.fsutil import BACKGROUND_DELETE_BYTES
+    from gockpt.storage import BackgroundDeleter
+
+    small, large = tmp_path / ".small.gockpt-tmp-1-a", tmp_path / ".large.gockpt-tmp-1-b"
+    for d in (small, large):
+        d.mkdir()
+    (small / "x.safetensors").write_bytes(b"x" * 100)
+    with open(large / "x.safetensors", "wb") as f:
+        f.truncate(BACKGROUND_DELETE_BYTES)
+    deleter = BackgroundDeleter()
+    deleter(str(small))
+    assert not small.exists()
+    deleter(str(large))
+    deleter.drain()
+    assert not large.exists()
+    deleter.close()
+    assert os.listdir(tmp_path) == []
