@@ -225,10 +225,26 @@ class StagedAdapterEngine:
         # Rank 0's commit thread: every rank's files durable, then one atomic rename.
         published = False
         try:
-            _fill(metrics, written.result(), t0)
+            own: BaseException | None = None
+            try:
+                _fill(metrics, written.result(), t0)
+            except BaseException as e:  # noqa: BLE001 - raised below, once the others are done
+                own = e
+            # Every rank's outcome before the staging directory goes, even when this rank's
+            # failed: a rank still writing into it would leave part of it behind.
             deadline = time.monotonic() + self.commit_timeout_s
+            errors: list[BaseException] = []
             for r in range(self.world):
-                await_part(target.staging, r, deadline)
+                if own is not None and r == self.rank:
+                    continue  # this rank's own outcome is known
+                try:
+                    await_part(target.staging, r, deadline)
+                except (RuntimeError, TimeoutError) as e:
+                    errors.append(e)
+            if own is not None:
+                raise own
+            if errors:
+                raise errors[0]
             for r in range(self.world):
                 os.unlink(os.path.join(target.staging, f"{part_name(r)}.done"))
             # Files the strategy wrote itself (DeepSpeed's `latest`, its scripts) were not fsynced.
