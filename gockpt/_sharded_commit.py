@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future
+from typing import Any
 
 import xxhash
 
@@ -122,8 +124,11 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             log.warning("gockpt: sharded checkpoint %s not committed", path)
 
 
-def mark(stage: str, rank: int, handle: SaveHandle) -> None:
-    """Phase one's outcome for rank 0: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic)."""
+def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
+    """Phase one's outcome for rank 0: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic).
+
+    ``handle``: the finished save of this rank's part (a handle or a future: its ``result(0)``).
+    """
     try:
         handle.result(0)
         kind = "done"

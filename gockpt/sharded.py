@@ -255,8 +255,7 @@ class ShardedEngine:
             self.engine._planner.select = self._partition
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if self.rank == 0 else None
         self._handles: list[ShardedHandle] = []
-        self._claimed: set[str] = set()
-        self._claims: list = []
+        self._staging = storage.ClaimedStaging(self.config.storage_options, self.config.storage_timeout_s)
 
     # ------------------------------------------------------------------ public API
 
@@ -313,19 +312,12 @@ class ShardedEngine:
         fs, root = fsutil.url_to_fs(path, self.config.storage_options)
         if not fsutil.is_local(fs):
             raise ValueError(f"sharded checkpoints are written to local paths only, got {path}")
-        parent, name = fsutil.split(root)
         stage, problem = None, None
         try:
             # A background error of an earlier save is raised here, on every rank alike.
             self.engine._pipeline.raise_errors()  # noqa: SLF001
             if self.rank == 0:
-                if parent not in self._claimed:
-                    self._claims.append(storage.claim_directory(
-                        parent, self.config.storage_options, timeout_s=self.config.storage_timeout_s))
-                    storage.cleanup_staging(parent, self.config.storage_options)
-                    self._claimed.add(parent)
-                stage = fsutil.scratch_path(parent, name)
-                os.mkdir(stage)
+                stage = self._staging.make(root)
         except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
             problem = e
         ready: list[Any] = [None] * self.world
@@ -428,8 +420,7 @@ class ShardedEngine:
             self.engine.close()
             if self._commits is not None:
                 self._commits.shutdown(wait=True)
-            for c in self._claims:
-                c.release()
+            self._staging.release()
 
     # ------------------------------------------------------------------ agreement and commit
 

@@ -72,6 +72,7 @@ from gockpt.fsutil import (
 __all__ = [
     "DEFAULT_CLAIM_LEASE_S",
     "BackgroundDeleter",
+    "ClaimedStaging",
     "DEFAULT_STORAGE_TIMEOUT_S",
     "LATEST_NAME",
     "MANIFEST_NAME",
@@ -269,6 +270,44 @@ def remove_checkpoint(
         raise
     except Exception as e:
         raise storage_error(e, path, root, action="deleting checkpoint") from e
+
+
+class ClaimedStaging:
+    """Staging directories beside local checkpoints, in parent directories this process claims.
+
+    The first staging directory made in a parent claims it (one writer per directory,
+    :func:`claim_directory`) and removes what dead writers left there (:func:`cleanup_staging`).
+    Used by writers that publish a staging directory themselves (sharded and staged commits).
+
+    Args:
+        storage_options: fsspec options; timeout_s: bound on one storage operation (seconds).
+    """
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None,
+                 timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S) -> None:
+        self.storage_options, self.timeout_s = storage_options, timeout_s
+        self._claims: dict[str, DirectoryClaim] = {}
+
+    def make(self, root: str) -> str:
+        """Make and return an empty staging directory for the local checkpoint ``root``.
+
+        Raises:
+            CheckpointError: another process holds the parent directory (:func:`claim_directory`).
+            CheckpointStorageError, OSError: the claim or the directory could not be made.
+        """
+        parent, name = split(root)
+        if parent not in self._claims:
+            self._claims[parent] = claim_directory(parent, self.storage_options, timeout_s=self.timeout_s)
+            cleanup_staging(parent, self.storage_options)
+        stage = fsutil.scratch_path(parent, name)
+        os.mkdir(stage)
+        return stage
+
+    def release(self) -> None:
+        """Release every claim (the staging directories are the caller's)."""
+        claims, self._claims = list(self._claims.values()), {}
+        for c in claims:
+            c.release()
 
 
 class BackgroundDeleter:

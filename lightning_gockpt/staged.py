@@ -33,9 +33,9 @@ from typing import Any
 
 import gockpt
 from gockpt import CheckpointMetrics, GoCkptConfig
-from gockpt._sharded_commit import await_part, part_name, write_atomic
-from gockpt.fsutil import fsync_path, is_local, scratch_path, split, url_to_fs
-from gockpt.storage import BackgroundDeleter, claim_directory, cleanup_staging
+from gockpt._sharded_commit import await_part, mark, part_name
+from gockpt.fsutil import fsync_path, is_local, url_to_fs
+from gockpt.storage import BackgroundDeleter, ClaimedStaging
 from gockpt.targets import LocalTarget
 
 log = logging.getLogger("lightning_gockpt")
@@ -82,7 +82,6 @@ class StagedAdapterEngine:
         write: the strategy's :data:`Writer`.
         rank: this process's global rank; ``world``: the number of processes.
         collective: whether the ranks still meet (False once this rank's run failed).
-        mode: the mode reported in the metrics (``"lazy"``: captured at the request).
         commit_timeout_s: seconds rank 0 waits for the other ranks' markers once its own files
             are written (a crashed or stalled rank: the save fails, nothing is published).
         max_inflight: saves in flight per rank at once; None: ``config.max_inflight`` (a writer
@@ -95,12 +94,11 @@ class StagedAdapterEngine:
     """
 
     def __init__(self, strategy: Any, config: GoCkptConfig, write: Writer, *, rank: int, world: int,
-                 collective: Callable[[], bool], mode: str = "lazy",
+                 collective: Callable[[], bool],
                  commit_timeout_s: float = COMMIT_TIMEOUT_S, max_inflight: int | None = None) -> None:
         self.strategy = strategy
         self.config = config
         self.rank, self.world = rank, world
-        self.mode = mode
         self.commit_timeout_s = commit_timeout_s
         self.max_inflight = max(1, config.max_inflight if max_inflight is None else max_inflight)
         self._group = None
@@ -115,8 +113,7 @@ class StagedAdapterEngine:
         self._handles: list[StagedHandle] = []
         self._latest: dict[str, StagedHandle] = {}
         self._lock = threading.Lock()
-        self._claimed: set[str] = set()
-        self._claims: list[Any] = []
+        self._staging = ClaimedStaging(config.storage_options, config.storage_timeout_s)
 
     # --- the step hooks (nothing is tracked between saves)
     def before_update(self) -> None:
@@ -146,22 +143,13 @@ class StagedAdapterEngine:
             raise ValueError(f"these checkpoints are written to local paths only, got {path}")
         self._bound_inflight()
         waited = time.perf_counter() - t0
-        parent, name = split(root)
         target, problem = None, None
         if self.rank == 0:
             try:
                 if os.path.ismount(root):
                     # Publishing is one rename in the parent directory; a mount point cannot be.
                     raise ValueError(f"{root} is a mount point: checkpoint into a directory inside it")
-                if parent not in self._claimed:
-                    os.makedirs(parent, exist_ok=True)
-                    self._claims.append(claim_directory(parent, self.config.storage_options,
-                                                        timeout_s=self.config.storage_timeout_s))
-                    cleanup_staging(parent, self.config.storage_options)
-                    self._claimed.add(parent)
-                stage = scratch_path(parent, name)
-                os.mkdir(stage)
-                target = LocalTarget(fs, root, staging=stage)
+                target = LocalTarget(fs, root, staging=self._staging.make(root))
             except BaseException as e:  # noqa: BLE001 - every rank must reach the broadcast
                 problem = f"{type(e).__name__}: {e}"
         stage, problem = self.strategy.broadcast((target.staging if target else None, problem))
@@ -185,11 +173,12 @@ class StagedAdapterEngine:
             raise
         stall = time.perf_counter() - t0
         step = checkpoint.get("global_step", self.version)  # Lightning's optimizer steps
-        metrics = CheckpointMetrics(path=root, mode=self.mode, num_overlap_steps=1, requested_step=step,
+        # "lazy": captured at the request.
+        metrics = CheckpointMetrics(path=root, mode="lazy", num_overlap_steps=1, requested_step=step,
                                     captured_step=step, stall_s=stall,
                                     stall_by_phase_s={"slot_wait": waited, "copy": stall - waited},
                                     state_bytes=copied, host_bytes=copied, host_peak_bytes=copied)
-        written.add_done_callback(lambda f: _mark(stage, self.rank, f))
+        written.add_done_callback(lambda f: mark(stage, self.rank, f))
         outcome: Future[CheckpointMetrics] = Future()
         if self._commits is not None:
             assert target is not None
@@ -302,9 +291,7 @@ class StagedAdapterEngine:
             if close is not None:
                 close()
             drain_discards()
-            for c in self._claims:
-                c.release()
-            self._claims = []
+            self._staging.release()
 
 
 def remove_when_done(path: str, latest: dict[str, Any], lock: threading.Lock, config: GoCkptConfig) -> None:
@@ -355,17 +342,6 @@ def _settle(outcome: Future[CheckpointMetrics], written: Future[int], metrics: C
         outcome.set_exception(e)
         return
     outcome.set_result(metrics)
-
-
-def _mark(stage: str, rank: int, written: Future[int]) -> None:
-    """This rank's outcome for rank 0's commit: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic)."""
-    kind = "failed" if written.exception() is not None else "done"
-    if not os.path.isdir(stage):
-        return
-    try:
-        write_atomic(os.path.join(stage, f"{part_name(rank)}.{kind}"), b"")
-    except OSError as e:  # the staging directory was removed by an abort
-        log.info("gockpt: could not mark %s: %s", stage, e)
 
 
 __all__ = ["COMMIT_TIMEOUT_S", "StagedAdapterEngine", "StagedHandle", "Writer", "drain_discards",
