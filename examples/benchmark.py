@@ -314,6 +314,8 @@ class GoCkptScheme(Scheme):
             options["io_nice"] = args.scheme_io_nice
         if args.scheme_buffered:
             options["direct_io"] = False
+        if args.frozen_copy:
+            options["frozen_copy"] = args.frozen_copy
         config = GoCkptConfig(
             mode=mode, host_link_bytes_per_s=args.host_link_bytes_per_s, **options
         )
@@ -526,6 +528,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
     name += " [buffered]" if args.scheme_buffered else ""
     name += " [emulated link]" if args.host_link_bytes_per_s is not None else ""
     name += f" [{args.workload}]" if args.workload != "fp32" else ""
+    name += f" [frozen_copy={args.frozen_copy}]" if args.frozen_copy else ""
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
         rows = bench_timeline.timeline(events, requests[k], durable_at[k])
@@ -541,6 +544,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
         "buffered": args.scheme_buffered,
         "host_link_bytes_per_s": args.host_link_bytes_per_s,
         "workload": args.workload,
+        "frozen_copy": args.frozen_copy,
         "state_bytes": state_bytes,
         "step_times_s": times,
         "clean_step_times_s": clean,
@@ -602,6 +606,8 @@ def label(r: dict) -> str:
         text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2f} GB/s]"
     if r.get("workload", "fp32") != "fp32":
         text += f" [{r['workload']}]"
+    if r.get("frozen_copy") and name.startswith("gockpt-"):
+        text += f" [frozen_copy={r['frozen_copy']}]"
     return text
 
 
@@ -920,6 +926,9 @@ def _parser() -> argparse.ArgumentParser:
         help="also run the GoCkpt lazy and gockpt_o rows with GoCkptConfig.direct_io=False "
         "(shard files through the page cache), beside the rows at the default (O_DIRECT)",
     )
+    add("--frozen-copy", choices=("always", "when_changed"), default=None,
+        help="GoCkptConfig.frozen_copy of every GoCkpt row (default: its own, 'always'); "
+        "'when_changed' keeps frozen parameters the host slot still holds (workload lora)")
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
     add("--no-lightning", action="store_true",
         help="skip the section with Lightning's defaults (a Trainer and its default ModelCheckpoint "
@@ -1044,6 +1053,7 @@ def main() -> None:
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "preset": args.preset,
         "workload": args.workload,
+        "frozen_copy": args.frozen_copy,
         "workload_text": "" if args.workload == "fp32" else f", workload `{args.workload}`",
         "state_bytes": results[0]["state_bytes"],
         "steps": args.steps,

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ._unchanged import rememberable
 from .config import GoCkptConfig
-from .layout import StateLayout, build_layout, layout_signature
+from .layout import Entry, StateLayout, build_layout, layout_signature
 from .plan import MULTI_STEP_MODES, CopyPlan, Costs, make_plan
 from .replay import ReplayBackend, is_replayable
 from .selfcheck import select_backend
@@ -113,10 +114,12 @@ class Planner:
         return mode in MULTI_STEP_MODES + ("auto",) and self._replayable(layout, version)
 
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
-             version: int, window_s: float | None) -> CopyPlan:
+             version: int, window_s: float | None,
+             unchanged: Callable[[Entry], bool] | None = None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
         unknown), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
-        logged at DEBUG."""
+        logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
+        (``frozen_copy="when_changed"``), so its copy costs nothing."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
         local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
@@ -138,11 +141,13 @@ class Planner:
                 self._warned_fallback = True
         if exact_step and mode not in ("sync", "async"):
             mode = "lazy"
-        unit_bytes = [u.state_bytes for u in layout.units]
+        unit_bytes = [0 if unchanged is not None and rememberable(u) and unchanged(u.param_entry)
+                      else u.state_bytes for u in layout.units]
         # A frozen parameter gets no gradient: nothing to copy or replay for it (GoCkpt §4.2.1).
         grad_bytes = [u.grad_bytes if u.param.requires_grad else 0 for u in layout.units]
         # Buffers and parameters without an optimizer are copied when the state is taken.
-        static_bytes = sum(e.spec.nbytes for e in layout.static)
+        static_bytes = sum(e.spec.nbytes for e in layout.static
+                           if unchanged is None or not unchanged(e))  # buffers: never held
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
         plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s),
                          max_overlap_steps=hi, replayable=replayable,

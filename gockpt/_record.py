@@ -122,6 +122,9 @@ class SaveRecord:
     window: int = 0
     tickets: dict[int, CopyTicket] = field(default_factory=dict)
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    # Views copied since the last version check whose slot bytes will hold the tensor unchanged
+    # once it passes: (offset, bytes, fingerprint) for Slot.held (frozen_copy="when_changed").
+    to_remember: list[tuple] = field(default_factory=list)
     extra: Any = None  # the state tree taken at the captured step (gockpt.snapshot.to_skeleton)
     grad_turn: int = 0
     grad_tickets: list[CopyTicket] = field(default_factory=list)
@@ -197,6 +200,7 @@ def new_record(
     ``pinned``: (step, :func:`state_versions`) at the request; ``files``:
     ``writer.tensor_files(layout)`` (None: GoCkpt's shards)."""
     handle.metrics.host_bytes = slot.nbytes
+    slot.held.keep_only(layout, slot_layout.offsets)
     views = {}
     for e in layout.entries:
         views[e.key] = host_view(slot.data, slot_layout.offsets[e.key], e.tensor)

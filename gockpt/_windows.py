@@ -14,6 +14,7 @@ import collections
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, state_versions
+from ._unchanged import fingerprint, rememberable, rememberable_static
 from .errors import CheckpointTornError
 from .handle import SaveHandle
 from .layout import Unit, local, localize
@@ -35,8 +37,13 @@ class Windows:
     """Copy windows of the saves in flight (GoCkpt §4.2), on the training thread."""
 
     def __init__(self, model: nn.Module, optimizers: list[Optimizer],
-                 copier: CpuCopier | CudaCopier, pipeline: Pipeline) -> None:
+                 copier: CpuCopier | CudaCopier, pipeline: Pipeline, *,
+                 frozen_copy: str = "always") -> None:
         self._model = model
+        # "when_changed": views a reused slot still holds unchanged are not copied again.
+        self._when_changed = frozen_copy == "when_changed"
+        # The slot of the latest save with one of its own (weak: a dropped slot's memory goes).
+        self.last_slot: weakref.ref = lambda: None  # type: ignore[assignment]
         self._optimizers = optimizers
         self._copier = copier
         self._pipeline = pipeline
@@ -63,6 +70,7 @@ class Windows:
     def start(self, s: SaveRecord, t0: float, version: int) -> SaveHandle:
         """Queue the first copy of ``s`` (``sync``/``async``: copy, capture and hand off now)."""
         plan, metrics, handle = s.plan, s.metrics, s.handle
+        self.last_slot = weakref.ref(s.slot)
         if plan.mode in ("sync", "async"):
             self._copy_blocks(s, range(s.num_blocks), wait=True)
             self._capture(s, version)
@@ -266,12 +274,25 @@ class Windows:
     def _copy_blocks(self, s: SaveRecord, blocks: Sequence[int] | range, wait: bool) -> None:
         pairs = []
         s.versions = []
+        s.to_remember = []
+        held = s.slot.held if self._when_changed else None
+        base = s.slot.data.data_ptr()
         for j in blocks:
             for i in s.plan.blocks[j]:
                 u = s.layout.units[i]
+                keep = held is not None and rememberable(u)
                 for e in (u.param_entry, *u.state_entries.values()):
-                    pairs.append((e.tensor, s.views[e.key]))
+                    view = s.views[e.key]
                     s.versions.append((e.versioned, e.versioned._version))
+                    if held is not None:
+                        off = view.data_ptr() - base
+                        if keep and held.holds(off, e.versioned, e.tensor):
+                            s.metrics.unchanged_bytes += e.spec.nbytes
+                            continue
+                        held.forget((off,))
+                        if keep:
+                            s.to_remember.append((off, e.spec.nbytes, fingerprint(e.versioned, e.tensor)))
+                    pairs.append((e.tensor, view))
         nbytes = sum(d.numel() * d.element_size() for _, d in pairs)
         s.metrics.state_bytes += nbytes
         ticket = self._copier.copy(pairs, PRIORITY_STATE)
@@ -282,6 +303,8 @@ class Windows:
             self._check_versions(s)
 
     def _check_versions(self, s: SaveRecord) -> None:
+        """Fail ``s`` (CheckpointTornError) when a tensor changed while it was copied; else the
+        views just copied that no replay writes are remembered in the slot."""
         for t, v in s.versions:
             if t._version != v:
                 # Not an engine fault: code outside optimizer.step() edited the state after the
@@ -291,6 +314,9 @@ class Windows:
                     f"{s.path}: a tensor changed while it was copied (edited outside "
                     "optimizer.step() after the save was requested); this checkpoint is not "
                     "written. Call engine.flush() before such edits, or save with mode='async'")
+        for off, nbytes, fp in s.to_remember:
+            s.slot.held.remember(off, nbytes, fp)
+        s.to_remember = []
 
     def _capture_grads(self, s: SaveRecord, opt_index: int) -> None:
         """Copy the gradients of the update just applied for blocks 0..window (GoCkpt §4.2.2)."""
@@ -300,6 +326,12 @@ class Windows:
             if s.layout.units[i].optimizer_index == opt_index and s.layout.units[i].param.grad is not None
             and not (not s.layout.units[i].state_entries and opt.state.get(s.layout.units[i].param))
         ]
+        if self._when_changed and units:
+            # The replay will write these views: a frozen parameter unfrozen during the save.
+            base = s.slot.data.data_ptr()
+            s.slot.held.forget(s.views[e.key].data_ptr() - base for i in units
+                               for e in (s.layout.units[i].param_entry,
+                                         *s.layout.units[i].state_entries.values()))
         turn = s.grad_turn
         s.grad_turn ^= 1
         t0 = time.perf_counter()
@@ -412,10 +444,16 @@ class Windows:
         """
         t0 = time.perf_counter()
         current, live, pairs = self._live(s)
+        remember = []
+        if self._when_changed and pairs:
+            pairs, remember = self._unchanged_static(s, pairs)
+        pairs = [(t.detach(), view) for t, view in pairs]
         if pairs:
             tc = time.perf_counter()
             t = self._copier.copy(pairs, PRIORITY_GRAD)
             t.wait()
+            for off, nbytes, fp in remember:
+                s.slot.held.remember(off, nbytes, fp)
             s.metrics.state_bytes += t.nbytes
             # Apart from "capture": the planner predicts this copy, the rest is a fixed cost.
             s.metrics.add_stall("static_copy", time.perf_counter() - tc)
@@ -432,6 +470,25 @@ class Windows:
                 self._fail_own(r, e)
         s.captured = True
         s.metrics.add_stall("capture", time.perf_counter() - t0)
+
+    def _unchanged_static(self, s: SaveRecord, pairs: list) -> tuple[list, list]:
+        """``pairs`` (static tensor, view) less those the slot still holds unchanged, and what
+        to remember once the rest are copied (frozen parameters only). Nothing but this copy
+        writes a static view."""
+        held, base = s.slot.held, s.slot.data.data_ptr()
+        todo, remember = [], []
+        for t, view in pairs:
+            off = view.data_ptr() - base
+            nbytes = view.numel() * view.element_size()
+            keep = rememberable_static(t)
+            if keep and held.holds(off, t, t):
+                s.metrics.unchanged_bytes += nbytes
+                continue
+            held.forget((off,))
+            todo.append((t, view))
+            if keep:
+                remember.append((off, nbytes, fingerprint(t, t)))
+        return todo, remember
 
     def _live(self, s: SaveRecord) -> tuple[dict, dict[tuple, str], list]:
         """The model's state_dict as ``s`` stores it, the tracked tensors that the state tree may
@@ -458,7 +515,7 @@ class Windows:
                 if not isinstance(t, torch.Tensor) or t.dtype != e.spec.dtype \
                         or tuple(t.shape) != e.spec.shape:
                     raise CheckpointTornError(f"{s.path}: {e.key} changed shape or dtype during the save")
-                pairs.append((t.detach(), s.views[e.key]))
+                pairs.append((t, s.views[e.key]))
                 live[storage_key(t)] = e.key
         return current, live, pairs
 

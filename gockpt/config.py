@@ -21,6 +21,7 @@ MODES = ("auto", "sync", "async", "lazy", "gockpt", "gockpt_o")
 """
 
 WHEN_FULL = ("wait", "skip")
+FROZEN_COPY = ("always", "when_changed")
 REPLAY_BACKENDS = ("auto", "torch", "native")
 
 
@@ -123,6 +124,23 @@ class GoCkptConfig:
     stays exact, but on cores busy with other work a high value lengthens its time to durable
     and so the wait of a request for a free slot. ``None``: no change."""
 
+    frozen_copy: str = "always"
+    """Whether a tensor the host slot already holds from an earlier checkpoint is copied again:
+    ``"always"``, or ``"when_changed"``: the bytes a reused slot holds for a frozen parameter
+    (``requires_grad=False``, no optimizer state) are kept while it is unchanged, and only the
+    other tensors are copied. For a mostly frozen model (LoRA-style fine-tuning) that removes
+    most of the device-to-host copy of every checkpoint after the first; the files written are
+    the same. Buffers are always copied: native kernels update some of them in place without
+    moving their version counter (BatchNorm's running statistics).
+
+    Unchanged means the same tensor at the same address with the same dtype, shape and strides,
+    and a version counter that has not moved. Every in-place operation on a tensor or on a view
+    of it (``copy_``, ``load_state_dict``, optimizer steps, ``torch.no_grad()`` edits) moves
+    that counter; a write through ``tensor.data`` (``p.data.mul_(m)``, as some older EMA and
+    momentum-encoder code does) does not. Leave ``"always"`` where frozen tensors are edited
+    that way: such an edit would be missing from the checkpoint.
+    :attr:`gockpt.CheckpointMetrics.unchanged_bytes` reports the bytes not copied again."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -134,6 +152,8 @@ class GoCkptConfig:
                 f"got {self.min_overlap_steps}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.frozen_copy not in FROZEN_COPY:
+            raise ValueError(f"frozen_copy must be one of {FROZEN_COPY}, got {self.frozen_copy!r}")
         if self.when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {self.when_full!r}")
         if self.num_io_threads < 1:

@@ -46,6 +46,7 @@ from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
 from .handle import CheckpointMetrics, SaveHandle
+from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
 from .storage import BackgroundDeleter, claim_directory, cleanup_staging, remove_checkpoint
@@ -108,7 +109,8 @@ class Engine:
         # The pipeline's threads keep the engine alive (through on_durable) until close().
         self._pipeline = Pipeline(self.config, self.optimizers, self._backends, self._slots,
                                   on_durable=lambda m: self.metrics.append(m))
-        self._windows = Windows(model, self.optimizers, self._copier, self._pipeline)
+        self._windows = Windows(model, self.optimizers, self._copier, self._pipeline,
+                                frozen_copy=self.config.frozen_copy)
         self._hooks = []
         for i, o in enumerate(self.optimizers):
             self._hooks.append(o.register_step_pre_hook(EngineHook(partial(self._on_pre_hook, i))))
@@ -140,6 +142,15 @@ class Engine:
     def peak_host_bytes(self) -> int:
         """The most bytes of snapshot and gradient host buffers the engine held at once."""
         return self._slots.peak_bytes
+
+    def _held_estimate(self, layout: StateLayout) -> Callable[[Entry], bool] | None:
+        """For the plan (``frozen_copy="when_changed"``): whether the slot of the latest save
+        still holds a tensor unchanged. The next save most likely gets that slot back."""
+        slot = self._windows.last_slot()
+        if slot is None or not len(slot.held):
+            return None
+        offsets = self._planner.slot_layout(layout).offsets
+        return lambda e: slot.held.likely_holds(offsets[e.key], e.versioned, e.tensor)
 
     def save(
         self,
@@ -205,7 +216,7 @@ class Engine:
         if self._planner.may_replay(layout, mode, exact, self.version):
             self._backends.select_all()  # the first time: the replay self-check
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
-                                  window_s=self._windows.window_s)
+                                  window_s=self._windows.window_s, unchanged=self._held_estimate(layout))
         seq = next(self._seq)
         fixed = statistics.median(self._windows.fixed_stalls) if self._windows.fixed_stalls else 0.0
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,

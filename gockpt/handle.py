@@ -26,6 +26,8 @@ class CheckpointMetrics:
             guard, flush, persist for ``sync``).
         state_bytes / grad_bytes: bytes copied to the host (state, gradients); 0 for a save that
             shared the snapshot of another (``host_shared`` and not the first of them).
+        unchanged_bytes: bytes of tensors not copied to the host again because the host slot
+            still held them unchanged from an earlier checkpoint (``frozen_copy="when_changed"``).
         persist_bytes: bytes written to storage.
         host_bytes: host memory this checkpoint held while in flight, in bytes (its snapshot slot
             and gradient buffers, as allocated: a reused slot may be larger than needed). Saves
@@ -58,6 +60,7 @@ class CheckpointMetrics:
     stall_by_phase_s: dict[str, float] = field(default_factory=dict)
     state_bytes: int = 0
     grad_bytes: int = 0
+    unchanged_bytes: int = 0
     persist_bytes: int = 0
     host_bytes: int = 0
     host_shared: bool = False

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _trace
+from ._unchanged import HeldTensors
 from .errors import CheckpointTornError
 
 PRIORITY_GRAD = 0
@@ -237,6 +238,8 @@ class Slot:
             gradients of the updates with an even (t = 0) or odd (t = 1) window index, so each
             is only as large as its largest update needs).
         refs: saves holding the slot (written under the pool's lock).
+        held: the views of ``data`` that still hold a tensor as copied at a known version
+            (``frozen_copy="when_changed"``; training thread only).
     """
 
     def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
@@ -250,6 +253,7 @@ class Slot:
         for e in self.grad_busy:
             e.set()  # set = free
         self.refs = 0
+        self.held = HeldTensors()
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,97 @@
+"""Tensors a host slot still holds unchanged: not copied again (``frozen_copy="when_changed"``).
+
+A slot is reused by one save after another (:class:`gockpt.transfer.SlotPool`), and its bytes
+for a tensor that did not change since the last save copied it (a frozen parameter, a buffer
+in eval mode, a LoRA base model) already hold the right data. :class:`HeldTensors` remembers,
+per slot, which views were filled from which tensor at which version counter. A tensor is
+taken as unchanged while it is the same tensor object at the same address, with the same
+dtype, shape and strides, and its version counter has not moved: every in-place change made
+through autograd-visible tensors bumps that counter (PyTorch's own check that a tensor saved
+for backward was not modified). A write through ``tensor.data`` does not bump it, which is why
+this is opt-in.
+
+Only frozen parameters are remembered (``requires_grad=False``): those no optimizer holds, and
+those an optimizer holds without state. Buffers are always copied: native kernels update some
+of them in place without moving the version counter (BatchNorm's running statistics). The
+replay writes into the views of units that get gradients, so a unit whose gradient is copied
+is forgotten at once (:meth:`HeldTensors.forget`). Everything here runs on the training thread.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from .layout import StateLayout, Unit
+
+# (the tensor whose version counter is checked, its version, data address, dtype, shape, strides)
+Fingerprint = tuple[weakref.ref, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+
+
+def fingerprint(versioned: torch.Tensor, tensor: torch.Tensor) -> Fingerprint:
+    """What must not change for a copy of ``tensor`` to stay valid; ``versioned`` carries the
+    version counter (the ``DTensor`` of a local shard, else ``tensor`` itself)."""
+    return (weakref.ref(versioned), versioned._version, tensor.data_ptr(), tensor.dtype,
+            tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def same(fp: Fingerprint, versioned: torch.Tensor, tensor: torch.Tensor) -> bool:
+    ref, version, ptr, dtype, shape, stride = fp
+    return (ref() is versioned and versioned._version == version and tensor.data_ptr() == ptr
+            and tensor.dtype == dtype and tuple(tensor.shape) == shape
+            and tuple(tensor.stride()) == stride)
+
+
+def rememberable(u: Unit) -> bool:
+    """Whether the replay can never write ``u``'s view: a frozen parameter without optimizer
+    state (it gets no gradient, so nothing is replayed onto it)."""
+    return not u.param.requires_grad and not u.state_entries
+
+
+def rememberable_static(t: torch.Tensor) -> bool:
+    """Whether a static tensor (no optimizer holds it) may be remembered: a frozen parameter.
+    Not a buffer (see the module docstring)."""
+    return isinstance(t, torch.nn.Parameter) and not t.requires_grad
+
+
+class HeldTensors:
+    """Per host slot: byte offset in ``slot.data`` -> the :class:`Fingerprint` of the tensor whose
+    data those bytes hold, for views written only by copies."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[int, Fingerprint]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def keep_only(self, layout: StateLayout, offsets: dict[str, int]) -> None:
+        """Forget every range that is not exactly a view of ``layout`` (offset and size), so
+        that a copy into a view of it forgets all that it overwrites (:meth:`forget`)."""
+        want = {offsets[e.key]: e.spec.nbytes for e in layout.entries}
+        for off in list(self._held):
+            if want.get(off) != self._held[off][0]:
+                del self._held[off]
+
+    def holds(self, offset: int, versioned: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """Whether the bytes at ``offset`` hold ``tensor`` as it is now."""
+        got = self._held.get(offset)
+        return got is not None and same(got[1], versioned, tensor)
+
+    def likely_holds(self, offset: int, versioned: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """:meth:`holds` without the identity check, for the planner's estimate: the layout's
+        aliases of static parameters are not the objects their copies were taken from."""
+        got = self._held.get(offset)
+        return (got is not None and got[1][1] == versioned._version
+                and got[1][2] == tensor.data_ptr())
+
+    def forget(self, offsets: Iterable[int]) -> None:
+        """The bytes at ``offsets`` are about to be written (a copy, a replay)."""
+        for off in offsets:
+            self._held.pop(off, None)
+
+    def remember(self, offset: int, nbytes: int, fp: Fingerprint) -> None:
+        """The bytes at ``offset`` now hold the tensor of ``fp`` (its copy completed and its
+        version was checked after the copy)."""
+        self._held[offset] = (nbytes, fp)
