@@ -314,8 +314,8 @@ class GoCkptScheme(Scheme):
             options["io_nice"] = args.scheme_io_nice
         if args.scheme_buffered:
             options["direct_io"] = False
-        if args.frozen_copy:
-            options["frozen_copy"] = args.frozen_copy
+        if args.scheme_when_changed:
+            options["frozen_copy"] = "when_changed"
         config = GoCkptConfig(
             mode=mode, host_link_bytes_per_s=args.host_link_bytes_per_s, **options
         )
@@ -528,7 +528,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
     name += " [buffered]" if args.scheme_buffered else ""
     name += " [emulated link]" if args.host_link_bytes_per_s is not None else ""
     name += f" [{args.workload}]" if args.workload != "fp32" else ""
-    name += f" [frozen_copy={args.frozen_copy}]" if args.frozen_copy else ""
+    name += " [frozen_copy=when_changed]" if args.scheme_when_changed else ""
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
         rows = bench_timeline.timeline(events, requests[k], durable_at[k])
@@ -544,7 +544,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
         "buffered": args.scheme_buffered,
         "host_link_bytes_per_s": args.host_link_bytes_per_s,
         "workload": args.workload,
-        "frozen_copy": args.frozen_copy,
+        "when_changed": args.scheme_when_changed,
         "state_bytes": state_bytes,
         "step_times_s": times,
         "clean_step_times_s": clean,
@@ -606,8 +606,8 @@ def label(r: dict) -> str:
         text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2f} GB/s]"
     if r.get("workload", "fp32") != "fp32":
         text += f" [{r['workload']}]"
-    if r.get("frozen_copy") and name.startswith("gockpt-"):
-        text += f" [frozen_copy={r['frozen_copy']}]"
+    if r.get("when_changed"):
+        text += " [frozen_copy=when_changed]"
     return text
 
 
@@ -926,9 +926,10 @@ def _parser() -> argparse.ArgumentParser:
         help="also run the GoCkpt lazy and gockpt_o rows with GoCkptConfig.direct_io=False "
         "(shard files through the page cache), beside the rows at the default (O_DIRECT)",
     )
-    add("--frozen-copy", choices=("always", "when_changed"), default=None,
-        help="GoCkptConfig.frozen_copy of every GoCkpt row (default: its own, 'always'); "
-        "'when_changed' keeps frozen parameters the host slot still holds (workload lora)")
+    add("--when-changed", action="store_true",
+        help="also run the GoCkpt lazy, gockpt_o and auto rows (emulated link too) with "
+        "GoCkptConfig.frozen_copy='when_changed' (frozen parameters the host slot still holds are "
+        "not copied again; workload lora), beside the rows at the default ('always')")
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
     add("--no-lightning", action="store_true",
         help="skip the section with Lightning's defaults (a Trainer and its default ModelCheckpoint "
@@ -992,11 +993,12 @@ def main() -> None:
     args.ckpt_dir = tempfile.mkdtemp(prefix="ckpt-", dir=args.out)
 
     def run(scheme: str, link: float | None = None, io_nice: int | None = None,
-            buffered: bool = False) -> dict:
+            buffered: bool = False, when_changed: bool = False) -> dict:
         result_path = os.path.join(args.ckpt_dir, "result.json")
         child_args = argparse.Namespace(
             **{**vars(args), "scheme": scheme, "host_link_bytes_per_s": link,
-               "scheme_io_nice": io_nice, "scheme_buffered": buffered}
+               "scheme_io_nice": io_nice, "scheme_buffered": buffered,
+               "scheme_when_changed": when_changed}
         )
         process = fork.Process(target=_scheme_process, args=(child_args, result_path))
         process.start()
@@ -1008,7 +1010,8 @@ def main() -> None:
         print(
             f"{scheme}{' [emulated link]' if link else ''}"
             f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}"
-            f"{' [buffered]' if buffered else ''}: clean step "
+            f"{' [buffered]' if buffered else ''}"
+            f"{' [frozen_copy=when_changed]' if when_changed else ''}: clean step "
             f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s"
             + (_plan_summary(r) if link and r.get("engine_metrics") else ""),
             flush=True,
@@ -1033,8 +1036,12 @@ def main() -> None:
             link = results[0]["state_bytes"] / (args.copy_steps * results[0]["baseline_step_s"])
         else:
             link = float(args.host_link_gbps) * 1e9 or None
+        changed = ("gockpt-lazy", "gockpt-gockpt_o", "gockpt-auto") if args.when_changed else ()
+        if not args.emulated_only:
+            results += [run(s, when_changed=True) for s in changed if s in schemes]
         if link:
             results += [run(s, link) for s in EMULATED_SCHEMES if s in schemes]
+            results += [run(s, link, when_changed=True) for s in changed if s in schemes]
         if not args.no_repeat:
             results.append({**run("none"), "repeat": True})
         lightning_results = []
@@ -1053,7 +1060,6 @@ def main() -> None:
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "preset": args.preset,
         "workload": args.workload,
-        "frozen_copy": args.frozen_copy,
         "workload_text": "" if args.workload == "fp32" else f", workload `{args.workload}`",
         "state_bytes": results[0]["state_bytes"],
         "steps": args.steps,

@@ -65,9 +65,12 @@ class ReplayBackends:
             self.info[opt_index] = info
         return self._backends[opt_index]
 
-    def select_all(self) -> None:
+    def select_all(self) -> bool:
+        """Choose every optimizer's backend; True when a self-check ran now (a one-time cost)."""
+        ran = len(self._backends) < len(self._optimizers)
         for i in range(len(self._optimizers)):
             self.select(i)
+        return ran
 
     def select_replayable(self) -> None:
         for i, o in enumerate(self._optimizers):
@@ -86,6 +89,7 @@ class Planner:
         self._copier = copier
         self._copy_bw = copy_bytes_per_s
         self._layout: StateLayout | None = None
+        self.layouts_built = 0  # layouts enumerated so far (the first and each change)
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
         # Sharded engines (gockpt.sharded): turns each rank's plan into the one every rank
@@ -102,6 +106,7 @@ class Planner:
     def current_layout(self) -> StateLayout:
         sig = layout_signature(self._model, self._optimizers)
         if self._layout is None or self._layout.signature != sig:
+            self.layouts_built += 1
             layout = build_layout(self._model, self._optimizers)
             self._layout = layout if self.select is None else self.select(layout)
             self._slot_cache = None

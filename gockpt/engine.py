@@ -195,14 +195,20 @@ class Engine:
         path = path.rstrip("/") or path
         t0 = time.perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
+        setup = False
         if parent not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
+            setup = True
             # One writing process per directory, then scratch files of writers killed mid-save.
             claim = claim_directory(parent, self.config.storage_options,
                                     timeout_s=self.config.storage_timeout_s)
             self._claims.append(claim)
             cleanup_staging(parent, self.config.storage_options)
             self._cleaned_dirs.add(parent)
+        built = self._planner.layouts_built
         layout = self._planner.current_layout()
+        # One-time costs (a directory claimed, a layout enumerated, the replay self-check) are
+        # counted as "setup": the per-save fixed cost the planner adds leaves them out.
+        setup |= self._planner.layouts_built != built
         if max_overlap_steps is not None and max_overlap_steps < 1:
             raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
         mode = mode or self.config.mode
@@ -214,7 +220,8 @@ class Engine:
             mode = "async"
         exact = exact_step or max_overlap_steps == 1
         if self._planner.may_replay(layout, mode, exact, self.version):
-            self._backends.select_all()  # the first time: the replay self-check
+            setup |= self._backends.select_all()  # the first time: the replay self-check
+        t_setup = time.perf_counter()
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s, unchanged=self._held_estimate(layout))
         seq = next(self._seq)
@@ -223,6 +230,8 @@ class Engine:
                                     requested_step=self.version,
                                     predicted_stall_s=plan.predicted_stall_s + fixed,
                                     stall_lower_bound_s=plan.lower_bound_s + fixed)
+        if setup:
+            metrics.add_stall("setup", t_setup - t0)
         handle = SaveHandle(path, metrics)
         handle._flush = self._flush_windows
         self._all = [x for x in self._all if not x.handle.done()]  # drop finished saves' slots first

@@ -21,7 +21,8 @@ class CheckpointMetrics:
         num_overlap_steps: K, the training steps its copy spanned.
         requested_step / captured_step: optimizer updates applied at the request / in the data.
         stall_s: training-thread stall in seconds (sum of ``stall_by_phase_s``).
-        stall_by_phase_s: seconds by phase (slot_wait, copy, window_end, grad_copy, capture,
+        stall_by_phase_s: seconds by phase (setup (one-time work of a save: a directory claimed,
+            the layout enumerated, the replay self-check), slot_wait, copy, window_end, grad_copy, capture,
             static_copy (buffers and tensors outside the optimizer, copied at the capture),
             guard, flush, persist for ``sync``).
         state_bytes / grad_bytes: bytes copied to the host (state, gradients); 0 for a save that

@@ -84,4 +84,9 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     fixed = second.predicted_stall_s - first.predicted_stall_s
     assert fixed > 0.0
     assert second.stall_lower_bound_s - first.stall_lower_bound_s == pytest.approx(fixed, abs=1e-12)
+    # That fixed cost is the first save's request and capture, not its one-time setup (the
+    # directory claim, the layout, the replay self-check), which the second save had none of.
+    by = first.stall_by_phase_s
+    assert by["setup"] > 0.0 and "setup" not in second.stall_by_phase_s
+    assert fixed == pytest.approx(by["request"] + by.get("capture", 0.0), abs=1e-12)
     assert torch.equal(model.hidden.weight, live[max(live)]["model"]["hidden.weight"])
