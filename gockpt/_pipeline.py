@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch.optim import Optimizer
@@ -202,6 +203,10 @@ class Pipeline:
                 cancel=s.cancel, publish_lock=self._publish_lock,
                 storage_timeout_s=self._config.storage_timeout_s, io_nice=self._config.io_nice,
                 direct_io=self._config.direct_io,
+                # The slot goes to the next save once its bytes are written, before the fsyncs
+                # and the publish, unless the writer still reads the snapshot's tensors then.
+                on_slot_read=(partial(self._release, s) if s.writer is None
+                              or not s.writer.reads_tensors_at_publish else None),
                 is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )
@@ -221,7 +226,7 @@ class Pipeline:
                 m.replay_backend = s.share.leader.metrics.replay_backend
         except BaseException as e:  # noqa: BLE001 - handed to the handle and the training thread
             m.host_peak_bytes = self._slots.peak_bytes
-            self._slots.release(s.slot)
+            self._release(s)
             if s.overtaken:
                 # Never a torn checkpoint, never a failed run: the previous checkpoints stand.
                 log.warning("gockpt: %s", e)
@@ -232,12 +237,21 @@ class Pipeline:
             # After the handle: until it resolves the save still counts as one in the pipeline.
             s.phase = Phase.FAILED
             return
-        self._slots.release(s.slot)
+        self._release(s)
         if not m.superseded:
             self._on_durable(m)
         log.info("gockpt: %s durable (%s, K=%d, stall %.4fs)", s.path, m.mode, m.num_overlap_steps, m.stall_s)
         s.handle._future.set_result(m)
         s.phase = Phase.DONE
+
+
+    def _release(self, s: SaveRecord) -> None:
+        """Drop ``s``'s hold of its slot, once: early (``on_slot_read``) or at its end."""
+        with self._lock:
+            if s.slot_released:
+                return
+            s.slot_released = True
+        self._slots.release(s.slot)
 
 
 def _stored_record(s: SaveRecord) -> dict:

@@ -125,6 +125,7 @@ class SaveRecord:
     # Views copied since the last version check whose slot bytes will hold the tensor unchanged
     # once it passes: (offset, bytes, fingerprint) for Slot.held (frozen_copy="when_changed").
     to_remember: list[tuple] = field(default_factory=list)
+    slot_released: bool = False  # its hold of the slot was dropped (Pipeline._release)
     extra: Any = None  # the state tree taken at the captured step (gockpt.snapshot.to_skeleton)
     grad_turn: int = 0
     grad_tickets: list[CopyTicket] = field(default_factory=list)
@@ -233,7 +234,8 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
                 exact_k: bool, versions: tuple[int, ...]) -> SaveRecord | None:
     """A save in flight whose snapshot a request at step ``version`` planned as ``plan`` may share.
 
-    It may when it leads its snapshot, neither failed nor was cancelled, has the same layout, its
+    It may when it leads its snapshot, still holds its slot (its files not yet all written),
+    neither failed nor was cancelled, has the same layout, its
     snapshot is pinned to this step with the same tensor ``versions`` (requested at this step, or
     finished at it by a flush, and nothing changed since), and its captured step ``target`` is
     one ``plan`` allows: ``K' = target - version + 1 <= K`` (``== K`` when ``exact_k``: the ranks
@@ -245,7 +247,7 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
     for x in reversed(records):
         if x.share.leader is not x or x.pinned[0] != version or x.layout is not layout \
                 or x.plan.mode == "sync" or x.failed is not None or x.cancel.is_set() \
-                or x.phase in (Phase.DONE, Phase.FAILED) or x.handle.done():
+                or x.phase in (Phase.DONE, Phase.FAILED) or x.handle.done() or x.slot_released:
             continue
         k = x.target - version + 1
         if k > plan.num_overlap_steps or (exact_k and k != plan.num_overlap_steps):

@@ -104,9 +104,10 @@ class GoCkptConfig:
 
     slot_wait_timeout_s: float | None = 60.0
     """Bound in seconds on how long a save request waits for a free host snapshot slot when
-    ``when_full="wait"`` (slots are freed as earlier checkpoints finish persisting, so a hung
-    store would otherwise stall training). Past it the request is skipped with a warning (its
-    handle reports ``skipped``) and training goes on. ``None``: wait without bound. > 0 or None."""
+    ``when_full="wait"`` (a slot is freed once an earlier checkpoint's files are written, before
+    their fsync and the publish, so a hung store would otherwise stall training). Past it the
+    request is skipped with a warning (its handle reports ``skipped``) and training goes on.
+    ``None``: wait without bound. > 0 or None."""
 
     direct_io: bool = True
     """Write local shard files with ``O_DIRECT`` from a small page-aligned bounce buffer per
@@ -130,8 +131,9 @@ class GoCkptConfig:
     (``requires_grad=False``, no optimizer state) are kept while it is unchanged, and only the
     other tensors are copied. For a mostly frozen model (LoRA-style fine-tuning) that removes
     most of the device-to-host copy of every checkpoint after the first; the files written are
-    the same. Buffers are always copied: native kernels update some of them in place without
-    moving their version counter (BatchNorm's running statistics).
+    the same. Opt-in: an edit through ``tensor.data`` is not seen as a change (below). Buffers
+    are always copied: native kernels update some of them in place without moving their version
+    counter (BatchNorm's running statistics).
 
     Unchanged means the same tensor at the same address with the same dtype, shape and strides,
     and a version counter that has not moved. Every in-place operation on a tensor or on a view

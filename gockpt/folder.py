@@ -62,6 +62,8 @@ class FolderWriter(CheckpointWriter):
             after the publish (None: keep all).
         claim_directory: claim the parent folder (True for a run's own ``checkpoints/``; not
             the folder around an explicit output folder, which other jobs may share).
+        reads_tensors_at_publish: False: waiting for the shares and rotating read no tensor,
+            so the host slot goes to the next save once the files are written.
     """
 
     staging: str
@@ -74,6 +76,7 @@ class FolderWriter(CheckpointWriter):
     rotate_root: str | None = None
     total_limit: int | None = None
     claim_directory: bool = True
+    reads_tensors_at_publish: bool = False
 
     def sidecar_file(self, snapshot: Snapshot) -> bytes:
         """The sidecar's bytes (:data:`SIDECAR_NAME`) for the save at ``snapshot``."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import functools
 import json
 import logging
 import os
@@ -98,6 +99,11 @@ class PersistRequest:
             None: none.
         direct_io: local targets write shard files with ``O_DIRECT`` where the filesystem
             allows it (:mod:`gockpt._direct`).
+        on_slot_read: called once, on an io thread, when every piece of the shard files and of
+            ``files`` has been written and checksummed (before their ``fsync``, the manifest
+            and the publish): ``slot`` may be reused from then on. A write call does not keep
+            its buffer after it returns (Python's ``io`` contract), so nothing reads the slot
+            after this. Not called when a write fails first; it must not raise.
     """
 
     path: str
@@ -122,6 +128,7 @@ class PersistRequest:
     before_publish: Callable[[StorageTarget], None] = lambda target: None
     io_nice: int | None = None
     direct_io: bool = True
+    on_slot_read: Callable[[], None] | None = None
 
 
 @dataclass
@@ -154,7 +161,8 @@ def persist(req: PersistRequest) -> PersistResult:
     """Write ``req`` as a complete checkpoint at ``req.path`` (see the module doc for the steps).
 
     Args:
-        req: the request; ``req.slot`` must stay unchanged until this returns.
+        req: the request; ``req.slot`` must stay unchanged until this returns, or until
+            ``req.on_slot_read`` is called.
 
     Returns:
         A :class:`PersistResult`. A checkpoint that was published is reported as published even
@@ -338,6 +346,30 @@ def _guard(req: PersistRequest, file_path: str, fn: Callable[[bytes], None], dat
         raise storage.storage_error(e, req.path, file_path) from e
 
 
+def _count_reads(jobs: list, done: Callable[[], None]) -> list:
+    """``jobs`` whose pieces call ``done()`` once the last of them has been consumed: a target
+    asks for the next piece only after writing and checksumming the one before (its ``for``
+    loop), so then no byte of these jobs is read again."""
+    left = [len(jobs)]
+    lock = threading.Lock()
+
+    def counted(pieces: Callable[[], Iterator[memoryview | bytes]]) -> Iterator[memoryview | bytes]:
+        yield from pieces()
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            try:
+                done()
+            except Exception:  # noqa: BLE001 - must not fail the write that merely ended
+                log.exception("gockpt: on_slot_read failed")
+
+    if not jobs:
+        done()
+        return jobs
+    return [(n, name, functools.partial(counted, pieces)) for n, name, pieces in jobs]
+
+
 def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterator[memoryview]:
     for offset in range(begin, end, chunk_bytes):
         yield data[offset : min(offset + chunk_bytes, end)]
@@ -357,6 +389,8 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
         jobs.append((shard.file_bytes, shard.file, pieces))
     for name, data in req.files.items():
         jobs.append((len(data), name, _whole(memoryview(data), req.chunk_bytes)))
+    if req.on_slot_read is not None:
+        jobs = _count_reads(jobs, req.on_slot_read)
     jobs.append(
         (
             len(extra_view),

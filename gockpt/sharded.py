@@ -107,6 +107,10 @@ class _PartWriter(CheckpointWriter):
 
     claim_directory = False
 
+    @property
+    def reads_tensors_at_publish(self) -> bool:  # type: ignore[override]
+        return self.user is not None and self.user.reads_tensors_at_publish
+
     def __init__(self, rank: int, world: int, user: CheckpointWriter | None, *,
                  store: Callable[[str], bool] | None = None, max_shard_bytes: int = 1 << 30) -> None:
         self.rank, self.world, self.user = rank, world, user

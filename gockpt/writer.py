@@ -85,10 +85,15 @@ class CheckpointWriter:
         claim_directory: the engine claims the checkpoint's parent directory for this process
             (one writer per directory, see :func:`gockpt.storage.claim_directory`); False for a
             parent other jobs may share (a user's folder of unrelated outputs).
+        reads_tensors_at_publish: :meth:`before_publish` or :meth:`after_publish` read the
+            snapshot's tensors (views of the engine's host slot), so the slot is held until
+            the save ends. False lets the next save reuse the slot as soon as every file's
+            bytes are written, before the fsyncs, the manifest and the publish.
     """
 
     staging: str | None = None
     claim_directory: bool = True
+    reads_tensors_at_publish: bool = True
 
     def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
         """The tensor files of this save; None: GoCkpt's shards of every tracked tensor.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -239,12 +240,46 @@ def test_a_save_waiting_for_the_snapshot_counts_the_wait_as_stall(tmp_path, monk
     r.train(1)
     opener = threading.Timer(0.3, gate.set)
     opener.start()
-    b = r.eng.save(local_url(tmp_path / "b"))  # waits for a's slot: a is still persisting
-    assert a.done() and not b.skipped
+    b = r.eng.save(local_url(tmp_path / "b"))  # waits for a's slot: a is still writing it
+    assert not b.skipped
     r.eng.close()
     opener.join()
     assert b.result().stall_by_phase_s["slot_wait"] >= 0.2
     assert r.eng.peak_host_bytes == a.result().host_bytes
+
+
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_the_slot_goes_to_the_next_save_once_the_files_are_written(tmp_path, monkeypatch, mode):
+    """Before the manifest and the publish: a storage that is slow to finish a save (here it
+    holds the manifest's write) does not hold the next one's snapshot. Both checkpoints still
+    equal blocking saves of their steps."""
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(op, path):
+        if op == "open" and path.endswith("manifest.json"):
+            entered.set()
+            assert gate.wait(30)
+
+    r = Run(mode=mode, slot_wait_timeout_s=10.0)  # the default pool: one slot
+    r.train(3)
+    monkeypatch.setattr(FaultLocalFileSystem, "fault", Fault(op_hook=held))
+    a = r.eng.save(local_url(tmp_path / "a"),
+                   state_fn=lambda: {"name": "a", "sched": r.sched.state_dict()})
+    r.train(1)  # lazy: the copy window ends here and the save is handed off
+    assert entered.wait(30)
+    t0 = time.perf_counter()
+    b = r.eng.save(str(tmp_path / "b"), state_fn=lambda: {"name": "b", "sched": r.sched.state_dict()})
+    waited = time.perf_counter() - t0
+    assert not b.skipped and not a.done()  # a is still held by its storage
+    assert waited < 10.0  # it did not wait for a to finish (slot_wait_timeout_s)
+    r.train(2)
+    gate.set()
+    r.eng.close()
+    r.check(a.result(), "a")
+    r.check(b.result(), "b")
+    assert r.eng.peak_host_bytes == a.result().host_bytes  # one slot, used in turn
 
 
 def test_gradient_buffers_hold_only_what_their_turn_needs(tmp_path):
