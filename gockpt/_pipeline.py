@@ -31,11 +31,11 @@ from .config import GoCkptConfig
 from .errors import CheckpointCancelledError
 from .handle import CheckpointMetrics
 from .layout import Unit
-from .persist import PersistRequest, io_threads_cap, lower_thread_priority, persist
+from .persist import PersistRequest, io_threads_cap, lower_thread_priority, persist, slot_chunks
 from .replay import TorchReplay
 from .snapshot import references, resolve
 from .targets import LocalTarget
-from .transfer import CopyTicket, SlotPool
+from .transfer import CopyTicket, Drain, SlotPool
 from .writer import Snapshot
 
 log = logging.getLogger("gockpt")
@@ -115,7 +115,7 @@ class Pipeline:
                 if kind == "replay":
                     self._replay(s, *item[2:])
                 else:
-                    self._persist_pool.submit(self.persist, s)
+                    self._persist_pool.submit(self._persist_safely, s)
             except BaseException as e:  # noqa: BLE001 - reported through the handle
                 # A failed replay spoils the snapshot of every save sharing it.
                 for r in s.share.records if kind == "replay" else [s]:
@@ -168,6 +168,22 @@ class Pipeline:
             hooks["target_factory"] = lambda fs, root, names, timeout_s: LocalTarget(fs, root, writer.staging)
         return snap, hooks
 
+    def _persist_safely(self, s: SaveRecord) -> None:
+        """:meth:`persist` on the persist pool, where an error escaping it would be lost in an
+        unread future: its handle would never resolve and its slot never come back."""
+        try:
+            self.persist(s)
+        except BaseException as e:  # noqa: BLE001 - an engine fault: fail this save, loudly
+            log.exception("gockpt: %s: internal error while persisting", s.path)
+            if s.lending:
+                self._slots.end_lending(s.slot)
+            self._release(s)
+            if not s.handle.done():
+                with self._lock:
+                    self._errors.append(e)
+                s.handle._future.set_exception(e)
+            s.phase = Phase.FAILED
+
     def persist(self, s: SaveRecord) -> None:
         """Write ``s`` and resolve its handle (persist pool; the training thread in ``sync``)."""
         m = s.metrics
@@ -210,6 +226,13 @@ class Pipeline:
                 is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
                 on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )
+            # The next save may borrow the slot while this one writes it (one holder, GoCkpt's
+            # own files only: a writer's files may share the slot's memory).
+            if s.writer is None:
+                drain = Drain(slot_chunks(req))
+                if self._slots.make_lendable(s.slot, drain):
+                    s.lending = True
+                    req.on_chunk_read = drain.read
             res = persist(req)
             if res.published and snap is not None:
                 try:
@@ -225,6 +248,9 @@ class Pipeline:
             if s is not s.share.leader:
                 m.replay_backend = s.share.leader.metrics.replay_backend
         except BaseException as e:  # noqa: BLE001 - handed to the handle and the training thread
+            if s.lending:
+                self._slots.end_lending(s.slot)
+                s.lending = False
             m.host_peak_bytes = self._slots.peak_bytes
             self._release(s)
             if s.overtaken:
@@ -237,6 +263,9 @@ class Pipeline:
             # After the handle: until it resolves the save still counts as one in the pipeline.
             s.phase = Phase.FAILED
             return
+        if s.lending:
+            self._slots.end_lending(s.slot)
+            s.lending = False
         self._release(s)
         if not m.superseded:
             self._on_durable(m)

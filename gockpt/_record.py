@@ -29,7 +29,7 @@ from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
 from .plan import CopyPlan
 from .snapshot import SlotLayout, host_view
-from .transfer import CopyTicket, Slot, SlotPool
+from .transfer import CopyTicket, Drain, Slot, SlotPool
 from .writer import CheckpointWriter, TensorFile, plan_tensor_files
 
 if TYPE_CHECKING:
@@ -126,6 +126,10 @@ class SaveRecord:
     # once it passes: (offset, bytes, fingerprint) for Slot.held (frozen_copy="when_changed").
     to_remember: list[tuple] = field(default_factory=list)
     slot_released: bool = False  # its hold of the slot was dropped (Pipeline._release)
+    # The slot was borrowed while an earlier save's persist still read it: copies into a range
+    # wait until that persist has written it out (gockpt.transfer.Drain).
+    borrowed: Drain | None = None
+    lending: bool = False  # its persist lets the next save borrow its slot (SlotPool.make_lendable)
     extra: Any = None  # the state tree taken at the captured step (gockpt.snapshot.to_skeleton)
     grad_turn: int = 0
     grad_tickets: list[CopyTicket] = field(default_factory=list)
@@ -234,7 +238,8 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
                 exact_k: bool, versions: tuple[int, ...]) -> SaveRecord | None:
     """A save in flight whose snapshot a request at step ``version`` planned as ``plan`` may share.
 
-    It may when it leads its snapshot, still holds its slot (its files not yet all written),
+    It may when it leads its snapshot, still holds its slot (its files not yet all written)
+    and did not lend it to a later save,
     neither failed nor was cancelled, has the same layout, its
     snapshot is pinned to this step with the same tensor ``versions`` (requested at this step, or
     finished at it by a flush, and nothing changed since), and its captured step ``target`` is
@@ -247,7 +252,8 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
     for x in reversed(records):
         if x.share.leader is not x or x.pinned[0] != version or x.layout is not layout \
                 or x.plan.mode == "sync" or x.failed is not None or x.cancel.is_set() \
-                or x.phase in (Phase.DONE, Phase.FAILED) or x.handle.done() or x.slot_released:
+                or x.phase in (Phase.DONE, Phase.FAILED) or x.handle.done() or x.slot_released \
+                or (x.lending and x.slot.lent):
             continue
         k = x.target - version + 1
         if k > plan.num_overlap_steps or (exact_k and k != plan.num_overlap_steps):
@@ -295,14 +301,14 @@ def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple
     leader = find()
     if leader is not None and pool.share(leader.slot):
         return leader, None
-    slot = pool.acquire(*sizes, block=False)
+    slot = pool.acquire(*sizes, block=False, lend=True)
     if slot is None and wait:
         if not any(x.handed_off and x.share.leader.handed_off and not x.handle.done() for x in records):
             flush()
             leader = find()
             if leader is not None and pool.share(leader.slot):
                 return leader, None
-        slot = pool.acquire(*sizes, block=True, timeout=timeout_s)
+        slot = pool.acquire(*sizes, block=True, timeout=timeout_s, lend=True)
         if slot is None:
             # stacklevel: this, make_record, Engine.save, its caller.
             warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
@@ -334,12 +340,38 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find, flush=flush,
                              wait=config.when_full == "wait", timeout_s=config.slot_wait_timeout_s,
                              path=path)
+    drain = slot.drain if slot is not None else None
+    handle.metrics.slot_borrowed = drain is not None and slot.lent  # type: ignore[union-attr]
+    if drain is not None and not _first_bytes_free(drain, layout, plan, slot_layout, tw,
+                                                   config.slot_wait_timeout_s):
+        pool.release(slot)
+        # stacklevel: this, Engine.save, its caller.
+        warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
+                      f"checkpoint {path} (the checkpoint in flight is still being written out: "
+                      "storage slower than the checkpoint interval?)", stacklevel=3)
+        slot = None
     handle.metrics.add_stall("slot_wait", time.perf_counter() - tw)
     if leader is not None:
         return join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,
                            t_request=t_request, writer=writer, files=files), leader
     if slot is None:
         return None, None
-    return new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
-                      grad_bytes=grad_bytes, target=version + plan.num_overlap_steps - 1,
-                      t_request=t_request, pinned=pinned, writer=writer, files=files), None
+    record = new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
+                        grad_bytes=grad_bytes, target=version + plan.num_overlap_steps - 1,
+                        t_request=t_request, pinned=pinned, writer=writer, files=files)
+    record.borrowed = drain
+    return record, None
+
+
+def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,
+                      t0: float, timeout_s: float | None) -> bool:
+    """Wait (bounded by ``timeout_s`` since ``t0``) until the bytes a borrowed slot takes at the
+    request are written out by the save it was borrowed from: the first window's blocks (all
+    of them for ``sync``/``async``) and the static tensors."""
+    blocks = plan.blocks if plan.mode in ("sync", "async") else plan.blocks[:1]
+    entries = [e for b in blocks for i in b for e in (layout.units[i].param_entry,
+                                                     *layout.units[i].state_entries.values())]
+    entries += layout.static
+    ranges = [(slot_layout.offsets[e.key], slot_layout.offsets[e.key] + e.spec.nbytes) for e in entries]
+    left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+    return drain.wait_free(ranges, left)

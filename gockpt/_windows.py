@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
-from .errors import CheckpointTornError
+from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
 from .layout import Unit, local, localize
 from .partition import prune_model, prune_optimizer
@@ -38,8 +38,9 @@ class Windows:
 
     def __init__(self, model: nn.Module, optimizers: list[Optimizer],
                  copier: CpuCopier | CudaCopier, pipeline: Pipeline, *,
-                 frozen_copy: str = "always") -> None:
+                 frozen_copy: str = "always", slot_wait_timeout_s: float | None = None) -> None:
         self._model = model
+        self._slot_wait_timeout_s = slot_wait_timeout_s
         # "when_changed": views a reused slot still holds unchanged are not copied again.
         self._when_changed = frozen_copy == "when_changed"
         # The slot of the latest save with one of its own (weak: a dropped slot's memory goes).
@@ -142,7 +143,10 @@ class Windows:
                 continue
             self._capture_grads(s, opt_index)
             s.window += 1
-            self._open_window(s)
+            try:
+                self._open_window(s)
+            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+                self.fail(s, e)
 
     def edited_since_update(self) -> bool:
         """True if a parameter changed in place after its optimizer's latest update."""
@@ -293,6 +297,8 @@ class Windows:
                         if keep:
                             s.to_remember.append((off, e.spec.nbytes, fingerprint(e.versioned, e.tensor)))
                     pairs.append((e.tensor, view))
+        if s.borrowed is not None and not s.borrowed.done:
+            self._wait_drain(s, [v for _, v in pairs])
         nbytes = sum(d.numel() * d.element_size() for _, d in pairs)
         s.metrics.state_bytes += nbytes
         ticket = self._copier.copy(pairs, PRIORITY_STATE)
@@ -301,6 +307,26 @@ class Windows:
         if wait:
             ticket.wait()
             self._check_versions(s)
+
+    def _wait_drain(self, s: SaveRecord, views: list[torch.Tensor]) -> None:
+        """Wait until the save ``s`` borrowed its slot from has written out the bytes of
+        ``views`` (counted as ``slot_wait``).
+
+        Raises:
+            CheckpointTimeoutError: not within ``slot_wait_timeout_s``; ``s`` is then dropped
+                with a warning, not an error (the checkpoints before it stand).
+        """
+        base = s.slot.data.data_ptr()
+        ranges = [(v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views]
+        t0 = time.perf_counter()
+        ok = s.borrowed.wait_free(ranges, self._slot_wait_timeout_s)  # type: ignore[union-attr]
+        s.metrics.add_stall("slot_wait", time.perf_counter() - t0)
+        if not ok:
+            s.overtaken = True
+            raise CheckpointTimeoutError(
+                f"{s.path}: the checkpoint before it was not written out within "
+                "slot_wait_timeout_s; this checkpoint is skipped (storage slower than the "
+                "checkpoint interval?)")
 
     def _check_versions(self, s: SaveRecord) -> None:
         """Fail ``s`` (CheckpointTornError) when a tensor changed while it was copied; else the

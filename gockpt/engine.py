@@ -110,7 +110,8 @@ class Engine:
         self._pipeline = Pipeline(self.config, self.optimizers, self._backends, self._slots,
                                   on_durable=lambda m: self.metrics.append(m))
         self._windows = Windows(model, self.optimizers, self._copier, self._pipeline,
-                                frozen_copy=self.config.frozen_copy)
+                                frozen_copy=self.config.frozen_copy,
+                                slot_wait_timeout_s=self.config.slot_wait_timeout_s)
         self._hooks = []
         for i, o in enumerate(self.optimizers):
             self._hooks.append(o.register_step_pre_hook(EngineHook(partial(self._on_pre_hook, i))))

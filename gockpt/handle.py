@@ -34,6 +34,9 @@ class CheckpointMetrics:
             and gradient buffers, as allocated: a reused slot may be larger than needed). Saves
             sharing one snapshot each report the same buffers (counted once in
             ``host_peak_bytes``).
+        slot_borrowed: its host slot was borrowed from the save before it while that one was
+            still writing it out; its copies waited only for the bytes they overwrite
+            (counted as ``slot_wait``).
         host_shared: this checkpoint's snapshot was shared with other saves requested at the
             same step (one host copy, one set of copies and replays, its own files and state).
         host_peak_bytes: the most bytes of host buffers (snapshot slots and gradient buffers, of
@@ -65,6 +68,7 @@ class CheckpointMetrics:
     persist_bytes: int = 0
     host_bytes: int = 0
     host_shared: bool = False
+    slot_borrowed: bool = False
     host_peak_bytes: int = 0
     time_to_durable_s: float = 0.0
     persist_s: float = 0.0

@@ -104,6 +104,8 @@ class PersistRequest:
             and the publish): ``slot`` may be reused from then on. A write call does not keep
             its buffer after it returns (Python's ``io`` contract), so nothing reads the slot
             after this. Not called when a write fails first; it must not raise.
+        on_chunk_read: called with ``(begin, end)`` on an io thread each time one of the
+            :func:`slot_chunks` ranges has been written and checksummed; it must not raise.
     """
 
     path: str
@@ -129,6 +131,7 @@ class PersistRequest:
     io_nice: int | None = None
     direct_io: bool = True
     on_slot_read: Callable[[], None] | None = None
+    on_chunk_read: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -370,6 +373,18 @@ def _count_reads(jobs: list, done: Callable[[], None]) -> list:
     return [(n, name, functools.partial(counted, pieces)) for n, name, pieces in jobs]
 
 
+def _ranges(begin: int, end: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    for offset in range(begin, end, chunk_bytes):
+        yield offset, min(offset + chunk_bytes, end)
+
+
+def slot_chunks(req: PersistRequest) -> list[tuple[int, int]]:
+    """The ``[begin, end)`` byte ranges of ``req.slot`` that :func:`persist` reads, as the
+    pieces it writes (``req.on_chunk_read`` reports each once written)."""
+    return [r for i in range(len(req.shards)) for b, e in _segments(req, i)
+            for r in _ranges(b, e, req.chunk_bytes)]
+
+
 def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterator[memoryview]:
     for offset in range(begin, end, chunk_bytes):
         yield data[offset : min(offset + chunk_bytes, end)]
@@ -383,8 +398,12 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
 
         def pieces(shard: ShardLayout = shard, i: int = i) -> Iterator[memoryview | bytes]:
             yield shard.header
+            read = req.on_chunk_read
             for b, e in _segments(req, i):
-                yield from _chunks(slot_view, b, e, req.chunk_bytes)
+                for lo, hi in _ranges(b, e, req.chunk_bytes):
+                    yield slot_view[lo:hi]
+                    if read is not None:  # asked for the next piece: this one is written
+                        read(lo, hi)
 
         jobs.append((shard.file_bytes, shard.file, pieces))
     for name, data in req.files.items():

@@ -14,6 +14,7 @@ bounded, with back-pressure when full (DataStates-LLM §V-A4, PCcheck §3.1).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import threading
@@ -226,6 +227,62 @@ def make_copier(device: torch.device, chunk_bytes: int, bytes_per_s: float | Non
     return CpuCopier(chunk_bytes, bytes_per_s)
 
 
+class Drain:
+    """The byte ranges of a slot that a persist has yet to read, while the slot is lent to the
+    next save (:meth:`SlotPool.make_lendable`): that save copies into a range only once no
+    pending range overlaps it, so a host buffer is reused as soon as its bytes are written out,
+    not when the whole checkpoint is (DataStates-LLM §V-A4, host buffers recycled as they are
+    flushed).
+
+    Args:
+        ranges: ``[begin, end)`` byte ranges of the slot the persist reads, disjoint (its files'
+            chunks, :func:`gockpt.persist.slot_chunks`).
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        pending = sorted((b, e) for b, e in ranges if b < e)
+        self._begins = [b for b, _ in pending]
+        self._ends = [e for _, e in pending]
+        self._cv = threading.Condition()
+
+    @property
+    def done(self) -> bool:
+        """Nothing is pending any more."""
+        return not self._begins
+
+    def read(self, begin: int, end: int) -> None:
+        """The persist has read (written out) ``[begin, end)``, one of the ranges given."""
+        with self._cv:
+            i = bisect.bisect_left(self._begins, begin)
+            if i < len(self._begins) and self._begins[i] == begin and self._ends[i] == end:
+                del self._begins[i], self._ends[i]
+                self._cv.notify_all()
+
+    def finish(self) -> None:
+        """The persist ended (written, failed or cancelled): it reads nothing more."""
+        with self._cv:
+            self._begins.clear()
+            self._ends.clear()
+            self._cv.notify_all()
+
+    def _busy(self, begin: int, end: int) -> bool:
+        i = bisect.bisect_right(self._ends, begin)  # the first pending range ending after begin
+        return i < len(self._begins) and self._begins[i] < end
+
+    def wait_free(self, ranges: Sequence[tuple[int, int]], timeout_s: float | None) -> bool:
+        """Block until no pending range overlaps any of ``ranges``; False after ``timeout_s``
+        seconds (None: no bound)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            for b, e in ranges:
+                while self._busy(b, e):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cv.wait(left)
+        return True
+
+
 class Slot:
     """Host buffers of one in-flight snapshot: the data and two gradient buffers.
 
@@ -240,6 +297,8 @@ class Slot:
         refs: saves holding the slot (written under the pool's lock).
         held: the views of ``data`` that still hold a tensor as copied at a known version
             (``frozen_copy="when_changed"``; training thread only).
+        drain: while a persist reads the slot and it may be lent: what it has yet to read.
+        lent: a save borrowed it during that persist (:meth:`SlotPool.acquire` with ``lend``).
     """
 
     def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
@@ -254,6 +313,8 @@ class Slot:
             e.set()  # set = free
         self.refs = 0
         self.held = HeldTensors()
+        self.drain: Drain | None = None
+        self.lent = False
 
     @property
     def nbytes(self) -> int:
@@ -290,6 +351,7 @@ class SlotPool:
         self._pin = pin
         self._max_bytes = max_bytes
         self._free: list[Slot] = []
+        self._draining: list[Slot] = []  # held by one persist only, which may lend them
         self._count = 0
         self._bytes = 0
         self._peak = 0
@@ -316,13 +378,15 @@ class SlotPool:
         return self._peak
 
     def acquire(self, slot_bytes: int, grad_bytes: int | Sequence[int], block: bool,
-                timeout: float | None = None) -> Slot | None:
+                timeout: float | None = None, *, lend: bool = False) -> Slot | None:
         """A slot with at least ``slot_bytes`` of data and ``grad_bytes`` per gradient buffer (an
-        int: both; a pair: per turn), held once (``refs`` = 1); or None when none is free and
-        ``block`` is False or none was freed within ``timeout`` seconds (None: without bound).
+        int: both; a pair: per turn), held once more; or None when none is free and ``block`` is
+        False or none was freed within ``timeout`` seconds (None: without bound).
 
-        Slots too small for a grown layout are dropped and reallocated, to the larger of the old
-        and the new size of each buffer when that stays within ``max_bytes``.
+        With ``lend``, a slot a persist is still reading may be borrowed when none is free (its
+        ``drain`` says which bytes are not yet free; ``refs`` then counts both). Slots too small
+        for a grown layout are dropped and reallocated, to the larger of the old and the new
+        size of each buffer when that stays within ``max_bytes``.
         """
         want = [slot_bytes, *_grad_sizes(grad_bytes)]
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -352,6 +416,10 @@ class SlotPool:
                     self._bytes += sum(sizes)
                     self._peak = max(self._peak, self._bytes)
                     break
+                if lend:
+                    lent = self._lend(slot_bytes, grad_bytes)
+                    if lent is not None:
+                        return lent
                 keep = None  # not counted while waiting: let it go
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
@@ -368,12 +436,55 @@ class SlotPool:
         slot.refs = 1
         return slot
 
+    def _lend(self, slot_bytes: int, grad_bytes: int | Sequence[int]) -> Slot | None:
+        """A slot one persist alone still reads, for a borrower (under the lock). Its gradient
+        buffers, which that persist no longer uses, grow to the borrower's sizes if needed."""
+        need = _grad_sizes(grad_bytes)
+        for s in self._draining:
+            if s.lent or s.refs != 1 or s.data.numel() < slot_bytes:
+                continue
+            grow = sum(max(0, n - g.numel()) for g, n in zip(s.grads, need, strict=True))
+            if grow and not self._fits(grow):
+                continue
+            for t, n in enumerate(need):
+                if s.grads[t].numel() < n:
+                    self._bytes += n - s.grads[t].numel()
+                    s.grads[t] = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
+            self._peak = max(self._peak, self._bytes)
+            s.lent = True
+            s.refs += 1
+            return s
+        return None
+
     def _fits(self, nbytes: int) -> bool:
         return self._max_bytes is None or self._bytes + nbytes <= self._max_bytes
 
+    def make_lendable(self, slot: Slot, drain: Drain) -> bool:
+        """Let one save borrow ``slot`` while its only holder's persist reads it (``drain``);
+        False (not lendable) when another save holds it too or a lending is still open."""
+        with self._cv:
+            if slot.refs != 1 or slot.drain is not None:
+                return False
+            slot.drain, slot.lent = drain, False
+            self._draining.append(slot)
+            self._cv.notify_all()
+            return True
+
+    def end_lending(self, slot: Slot) -> None:
+        """The persist that made ``slot`` lendable reads nothing more: every byte is free.
+        ``lent`` stays as it was (the lender's snapshot stays unshareable)."""
+        with self._cv:
+            if slot.drain is not None:
+                slot.drain.finish()
+            slot.drain = None
+            if slot in self._draining:
+                self._draining.remove(slot)
+
     def share(self, slot: Slot) -> bool:
         """Hold ``slot`` once more (a save sharing another's snapshot); False when it was
-        already released by every save (it may be reused: take another)."""
+        already released by every save (it may be reused: take another). Held twice, it is not
+        lent; the caller must not share the snapshot of a save whose slot was lent
+        (:func:`gockpt._record.find_leader`): the borrower overwrites it."""
         with self._cv:
             if slot.refs <= 0:
                 return False
@@ -390,5 +501,7 @@ class SlotPool:
             slot.refs -= 1
             if slot.refs > 0:
                 return
+            if slot in self._draining:  # its persist read everything: no lending from now on
+                self._draining.remove(slot)
             self._free.append(slot)
             self._cv.notify()

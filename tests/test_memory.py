@@ -442,3 +442,87 @@ def test_a_save_whose_wait_times_out_is_skipped_with_a_warning(tmp_path, monkeyp
     gate.set()
     r.eng.close()
     assert not a.skipped and a.result().captured_step == 3
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _wide_run(tmp_path, monkeypatch, hook, **cfg):
+    """A model of 6 blocks, saves through a slow local filesystem (``hook`` before each write)."""
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+
+    torch.manual_seed(0)
+    model = _Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3,
+                                          chunk_bytes=4096, num_io_threads=1, **cfg))
+    monkeypatch.setattr(FaultLocalFileSystem, "fault", Fault(hook=hook))
+    live: dict[int, dict] = {}
+    x = torch.randn(16, 128)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    return eng, step, live, lambda name: local_url(tmp_path / name)
+
+
+def test_the_next_save_borrows_the_slot_while_the_previous_one_is_written(tmp_path, monkeypatch):
+    """DataStates-style reuse: the second save copies each block once the first has written
+    that block's bytes out, without waiting for its whole checkpoint. Both equal blocking
+    saves of their steps, bit for bit, and one slot of host memory served both."""
+    eng, step, live, url = _wide_run(tmp_path, monkeypatch, lambda name, n: time.sleep(0.002))
+    for _ in range(3):
+        step()
+    a = eng.save(url("a"))
+    for _ in range(3):
+        step()  # a's copy windows end; its persist starts (about 0.5 s on this slow storage)
+    b = eng.save(url("b"))
+    for _ in range(6):
+        step()
+    eng.close()
+    ma, mb = a.result(), b.result()
+    assert mb.slot_borrowed and not ma.slot_borrowed
+    assert eng.peak_host_bytes == ma.host_bytes
+    for m in (ma, mb):
+        state = gockpt.load_checkpoint(m.path)
+        v = state.captured_step
+        assert_state_equal(state.model_state_dict, live[v]["model"], f"{m.path}@{v}")
+        assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{m.path}@{v}")
+
+
+def test_a_borrowed_slot_whose_bytes_never_free_skips_the_save_in_bounded_time(tmp_path, monkeypatch):
+    gate = threading.Event()
+
+    def hung(name, nbytes):  # storage that stops answering after a few writes
+        if hung.n > 4:
+            assert gate.wait(60)
+        hung.n += 1
+
+    hung.n = 0
+    eng, step, live, url = _wide_run(tmp_path, monkeypatch, hung, slot_wait_timeout_s=0.5)
+    for _ in range(3):
+        step()
+    a = eng.save(url("a"))
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match="slot_wait_timeout_s"):
+        b = eng.save(url("b"))
+    assert time.perf_counter() - t0 < 5
+    assert b.skipped and b.done()
+    for _ in range(2):
+        step()  # training goes on
+    gate.set()
+    eng.close()
+    state = gockpt.load_checkpoint(a.result().path)
+    assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], "a")

@@ -62,3 +62,45 @@ def test_slot_pool_is_bounded_and_reuses_buffers():
     pool.release(a)
     t.join(10)
     assert got == [a]  # the same buffers, not a new allocation
+
+
+def test_a_drain_frees_a_range_once_every_pending_range_over_it_is_read():
+    from gockpt.transfer import Drain
+
+    d = Drain([(0, 100), (100, 200), (300, 400)])
+    assert d.wait_free([(200, 300)], 0.0)  # never read by the persist: free at once
+    assert not d.wait_free([(150, 160)], 0.05)
+    d.read(100, 200)
+    assert d.wait_free([(150, 160), (100, 200)], 0.0)
+    assert not d.wait_free([(0, 1)], 0.0) and not d.wait_free([(399, 500)], 0.0)
+    freed = threading.Event()
+    t = threading.Thread(target=lambda: d.wait_free([(0, 400)], 10.0) and freed.set())
+    t.start()
+    d.read(0, 100)
+    assert not freed.wait(0.05)
+    d.finish()  # the persist ended (here: failed): it reads nothing more
+    t.join(10)
+    assert freed.is_set() and d.done
+
+
+def test_a_slot_is_lent_once_to_one_borrower_and_never_shared_meanwhile():
+    from gockpt.transfer import Drain
+
+    pool = SlotPool(max_slots=1, pin=False)
+    a = pool.acquire(1024, 0, block=False)
+    assert pool.acquire(1024, 0, block=False, lend=True) is None  # nothing is being persisted
+    drain = Drain([(0, 1024)])
+    assert pool.make_lendable(a, drain)
+    assert pool.share(a)  # a save sharing the snapshot: held twice, it is not lent
+    assert pool.acquire(1024, 0, block=False, lend=True) is None
+    pool.release(a)
+    b = pool.acquire(1024, 0, block=False, lend=True)
+    assert b is a and a.refs == 2 and a.lent
+    assert pool.acquire(1024, 0, block=False, lend=True) is None  # lent once only
+    pool.release(a)  # the persist's early release: the borrower still holds it
+    pool.end_lending(a)
+    assert a.refs == 1 and a.drain is None and drain.done and a.lent
+    assert pool.make_lendable(a, Drain([(0, 10)]))  # the borrower's own persist may lend it on
+    pool.end_lending(a)
+    pool.release(a)
+    assert pool.acquire(1024, 0, block=False) is a and pool.num_slots == 1

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +243,12 @@ def _crash(project_dir: str) -> None:
 
     def block(models: Any, weights: Any, output_dir: str) -> None:  # a save_state pre-hook
         if "checkpoint_3" in output_dir:
+            # checkpoint_3's slot is free once checkpoint_2's bytes are written, which may be
+            # before checkpoint_2 is published and checkpoint_0 rotated out: let those happen.
+            first = os.path.join(os.path.dirname(output_dir), "checkpoint_0")
+            deadline = time.monotonic() + 60
+            while os.path.exists(first) and time.monotonic() < deadline:
+                time.sleep(0.01)
             print("blocked", output_dir, flush=True)
             never.wait()
 
