@@ -126,21 +126,20 @@ class GoCkptConfig:
     and so the wait of a request for a free slot. ``None``: no change."""
 
     frozen_copy: str = "always"
-    """Whether a tensor the host slot already holds from an earlier checkpoint is copied again:
-    ``"always"``, or ``"when_changed"``: the bytes a reused slot holds for a frozen parameter
-    (``requires_grad=False``, no optimizer state) are kept while it is unchanged, and only the
-    other tensors are copied. For a mostly frozen model (LoRA-style fine-tuning) that removes
-    most of the device-to-host copy of every checkpoint after the first; the files written are
-    the same. Opt-in: an edit through ``tensor.data`` is not seen as a change (below). Buffers
-    are always copied: native kernels update some of them in place without moving their version
-    counter (BatchNorm's running statistics).
+    """Whether a frozen parameter (``requires_grad=False``, no optimizer state) that the reused
+    host slot already holds from an earlier checkpoint is copied again: ``"always"``, or
+    ``"when_changed"``: only while it changed, which removes most of each later checkpoint's
+    device-to-host copy for a mostly frozen model (LoRA-style fine-tuning). Opt-in, because an
+    in-place edit made through ``tensor.data`` is not seen as a change.
 
     Unchanged means the same tensor at the same address with the same dtype, shape and strides,
     and a version counter that has not moved. Every in-place operation on a tensor or on a view
     of it (``copy_``, ``load_state_dict``, optimizer steps, ``torch.no_grad()`` edits) moves
     that counter; a write through ``tensor.data`` (``p.data.mul_(m)``, as some older EMA and
     momentum-encoder code does) does not. Leave ``"always"`` where frozen tensors are edited
-    that way: such an edit would be missing from the checkpoint.
+    that way: such an edit would be missing from the checkpoint. Buffers are always copied:
+    native kernels update some of them in place without moving their version counter
+    (BatchNorm's running statistics). The files written are the same either way;
     :attr:`gockpt.CheckpointMetrics.unchanged_bytes` reports the bytes not copied again."""
 
     def __post_init__(self) -> None:
