@@ -175,8 +175,8 @@ class Pipeline:
             self.persist(s)
         except BaseException as e:  # noqa: BLE001 - an engine fault: fail this save, loudly
             log.exception("gockpt: %s: internal error while persisting", s.path)
-            if s.lending:
-                self._slots.end_lending(s.slot)
+            if s.lending is not None:
+                self._slots.end_lending(s.slot, s.lending)
             self._release(s)
             if not s.handle.done():
                 with self._lock:
@@ -229,10 +229,12 @@ class Pipeline:
             # The next save may borrow the slot while this one writes it (one holder, GoCkpt's
             # own files only: a writer's files may share the slot's memory).
             if s.writer is None:
-                drain = Drain(slot_chunks(req))
-                if self._slots.make_lendable(s.slot, drain):
-                    s.lending = True
-                    req.on_chunk_read = drain.read
+                # Set first: find_leader must see it as soon as a borrow is possible.
+                s.lending = Drain(slot_chunks(req))
+                req.on_chunk_read = s.lending.read
+                if not self._slots.make_lendable(s.slot, s.lending):
+                    s.lending = None
+                    req.on_chunk_read = None
             res = persist(req)
             if res.published and snap is not None:
                 try:
@@ -248,9 +250,8 @@ class Pipeline:
             if s is not s.share.leader:
                 m.replay_backend = s.share.leader.metrics.replay_backend
         except BaseException as e:  # noqa: BLE001 - handed to the handle and the training thread
-            if s.lending:
-                self._slots.end_lending(s.slot)
-                s.lending = False
+            if s.lending is not None:
+                self._slots.end_lending(s.slot, s.lending)
             m.host_peak_bytes = self._slots.peak_bytes
             self._release(s)
             if s.overtaken:
@@ -263,9 +264,8 @@ class Pipeline:
             # After the handle: until it resolves the save still counts as one in the pipeline.
             s.phase = Phase.FAILED
             return
-        if s.lending:
-            self._slots.end_lending(s.slot)
-            s.lending = False
+        if s.lending is not None:
+            self._slots.end_lending(s.slot, s.lending)
         self._release(s)
         if not m.superseded:
             self._on_durable(m)

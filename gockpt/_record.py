@@ -129,7 +129,9 @@ class SaveRecord:
     # The slot was borrowed while an earlier save's persist still read it: copies into a range
     # wait until that persist has written it out (gockpt.transfer.Drain).
     borrowed: Drain | None = None
-    lending: bool = False  # its persist lets the next save borrow its slot (SlotPool.make_lendable)
+    # Its persist lets the next save borrow its slot (SlotPool.make_lendable): what it has yet
+    # to read; ``lending.lent`` once borrowed. Kept after the persist (find_leader reads it).
+    lending: Drain | None = None
     extra: Any = None  # the state tree taken at the captured step (gockpt.snapshot.to_skeleton)
     grad_turn: int = 0
     grad_tickets: list[CopyTicket] = field(default_factory=list)
@@ -253,7 +255,7 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
         if x.share.leader is not x or x.pinned[0] != version or x.layout is not layout \
                 or x.plan.mode == "sync" or x.failed is not None or x.cancel.is_set() \
                 or x.phase in (Phase.DONE, Phase.FAILED) or x.handle.done() or x.slot_released \
-                or (x.lending and x.slot.lent):
+                or (x.lending is not None and x.lending.lent):
             continue
         k = x.target - version + 1
         if k > plan.num_overlap_steps or (exact_k and k != plan.num_overlap_steps):
@@ -303,7 +305,7 @@ def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple
         return leader, None
     slot = pool.acquire(*sizes, block=False, lend=True)
     if slot is None and wait:
-        if not any(x.handed_off and x.share.leader.handed_off and not x.handle.done() for x in records):
+        if not _frees_without_training(records):
             flush()
             leader = find()
             if leader is not None and pool.share(leader.slot):
@@ -315,6 +317,16 @@ def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple
                           f"checkpoint {path} (the checkpoints in flight are still being "
                           "persisted: storage slower than the checkpoint interval?)", stacklevel=4)
     return None, slot
+
+
+def _frees_without_training(records: list[SaveRecord]) -> bool:
+    """Whether some slot will come back without more training steps: every save still holding
+    it is in the pipeline (a save in its copy windows advances only with training)."""
+    holders: dict[int, list[SaveRecord]] = {}
+    for x in records:
+        if not x.slot_released and not x.handle.done():
+            holders.setdefault(id(x.slot), []).append(x)
+    return any(all(x.handed_off and x.share.leader.handed_off for x in xs) for xs in holders.values())
 
 
 def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, seq: int, path: str,
@@ -341,7 +353,9 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                              wait=config.when_full == "wait", timeout_s=config.slot_wait_timeout_s,
                              path=path)
     drain = slot.drain if slot is not None else None
-    handle.metrics.slot_borrowed = drain is not None and slot.lent  # type: ignore[union-attr]
+    if drain is not None and drain.done:
+        drain = None  # the save before read everything: nothing to wait for
+    handle.metrics.slot_borrowed = drain is not None
     if drain is not None and not _first_bytes_free(drain, layout, plan, slot_layout, tw,
                                                    config.slot_wait_timeout_s):
         pool.release(slot)

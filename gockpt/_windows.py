@@ -141,9 +141,9 @@ class Windows:
                 continue
             if s.window >= s.num_blocks - 1:
                 continue
-            self._capture_grads(s, opt_index)
-            s.window += 1
             try:
+                self._capture_grads(s, opt_index)
+                s.window += 1
                 self._open_window(s)
             except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
                 self.fail(s, e)
@@ -353,11 +353,14 @@ class Windows:
             and not (not s.layout.units[i].state_entries and opt.state.get(s.layout.units[i].param))
         ]
         if self._when_changed and units:
-            # The replay will write these views: a frozen parameter unfrozen during the save.
+            # The replay will write these views: a frozen parameter unfrozen during the save,
+            # whose view was kept (not copied, so not waited for on a borrowed slot).
+            views = [s.views[e.key] for i in units for e in (s.layout.units[i].param_entry,
+                                                              *s.layout.units[i].state_entries.values())]
             base = s.slot.data.data_ptr()
-            s.slot.held.forget(s.views[e.key].data_ptr() - base for i in units
-                               for e in (s.layout.units[i].param_entry,
-                                         *s.layout.units[i].state_entries.values()))
+            s.slot.held.forget(v.data_ptr() - base for v in views)
+            if s.borrowed is not None and not s.borrowed.done:
+                self._wait_drain(s, views)
         turn = s.grad_turn
         s.grad_turn ^= 1
         t0 = time.perf_counter()

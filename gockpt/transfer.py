@@ -240,6 +240,7 @@ class Drain:
     """
 
     def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self.lent = False  # a save borrowed the slot during this persist (SlotPool, its lock)
         pending = sorted((b, e) for b, e in ranges if b < e)
         self._begins = [b for b, _ in pending]
         self._ends = [e for _, e in pending]
@@ -297,8 +298,8 @@ class Slot:
         refs: saves holding the slot (written under the pool's lock).
         held: the views of ``data`` that still hold a tensor as copied at a known version
             (``frozen_copy="when_changed"``; training thread only).
-        drain: while a persist reads the slot and it may be lent: what it has yet to read.
-        lent: a save borrowed it during that persist (:meth:`SlotPool.acquire` with ``lend``).
+        drain: while a persist reads the slot and it may be lent: what it has yet to read
+            (``drain.lent``: a save borrowed it, :meth:`SlotPool.acquire` with ``lend``).
     """
 
     def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
@@ -314,7 +315,6 @@ class Slot:
         self.refs = 0
         self.held = HeldTensors()
         self.drain: Drain | None = None
-        self.lent = False
 
     @property
     def nbytes(self) -> int:
@@ -441,7 +441,8 @@ class SlotPool:
         buffers, which that persist no longer uses, grow to the borrower's sizes if needed."""
         need = _grad_sizes(grad_bytes)
         for s in self._draining:
-            if s.lent or s.refs != 1 or s.data.numel() < slot_bytes:
+            d = s.drain
+            if d is None or d.lent or s.refs != 1 or s.data.numel() < slot_bytes:
                 continue
             grow = sum(max(0, n - g.numel()) for g, n in zip(s.grads, need, strict=True))
             if grow and not self._fits(grow):
@@ -451,7 +452,7 @@ class SlotPool:
                     self._bytes += n - s.grads[t].numel()
                     s.grads[t] = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
             self._peak = max(self._peak, self._bytes)
-            s.lent = True
+            d.lent = True
             s.refs += 1
             return s
         return None
@@ -461,33 +462,38 @@ class SlotPool:
 
     def make_lendable(self, slot: Slot, drain: Drain) -> bool:
         """Let one save borrow ``slot`` while its only holder's persist reads it (``drain``);
-        False (not lendable) when another save holds it too or a lending is still open."""
+        False (not lendable) when another save holds it too, or an earlier persist that made it
+        lendable still has bytes to read."""
         with self._cv:
-            if slot.refs != 1 or slot.drain is not None:
+            if slot.refs != 1 or (slot.drain is not None and not slot.drain.done):
                 return False
-            slot.drain, slot.lent = drain, False
-            self._draining.append(slot)
+            slot.drain = drain
+            if slot not in self._draining:
+                self._draining.append(slot)
             self._cv.notify_all()
             return True
 
-    def end_lending(self, slot: Slot) -> None:
-        """The persist that made ``slot`` lendable reads nothing more: every byte is free.
-        ``lent`` stays as it was (the lender's snapshot stays unshareable)."""
+    def end_lending(self, slot: Slot, drain: Drain) -> None:
+        """The persist that made ``slot`` lendable with ``drain`` reads nothing more: every
+        byte is free. ``drain.lent`` stays (the lender's snapshot stays unshareable)."""
         with self._cv:
-            if slot.drain is not None:
-                slot.drain.finish()
-            slot.drain = None
-            if slot in self._draining:
-                self._draining.remove(slot)
+            drain.finish()
+            if slot.drain is drain:
+                slot.drain = None
+                if slot in self._draining:
+                    self._draining.remove(slot)
 
     def share(self, slot: Slot) -> bool:
         """Hold ``slot`` once more (a save sharing another's snapshot); False when it was
-        already released by every save (it may be reused: take another). Held twice, it is not
-        lent; the caller must not share the snapshot of a save whose slot was lent
-        (:func:`gockpt._record.find_leader`): the borrower overwrites it."""
+        already released by every save (it may be reused: take another). A slot shared is not
+        lent from then on (its persist is no longer its only reader); the caller must not share
+        the snapshot of a save whose slot was lent (:func:`gockpt._record.find_leader`): the
+        borrower overwrites it."""
         with self._cv:
             if slot.refs <= 0:
                 return False
+            if slot.drain is not None and not slot.drain.lent and slot in self._draining:
+                self._draining.remove(slot)
             slot.refs += 1
             return True
 
@@ -503,5 +509,6 @@ class SlotPool:
                 return
             if slot in self._draining:  # its persist read everything: no lending from now on
                 self._draining.remove(slot)
+            slot.drain = None
             self._free.append(slot)
             self._cv.notify()

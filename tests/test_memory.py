@@ -526,3 +526,36 @@ def test_a_borrowed_slot_whose_bytes_never_free_skips_the_save_in_bounded_time(t
     eng.close()
     state = gockpt.load_checkpoint(a.result().path)
     assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], "a")
+
+
+def test_a_save_waiting_on_a_slot_finishes_the_windows_of_the_save_that_holds_it(tmp_path, monkeypatch):
+    """The save before the last gave its slot back early and is still publishing; the last
+    save holds the slot in its copy windows, which advance only with training. A new request
+    finishes those windows at once rather than waiting for a slot that training would free."""
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(op, path):
+        if op == "open" and path.endswith("manifest.json") and "/.a.gockpt-tmp" in path:
+            entered.set()
+            assert gate.wait(30)
+
+    r = Run(mode="gockpt_o", slot_wait_timeout_s=10.0, **K3)
+    r.train(3)
+    monkeypatch.setattr(FaultLocalFileSystem, "fault", Fault(op_hook=held))
+    a = r.eng.save(local_url(tmp_path / "a"),
+                   state_fn=lambda: {"name": "a", "sched": r.sched.state_dict()})
+    r.train(3)
+    assert entered.wait(30)  # a's bytes are written; its publish is held
+    b = r.save("b", tmp_path)
+    r.train(1)  # b is in its copy windows
+    t0 = time.perf_counter()
+    c = r.save("c", tmp_path)
+    assert not c.skipped and time.perf_counter() - t0 < 10.0
+    assert b.metrics.captured_step == r.eng.version  # finished at this step
+    r.train(4)
+    gate.set()
+    r.eng.close()
+    for h, name in ((a, "a"), (b, "b"), (c, "c")):
+        r.check(h.result(), name)

@@ -83,7 +83,7 @@ def test_a_drain_frees_a_range_once_every_pending_range_over_it_is_read():
     assert freed.is_set() and d.done
 
 
-def test_a_slot_is_lent_once_to_one_borrower_and_never_shared_meanwhile():
+def test_a_slot_is_lent_once_to_one_borrower_while_its_persist_alone_reads_it():
     from gockpt.transfer import Drain
 
     pool = SlotPool(max_slots=1, pin=False)
@@ -91,16 +91,34 @@ def test_a_slot_is_lent_once_to_one_borrower_and_never_shared_meanwhile():
     assert pool.acquire(1024, 0, block=False, lend=True) is None  # nothing is being persisted
     drain = Drain([(0, 1024)])
     assert pool.make_lendable(a, drain)
-    assert pool.share(a)  # a save sharing the snapshot: held twice, it is not lent
-    assert pool.acquire(1024, 0, block=False, lend=True) is None
-    pool.release(a)
     b = pool.acquire(1024, 0, block=False, lend=True)
-    assert b is a and a.refs == 2 and a.lent
+    assert b is a and a.refs == 2 and drain.lent
     assert pool.acquire(1024, 0, block=False, lend=True) is None  # lent once only
     pool.release(a)  # the persist's early release: the borrower still holds it
-    pool.end_lending(a)
-    assert a.refs == 1 and a.drain is None and drain.done and a.lent
-    assert pool.make_lendable(a, Drain([(0, 10)]))  # the borrower's own persist may lend it on
-    pool.end_lending(a)
+    pool.end_lending(a, drain)
+    assert a.refs == 1 and a.drain is None and drain.done and drain.lent
+    again = Drain([(0, 10)])
+    assert pool.make_lendable(a, again)  # the borrower's own persist may lend it on
+    pool.end_lending(a, again)
     pool.release(a)
     assert pool.acquire(1024, 0, block=False) is a and pool.num_slots == 1
+
+
+def test_a_shared_slot_is_not_lent_while_the_sharer_still_has_to_read_it():
+    """A save sharing the lender's snapshot reads the slot after the lender's own persist has
+    read it all and released it: no borrower may overwrite it before that."""
+    from gockpt.transfer import Drain
+
+    pool = SlotPool(max_slots=1, pin=False)
+    a = pool.acquire(1024, 0, block=False)
+    drain = Drain([(0, 512), (512, 1024)])
+    assert pool.make_lendable(a, drain)
+    assert pool.share(a)  # a follower joins the lender's snapshot
+    drain.read(0, 512)
+    drain.read(512, 1024)
+    pool.release(a)  # the lender read everything: the follower alone holds it now
+    assert a.refs == 1
+    assert pool.acquire(1024, 0, block=False, lend=True) is None
+    pool.end_lending(a, drain)
+    pool.release(a)
+    assert pool.acquire(1024, 0, block=False, lend=True) is a and a.drain is None
