@@ -313,13 +313,17 @@ class Windows:
         ``views`` (counted as ``slot_wait``).
 
         Raises:
-            CheckpointTimeoutError: not within ``slot_wait_timeout_s``; ``s`` is then dropped
-                with a warning, not an error (the checkpoints before it stand).
+            CheckpointTimeoutError: the save's slot waits, together, passed
+                ``slot_wait_timeout_s``; ``s`` is then dropped with a warning, not an error
+                (the checkpoints before it stand).
         """
         base = s.slot.data.data_ptr()
         ranges = [(v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views]
         t0 = time.perf_counter()
-        ok = s.borrowed.wait_free(ranges, self._slot_wait_timeout_s)  # type: ignore[union-attr]
+        left = self._slot_wait_timeout_s
+        if left is not None:  # one bound for all of the save's slot waits, the request's included
+            left = max(0.0, left - s.metrics.stall_by_phase_s.get("slot_wait", 0.0))
+        ok = s.borrowed.wait_free(ranges, left)  # type: ignore[union-attr]
         s.metrics.add_stall("slot_wait", time.perf_counter() - t0)
         if not ok:
             s.overtaken = True

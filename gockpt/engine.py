@@ -315,10 +315,10 @@ class Engine:
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
             try:
                 out.append(s.handle.result(left))
-            except TimeoutError:
-                raise
             except BaseException:  # noqa: BLE001 - failures are raised once, below
-                pass
+                if not s.handle.done():  # this wait's own deadline, not the save's failure
+                    raise
+                # (A save that failed with CheckpointTimeoutError, a TimeoutError, lands here.)
         self._all = [s for s in self._all if not s.handle.done()]
         self._pipeline.raise_errors()
         return out
