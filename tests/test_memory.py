@@ -476,16 +476,23 @@ def _wide_run(tmp_path, monkeypatch, hook, **cfg):
     return eng, step, live, lambda name: local_url(tmp_path / name)
 
 
+def _save_and_hand_off(step, eng, path: str):
+    """Train 3 steps, request a save of ``path``, train 3 more: its K = 3 copy windows end and
+    its persist starts. Returns its handle."""
+    for _ in range(3):
+        step()
+    handle = eng.save(path)
+    for _ in range(3):
+        step()
+    return handle
+
+
 def test_the_next_save_borrows_the_slot_while_the_previous_one_is_written(tmp_path, monkeypatch):
     """DataStates-style reuse: the second save copies each block once the first has written
     that block's bytes out, without waiting for its whole checkpoint. Both equal blocking
     saves of their steps, bit for bit, and one slot of host memory served both."""
     eng, step, live, url = _wide_run(tmp_path, monkeypatch, lambda name, n: time.sleep(0.002))
-    for _ in range(3):
-        step()
-    a = eng.save(url("a"))
-    for _ in range(3):
-        step()  # a's copy windows end; its persist starts (about 0.5 s on this slow storage)
+    a = _save_and_hand_off(step, eng, url("a"))  # its persist: about 0.5 s on this storage
     b = eng.save(url("b"))
     for _ in range(6):
         step()
@@ -510,11 +517,7 @@ def test_a_borrowed_slot_whose_bytes_never_free_skips_the_save_in_bounded_time(t
 
     hung.n = 0
     eng, step, live, url = _wide_run(tmp_path, monkeypatch, hung, slot_wait_timeout_s=0.5)
-    for _ in range(3):
-        step()
-    a = eng.save(url("a"))
-    for _ in range(3):
-        step()
+    a = _save_and_hand_off(step, eng, url("a"))
     t0 = time.perf_counter()
     with pytest.warns(UserWarning, match="slot_wait_timeout_s"):
         b = eng.save(url("b"))
@@ -580,11 +583,7 @@ def test_a_borrower_whose_later_block_never_frees_is_dropped_with_a_warning(tmp_
     # A multi-step plan has at least one unit in each later block: the last piece's tensors
     # are never in the first block.
     eng, step, live, url = _wide_run(tmp_path, monkeypatch, stalls, slot_wait_timeout_s=1.0)
-    for _ in range(3):
-        step()
-    a = eng.save(url("a"))
-    for _ in range(3):
-        step()
+    a = _save_and_hand_off(step, eng, url("a"))
     b = eng.save(url("b"))
     assert not b.skipped and b.metrics.slot_borrowed  # its first block was free
     with caplog.at_level("WARNING", logger="gockpt"):
