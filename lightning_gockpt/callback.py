@@ -380,33 +380,30 @@ class GoCkptCallback(Callback):
                       explicit_before_update=True, start_step=trainer.global_step if restored else None)
 
     def _log_finished(self, *, in_step: bool = False) -> None:
-        """Log the metrics of saves that became durable since the last call.
+        """Send the metrics of saves that became durable since they were last sent.
 
-        In a batch (``in_step``) they go through ``LightningModule.log`` (``on_step=True``):
-        Lightning writes them with the step's own metrics, every ``log_every_n_steps``, in one
-        logger call; the last finished save's values stand until the next one finishes. At the
-        end of a run (logging is closed there) they go to the loggers directly, once, at the
-        last step.
+        They go to ``trainer.loggers`` directly, as ``LearningRateMonitor`` does, at the step
+        Lightning logs its own metrics at (``_batches_that_stepped``), so loggers see
+        non-decreasing steps and the module's ``callback_metrics`` stay those of stock. In a
+        batch (``in_step``) they wait for a step Lightning logs at (``log_every_n_steps``); at
+        the end of a run (logging closes there) they are sent at once.
         """
-        with self._finished_lock:
-            done, self._finished = self._finished, []
         trainer = self._trainer
         if trainer is None or not self._logging or not trainer.loggers:
+            with self._finished_lock:
+                self._finished = []
             return
+        if in_step and not trainer._logger_connector.should_update_logs:
+            return  # kept for the next step that logs
+        with self._finished_lock:
+            done, self._finished = self._finished, []
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         for handle in done:
             if not _durable(handle):
                 continue
-            m = handle.result(0)
-            metrics = m.log_dict()
-            module = trainer.lightning_module
-            if in_step and module is not None:
-                for name, value in metrics.items():
-                    module.log(name, float(value), on_step=True, on_epoch=False, logger=True,
-                               prog_bar=False, batch_size=1)
-                continue
-            # At the current step: loggers expect non-decreasing steps.
+            metrics = handle.result(0).log_dict()
             for logger in trainer.loggers:
-                logger.log_metrics(metrics=metrics, step=trainer.global_step)
+                logger.log_metrics(metrics=metrics, step=step)
 
 
 class _BatchEnd(Callback):

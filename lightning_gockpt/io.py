@@ -61,8 +61,10 @@ class GoCkptIO(CheckpointIO):
 
     Per checkpoint the loggers get ``gockpt/stall_s``, ``gockpt/bytes``, ``gockpt/gbps``,
     ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps`` (K), ``gockpt/requested_step``,
-    ``gockpt/captured_step`` and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), at the
-    global step when it became durable (loggers need non-decreasing steps).
+    ``gockpt/captured_step`` and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), once,
+    at the first step Lightning logs at (``log_every_n_steps``) after it became durable, or at
+    the end of the run. They go to the loggers directly, as ``LearningRateMonitor``'s do, so
+    ``trainer.callback_metrics`` holds only the run's own metrics.
 
     The ``latest`` pointer of the engine is off by default here (``update_latest=False``):
     ModelCheckpoint's folder holds only checkpoints, and Lightning has ``last.ckpt``.

@@ -2,13 +2,15 @@
 
 A 12-step run of the adapter tests' TinyNet with ``GoCkptIO`` (mode ``gockpt``, K = 2) and the
 same run without GoCkpt (stock ``.ckpt`` files, and the reference end state) give the
-checkpoints; an Accelerate ``save_state`` folder gives a third kind. The CLI commands run
-concurrently (each start imports torch and Lightning), then each test checks one result:
+checkpoints; an Accelerate ``save_state`` folder gives a third kind. ``python -m gockpt
+inspect`` runs as a subprocess, the other commands in-process, then each test checks one result:
 round trips are bit for bit, and the stock checkpoint converted to GoCkpt resumes exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -53,10 +55,10 @@ def runs(tmp_path_factory):
     accelerate_dir, accelerate_state = _accelerate_folder(root / "accelerate")
     (root / "incomplete.ckpt").mkdir()  # a save cut short: no manifest
     out = root / "out"
-    # Subprocesses for the first run of each command; variants run in-process (cli.main), as
-    # every start costs seconds of imports on a 2-core machine.
+    # One command runs as a subprocess (the entry point, ``python -m gockpt``); the others run
+    # in-process (cli.main) meanwhile: every start costs seconds of imports on a 2-core machine.
+    procs = {"inspect": _start(["-m", "gockpt", "inspect", str(ours)])}
     commands = {
-        "inspect": ["inspect", str(ours)],
         "verify_flipped": ["verify", str(flipped)],
         "lightning": ["convert", str(ours), str(out / "model.ckpt"), "--to", "lightning"],
         "dcp": ["convert", str(ours), str(out / "dcp"), "--to", "dcp"],
@@ -66,9 +68,8 @@ def runs(tmp_path_factory):
         "from_accelerate": ["convert", str(accelerate_dir), str(out / "from_accelerate"),
                             "--to", "gockpt"],
     }
-    procs = {name: _start(["-m", "gockpt", *argv]) for name, argv in commands.items()}
-    done = {"from_stock": _finish(procs.pop("from_stock"))}
-    # The resumed run goes in a process of its own too: a crash there must fail this test only.
+    done = {"from_stock": _run_in_process(commands.pop("from_stock"))}
+    # The resumed run goes in a process of its own: a crash there must fail this test only.
     config = root / "resume.json"
     config.write_text(json.dumps([{
         "root": str(root / "resumed"), "io": {"mode": "gockpt", "min_overlap_steps": 2,
@@ -76,6 +77,7 @@ def runs(tmp_path_factory):
         "max_steps": STEPS, "ckpt_path": str(out / "converted.ckpt"),
         "results_path": str(root / "resumed.pt")}]))
     procs["resume"] = _start([str(REPO / "tests" / "adapters" / "_lightning_train.py"), str(config)])
+    done.update({name: _run_in_process(argv) for name, argv in commands.items()})
     done.update({name: _finish(proc) for name, proc in procs.items()})
     return {"root": root, "ours": ours, "stock": stock, "flipped_shard": shard, "out": out,
             "reference": reference, "accelerate_state": accelerate_state, "cli": done}
@@ -90,6 +92,13 @@ def _start(argv: list[str]) -> subprocess.Popen:
 def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     stdout, stderr = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _run_in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return subprocess.CompletedProcess(["gockpt", *argv], code, out.getvalue(), err.getvalue())
 
 
 def _ok(runs, name: str) -> subprocess.CompletedProcess:

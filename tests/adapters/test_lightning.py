@@ -442,24 +442,50 @@ def test_fit_returns_with_every_checkpoint_durable_and_save_after_fit_works(tmp_
 
 def test_metrics_reach_the_logger_per_checkpoint(tmp_path):
     logger = MemoryLogger()
-    fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=5, max_steps=12, logger=logger)
+    trainer, _ = fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=5, max_steps=12, logger=logger)
     steps = [step for _, step in logger.calls]
     assert steps == sorted(steps)  # loggers need non-decreasing steps
-    # Each step's metrics carry the last durable save's values: one entry per save, first seen.
-    first: dict[float, tuple] = {}
-    for m, step in logger.calls:
-        if "gockpt/stall_s" in m:
-            first.setdefault(m["gockpt/requested_step"], (m, step))
-    calls = list(first.values())
-    assert sorted(first) == [5, 10]  # in the order they became durable, which storage decides
+    ours = [(m, step) for m, step in logger.calls if "gockpt/stall_s" in m]
+    # One logger call per save, in the order they became durable, which storage decides.
+    assert sorted(m["gockpt/requested_step"] for m, _ in ours) == [5, 10]
+    # Sent beside Lightning's own metrics, not through them: callback_metrics stay stock's.
+    assert not [k for k in trainer.callback_metrics if k.startswith("gockpt/")]
+    assert all(set(m) <= {k for k in m if k.startswith("gockpt/")} for m, _ in ours)
     # Step 10 ends the epoch (10 batches): that checkpoint must not cross it, so it holds step 10.
     expect = {5: ("gockpt", 3), 10: ("lazy", 1)}
-    for m, step in calls:
+    for m, step in ours:
         mode, k = expect[int(m["gockpt/requested_step"])]
         assert m["gockpt/mode"] == gockpt.MODES.index(mode) and m["gockpt/num_overlap_steps"] == k
         assert m["gockpt/captured_step"] == m["gockpt/requested_step"] + k - 1 <= step
         assert m["gockpt/bytes"] > 0 and m["gockpt/stall_s"] >= 0 and m["gockpt/gbps"] > 0
         assert m["gockpt/time_to_durable_s"] > 0
+
+
+def test_metrics_of_a_save_wait_for_a_step_that_logs(tmp_path):
+    """With ``log_every_n_steps``, a durable save's metrics go out with the next step Lightning
+    logs at, never between (loggers see GoCkpt's metrics at the steps they see the run's)."""
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logger = MemoryLogger()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=20, accelerator="cpu", limit_val_batches=0, logger=logger,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3,
+                                   save_top_k=-1)],
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=4,
+        plugins=[gockpt_io("lazy")])
+    trainer.fit(TinyNet())
+    run_steps = {step for m, step in logger.calls if "gockpt/stall_s" not in m}
+    ours = [(m, step) for m, step in logger.calls if "gockpt/stall_s" in m]
+    assert sorted(m["gockpt/requested_step"] for m, _ in ours) == [3, 6, 9, 12, 15, 18]
+    last = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for m, step in ours:
+        assert step in run_steps or step == last  # a logging step, or the run's end
+        assert step >= m["gockpt/captured_step"]  # after it was durable, never back in time
+    steps = [step for _, step in logger.calls]
+    assert steps == sorted(steps)
 
 
 def test_resumed_run_ranks_its_checkpoints_above_the_ones_it_resumed_from(tmp_path):
