@@ -207,7 +207,7 @@ class GoCkptCheckpointer:
         # Training thread: trackers are not thread-safe. One entry per published checkpoint.
         acc = self.accelerator
         new = self._rep.take_published() if self._rep is not None else []
-        for m in new if acc.trackers else []:
+        for m in new if acc.trackers and self.plugin.log_metrics else []:
             acc.log(m.log_dict(), step=acc.step)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 
 from gockpt import GoCkptConfig
 from gockpt import env as _env
+from gockpt.layout import shared_parameters
 from gockpt.options import engine_options
 
 from .checkpointer import GoCkptCheckpointer
@@ -75,11 +76,16 @@ class GoCkptPlugin(_EngineOptions):  # type: ignore[misc, valid-type]
     publish_timeout_s: float | None = field(default=None, metadata={"help": (
         "Seconds the main process waits for the other processes' files of a checkpoint "
         "(default 600).")})
+    log_metrics: bool | None = field(default=None, metadata={"help": (
+        "Send each published checkpoint's metrics (gockpt/stall_s, gockpt/bytes, ...) to the "
+        "accelerator's trackers with accelerator.log (default False: the trackers get only "
+        "what the script logs, as without GoCkpt).")})
     config_file: str | None = field(default=None, metadata={"help": (
         "YAML or JSON file of defaults for the fields above (env: GOCKPT_CONFIG_FILE).")})
 
     def __post_init__(self) -> None:
-        self.resolve({"enabled": True, "exact_step": False, "publish_timeout_s": 600.0},
+        self.resolve({"enabled": True, "exact_step": False, "publish_timeout_s": 600.0,
+                      "log_metrics": False},
                      check=self._check)
         if self.gockpt_dir is not None:
             warnings.warn("GoCkptPlugin(gockpt_dir=...) is ignored: checkpoints are written once, "
@@ -125,8 +131,8 @@ def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckp
 
     Raises:
         NotImplementedError: DeepSpeed, FSDP version 1, Megatron-LM or XLA (their own
-            checkpoint formats), several FSDP2 models, or ``save_on_each_node`` across several
-            machines.
+            checkpoint formats), several FSDP2 models, ``save_on_each_node`` across several
+            machines, or a parameter in more than one optimizer.
         ValueError: nothing prepared, or a wrapper whose state_dict keys do not map onto the
             unwrapped model's.
         RuntimeError: already attached (by an earlier ``attach``; one made automatically at
@@ -145,6 +151,9 @@ def attach(accelerator: Any, plugin: GoCkptPlugin | None = None) -> GoCkptCheckp
         raise NotImplementedError("GoCkpt does not support save_on_each_node across machines")
     if not accelerator._models or not accelerator._optimizers:
         raise ValueError("attach GoCkpt after accelerator.prepare(model, optimizer, ...)")
+    if shared_parameters([getattr(o, "optimizer", o) for o in accelerator._optimizers]):
+        raise NotImplementedError("GoCkpt needs each parameter in one optimizer; here a parameter is in "
+                                  "several (keep Accelerate's save_state: GOCKPT_ENABLED=0)")
     current = getattr(accelerator.save_state, "__self__", None)
     if isinstance(current, GoCkptCheckpointer):
         if not current.automatic:

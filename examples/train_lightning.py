@@ -194,7 +194,7 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     k = {} if args.overlap_steps is None else {"min_overlap_steps": args.overlap_steps,
                                                 "max_overlap_steps": args.overlap_steps}
-    io = GoCkptIO(mode=args.mode, **k)  # GoCkpt
+    io = GoCkptIO(mode=args.mode, log_metrics=True, **k)  # GoCkpt
     module = LlamaLM(preset=args.preset, data=args.data, seed=args.seed, lr=args.lr,
                      total_steps=args.max_steps)
     trainer = make_trainer(args.root, max_steps=args.max_steps, ckpt_every=args.ckpt_every, io=io,

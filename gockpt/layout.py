@@ -233,6 +233,23 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def shared_parameters(optimizers: list[Optimizer]) -> bool:
+    """Whether a parameter is in the param groups of more than one optimizer (or twice in one).
+
+    :func:`build_layout` refuses such optimizers: a unit is one parameter with the state of
+    the one optimizer that updates it. The adapters take those checkpoints whole at the request
+    instead (mode ``async``).
+    """
+    seen: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    return True
+                seen.add(id(p))
+    return False
+
+
 def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
     """Enumerate the tensors of a checkpoint of ``model`` and ``optimizers``.
 

@@ -134,8 +134,14 @@ class CpuCopier:
                 yield s[a:b], d[a:b]
 
     def _run(self) -> None:
+        # busy_s counts wall time while work is queued, the gaps between chunks included (the
+        # GIL taken back after each chunk, the heap): the rate the planner sees is the rate
+        # copies really move at beside training and the other engine threads.
+        since: float | None = None  # end of the previous chunk while the queue stayed non-empty
         while True:
             with self._cv:
+                if not self._heap:
+                    since = None
                 while not self._heap and not self._closed:
                     self._cv.wait()
                 if not self._heap:
@@ -161,8 +167,10 @@ class CpuCopier:
                     rest = n / self._rate - (time.perf_counter() - t0)
                     if rest > 0:
                         time.sleep(rest)
+                now = time.perf_counter()
                 self.bytes_copied += n
-                self.busy_s += time.perf_counter() - t0
+                self.busy_s += now - (t0 if since is None else min(t0, since))
+                since = now
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 self._drop(job)
                 ticket._finish(e)

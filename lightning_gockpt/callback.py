@@ -13,6 +13,7 @@ from torch import nn
 
 import gockpt
 from gockpt import Engine, SaveHandle, _exit
+from gockpt.layout import shared_parameters
 from gockpt.plan import MULTI_STEP_MODES
 from gockpt.sharded import ShardedHandle
 from gockpt.storage import cleanup_staging
@@ -146,7 +147,7 @@ class GoCkptCallback(Callback):
         if self.io is None or not (trainer.is_global_zero or self._every_rank):
             return
         if trainer.is_global_zero:
-            self._logging = True
+            self._logging = bool(getattr(self.io, "log_metrics", False))
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
                     cleanup_staging(str(cb.dirpath), self.io.config.storage_options)
@@ -372,6 +373,12 @@ class GoCkptCallback(Callback):
         if self._every_rank:
             return sharded.build_engine(self, trainer, trainer.global_step if restored else None,
                                         replicated=self._kind == "replicated")
+        if self._kind is None and shared_parameters(trainer.optimizers):
+            # A parameter several optimizers update has no one owner to plan its copy by: its
+            # checkpoints are taken whole at the request, as stock async saving does.
+            log.info("gockpt: a parameter is in more than one optimizer; checkpoints are copied "
+                     "at their request (mode 'async')")
+            self._kind = "gathered"
         if self._kind == "gathered":
             # The strategy gathers the state into each checkpoint's dict: the engine tracks
             # nothing live and copies that dict at the request.

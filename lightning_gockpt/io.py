@@ -59,9 +59,9 @@ class GoCkptIO(CheckpointIO):
     leaves a complete checkpoint. At the start of training, placeholders and scratch files of a
     run that died are cleared. ``fit`` returns once every requested checkpoint is durable.
 
-    Per checkpoint the loggers get ``gockpt/stall_s``, ``gockpt/bytes``, ``gockpt/gbps``,
-    ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps`` (K), ``gockpt/requested_step``,
-    ``gockpt/captured_step`` and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), once,
+    With ``log_metrics=True``, per checkpoint the loggers get ``gockpt/stall_s``,
+    ``gockpt/bytes``, ``gockpt/gbps``, ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps``
+    (K), ``gockpt/requested_step``, ``gockpt/captured_step`` and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), once,
     at the first step Lightning logs at (``log_every_n_steps``) after it became durable, or at
     the end of the run. They go to the loggers directly, as ``LearningRateMonitor``'s do, so
     ``trainer.callback_metrics`` holds only the run's own metrics.
@@ -98,6 +98,8 @@ class GoCkptIO(CheckpointIO):
             requested step (copied over one step, "lazy"); others may be delivered later.
         exact_step: every checkpoint holds exactly the requested step (K = 1).
         allow_pickle: unpickle arbitrary objects in the non-tensor state when loading.
+        log_metrics: send each checkpoint's metrics to ``trainer.loggers`` (off by default: the
+            loggers get only the run's own metrics, as with stock checkpointing).
 
     Raises:
         TypeError: both ``config`` and keyword options were given.
@@ -111,6 +113,7 @@ class GoCkptIO(CheckpointIO):
         exact_monitored: bool = True,
         exact_step: bool = False,
         allow_pickle: bool = False,
+        log_metrics: bool = False,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -120,6 +123,7 @@ class GoCkptIO(CheckpointIO):
         self.exact_monitored = exact_monitored
         self.exact_step = exact_step
         self.allow_pickle = allow_pickle
+        self.log_metrics = log_metrics
         self._callback: GoCkptCallback | None = None
 
     def save_checkpoint(

@@ -76,6 +76,8 @@ if [[ $PEER == lightning ]]; then
         tests_pytorch/callbacks/test_weight_averaging.py
         tests_pytorch/callbacks/test_model_checkpoint_manual_opt.py
         tests_pytorch/callbacks/test_timer.py
+        tests_pytorch/callbacks/test_lr_monitor.py
+        tests_pytorch/trainer/logging_
         tests_pytorch/trainer/test_trainer.py
         tests_pytorch/core/test_saving.py
         tests_pytorch/trainer/connectors/test_checkpoint_connector.py

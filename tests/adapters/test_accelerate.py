@@ -404,6 +404,19 @@ def test_files_load_bit_identical_to_the_ones_accelerate_writes(tmp_path, safe_s
     assert child.differences(states[0], states[1]) == []
 
 
+def test_a_parameter_in_two_optimizers_is_refused_at_attach_and_stock_stays(tmp_path):
+    from accelerate import Accelerator
+
+    model = torch.nn.Linear(4, 2)
+    first = torch.optim.AdamW(model.parameters(), lr=0.1)
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accelerator(cpu=True)
+    acc.prepare(model, first, second)
+    with pytest.raises(NotImplementedError, match="more than one optimizer|several"):
+        attach(acc, GoCkptPlugin(mode="lazy"))
+    assert "save_state" not in vars(acc)  # Accelerate's own save_state is left in place
+
+
 def test_detach_restores_accelerate_methods(tmp_path):
     run = child.build(str(tmp_path / "run"))
     ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
@@ -620,7 +633,8 @@ def test_save_state_follows_a_model_prepared_after_free_memory(tmp_path):
         assert torch.equal(saved[k], v), k
 
 
-def test_published_checkpoints_reach_the_trackers(tmp_path):
+@pytest.mark.parametrize("log_metrics", [True, False])
+def test_published_checkpoints_reach_the_trackers_only_when_asked(tmp_path, log_metrics):
     from accelerate.tracking import GeneralTracker
 
     class Tracker(GeneralTracker):
@@ -645,14 +659,14 @@ def test_published_checkpoints_reach_the_trackers(tmp_path):
     tracker = Tracker()
     run.acc.log_with = [tracker]
     run.acc.trackers = [tracker]
-    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="async", log_metrics=log_metrics))
     child.train(run, 2)
     run.acc.save_state()
     child.train(run, 4)
     run.acc.save_state()
     ckpt.close()
     steps = [int(v["gockpt/requested_step"]) for v, _ in tracker.logged if "gockpt/stall_s" in v]
-    assert steps == [2, 4]
+    assert steps == ([2, 4] if log_metrics else [])
 
 
 def _one_overlapped_save(tmp_path):

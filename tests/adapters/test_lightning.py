@@ -102,7 +102,7 @@ def test_resume_after_stop_equals_uninterrupted_run(tmp_path, tmp_path_factory, 
     ref = reference(tmp_path_factory, precision, accumulate)
     logger = MemoryLogger()
     with pytest.raises(Crash):
-        fit(str(tmp_path / "a"), io=gockpt_io(mode), ckpt_every=8, precision=precision,
+        fit(str(tmp_path / "a"), io=gockpt_io(mode, log_metrics=True), ckpt_every=8, precision=precision,
             accumulate=accumulate, callbacks=(CrashAfter(20),), logger=logger)
     path = str(tmp_path / "a" / "step=16.ckpt")
     state = gockpt.load_checkpoint(path)
@@ -118,7 +118,6 @@ def test_resume_after_stop_equals_uninterrupted_run(tmp_path, tmp_path_factory, 
     assert loaded["lr_schedulers"][0]["last_epoch"] == captured
     assert loaded["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == captured * accumulate
     # Both requested checkpoints were logged once durable (the crash flushed the second).
-    # (a save's values stand in each step's metrics until the next save finishes)
     logged = sorted({int(m["gockpt/captured_step"]) for m, _ in logger.calls if "gockpt/stall_s" in m})
     assert logged[-1] == captured and len(logged) == 2
 
@@ -258,8 +257,8 @@ def test_top_1_under_storage_slower_than_the_interval_always_keeps_a_complete_ch
             seen.append(sum(is_complete(str(p)) for p in tmp_path.glob("*.ckpt")))
 
     logger = MemoryLogger()
-    fit(local_url(tmp_path), io=gockpt_io("gockpt", max_inflight=2), ckpt_every=2, save_top_k=1,
-        monitor="score", max_steps=20, callbacks=(Look(),), logger=logger)
+    fit(local_url(tmp_path), io=gockpt_io("gockpt", max_inflight=2, log_metrics=True), ckpt_every=2,
+        save_top_k=1, monitor="score", max_steps=20, callbacks=(Look(),), logger=logger)
     first = next(i for i, n in enumerate(seen) if n)
     assert first < len(seen) - 1 and all(n >= 1 for n in seen[first:]), seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=20.ckpt"]
@@ -442,7 +441,8 @@ def test_fit_returns_with_every_checkpoint_durable_and_save_after_fit_works(tmp_
 
 def test_metrics_reach_the_logger_per_checkpoint(tmp_path):
     logger = MemoryLogger()
-    trainer, _ = fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=5, max_steps=12, logger=logger)
+    trainer, _ = fit(str(tmp_path), io=gockpt_io("gockpt", log_metrics=True), ckpt_every=5, max_steps=12,
+                     logger=logger)
     steps = [step for _, step in logger.calls]
     assert steps == sorted(steps)  # loggers need non-decreasing steps
     ours = [(m, step) for m, step in logger.calls if "gockpt/stall_s" in m]
@@ -461,6 +461,13 @@ def test_metrics_reach_the_logger_per_checkpoint(tmp_path):
         assert m["gockpt/time_to_durable_s"] > 0
 
 
+def test_loggers_get_only_the_runs_own_metrics_by_default(tmp_path):
+    logger, stock = MemoryLogger(), MemoryLogger()
+    fit(str(tmp_path / "a"), io=gockpt_io("gockpt"), ckpt_every=5, max_steps=12, logger=logger)
+    fit(str(tmp_path / "b"), ckpt_every=5, max_steps=12, logger=stock)
+    assert [(sorted(m), step) for m, step in logger.calls] == [(sorted(m), step) for m, step in stock.calls]
+
+
 def test_metrics_of_a_save_wait_for_a_step_that_logs(tmp_path):
     """With ``log_every_n_steps``, a durable save's metrics go out with the next step Lightning
     logs at, never between (loggers see GoCkpt's metrics at the steps they see the run's)."""
@@ -475,7 +482,7 @@ def test_metrics_of_a_save_wait_for_a_step_that_logs(tmp_path):
         callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3,
                                    save_top_k=-1)],
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=4,
-        plugins=[gockpt_io("lazy")])
+        plugins=[gockpt_io("lazy", log_metrics=True)])
     trainer.fit(TinyNet())
     run_steps = {step for m, step in logger.calls if "gockpt/stall_s" not in m}
     ours = [(m, step) for m, step in logger.calls if "gockpt/stall_s" in m]

@@ -37,7 +37,7 @@ class Net(pl.LightningModule):
         self.extra = nn.Linear(8, 8)  # frozen until step 5, or in a param group added at step 5
         if feature in ("unfreeze", "add_param_group"):
             self.extra.requires_grad_(False)
-        self.automatic_optimization = feature != "manual"
+        self.automatic_optimization = feature not in ("manual", "shared")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.body(x)
@@ -51,6 +51,12 @@ class Net(pl.LightningModule):
         loss = (self(x) - t).pow(2).mean()
         if self.automatic_optimization:
             return loss
+        if self.feature == "shared":  # two optimizers update the same parameters
+            for opt in self.optimizers():
+                opt.zero_grad()
+                self.manual_backward((self(x) - t).pow(2).mean())
+                opt.step()
+            return None
         opt = self.optimizers()
         for _ in range(2):  # two updates per batch
             opt.zero_grad()
@@ -65,6 +71,9 @@ class Net(pl.LightningModule):
                 self.optimizers().optimizer.add_param_group({"params": list(self.extra.parameters()), "lr": 0.02})
 
     def configure_optimizers(self):
+        if self.feature == "shared":
+            return [torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01),
+                    torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)]
         params = [p for n, p in self.named_parameters()
                   if not (self.feature == "add_param_group" and n.startswith("extra."))]
         return torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)
@@ -156,6 +165,25 @@ def test_mid_epoch_checkpoint_resumes_exactly(tmp_path, mode, feature):
     resumed = _state(*_run(tmp_path / "b", feature, io=_io(mode), max_steps=total, ckpt_path=path,
                            callbacks=_callbacks(feature)))
     _same(resumed, ref)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt_o"])
+def test_optimizers_sharing_parameters_checkpoint_and_resume_as_stock(tmp_path, mode):
+    """Two optimizers updating the same parameters (a layout GoCkpt cannot split into units):
+    the checkpoint is taken whole at its request, equals stock's bit for bit, and resumes."""
+    _run(tmp_path / "a", "shared", io=_io(mode), max_steps=8, ckpt_every_steps=4)
+    _run(tmp_path / "s", "shared", max_steps=8, ckpt_every_steps=4)
+    ours = GoCkptIO().load_checkpoint(str(tmp_path / "a" / "step=4.ckpt"), weights_only=False)
+    stock = torch.load(tmp_path / "s" / "step=4.ckpt", weights_only=False)
+    assert ours["global_step"] == stock["global_step"] == 4
+    assert_bitwise_equal(ours["state_dict"], stock["state_dict"], "state_dict")
+    assert_bitwise_equal(ours["optimizer_states"], stock["optimizer_states"], "optimizer_states")
+    ref_trainer, ref_model = _run(tmp_path / "ref", "shared", max_steps=12)
+    trainer, model = _run(tmp_path / "b", "shared", io=_io(mode), max_steps=12,
+                          ckpt_path=str(tmp_path / "a" / "step=4.ckpt"))
+    assert_bitwise_equal(model.state_dict(), ref_model.state_dict(), "model")
+    assert_bitwise_equal([o.state_dict() for o in trainer.optimizers],
+                         [o.state_dict() for o in ref_trainer.optimizers], "optimizers")
 
 
 @pytest.mark.parametrize("mode", MODES)
