@@ -119,10 +119,11 @@ class Planner:
         return mode in MULTI_STEP_MODES + ("auto",) and self._replayable(layout, version)
 
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
-             version: int, window_s: float | None,
+             version: int, window_s: float | None, window_overhead_s: float = 0.0,
              unchanged: Callable[[Entry], bool] | None = None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
-        unknown), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
+        unknown; ``window_overhead_s``: the measured stall per window beyond the model,
+        seconds), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
         logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
         (``frozen_copy="when_changed"``), so its copy costs nothing."""
         replayable = self._replayable(layout, version)
@@ -154,7 +155,7 @@ class Planner:
         static_bytes = sum(e.spec.nbytes for e in layout.static
                            if unchanged is None or not unchanged(e))  # buffers: never held
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
-        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s),
+        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, window_overhead_s),
                          max_overlap_steps=hi, replayable=replayable,
                          min_overlap_steps=min(self._config.min_overlap_steps, hi),
                          static_bytes=static_bytes)
@@ -170,14 +171,14 @@ class Planner:
                 and all(is_replayable(o) for o in self._optimizers)
                 and not _state_missing(layout))
 
-    def _costs(self, window_s: float | None) -> Costs | None:
+    def _costs(self, window_s: float | None, window_overhead_s: float = 0.0) -> Costs | None:
         if window_s is None:
             return None
         copier = self._copier
         bw = self._copy_bw
         if getattr(copier, "busy_s", 0.0) > 0.05:
             bw = copier.bytes_copied / copier.busy_s
-        return Costs(copy_bytes_per_s=bw, window_s=window_s)
+        return Costs(copy_bytes_per_s=bw, window_s=window_s, window_overhead_s=window_overhead_s)
 
     def slot_layout(self, layout: StateLayout) -> SlotLayout:
         """Where each tensor of ``layout`` lives in a host slot and in the shard files."""

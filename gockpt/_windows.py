@@ -28,6 +28,7 @@ from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
 from .layout import Unit, local, localize
 from .partition import prune_model, prune_optimizer
+from .plan import MULTI_STEP_MODES
 from .replay import snapshot_hparams
 from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
@@ -57,6 +58,9 @@ class Windows:
         # Per-save costs no plan changes (the request's bookkeeping, taking the state tree), in
         # seconds, of the latest saves: added to the plan's predicted stall in the metrics.
         self.fixed_stalls: collections.deque[float] = collections.deque(maxlen=15)
+        # Per window, the stall of the latest saves' copy windows beyond the plan's window model
+        # (seconds; may be negative): what the planner charges each window (Costs).
+        self._window_residuals: collections.deque[float] = collections.deque(maxlen=15)
         self._t_update_end: float | None = None
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -233,6 +237,7 @@ class Windows:
         if s is s.share.leader and s.failed is None:
             by = s.metrics.stall_by_phase_s
             self.fixed_stalls.append(by.get("request", 0.0) + by.get("capture", 0.0))
+            self._note_window_residual(s)
         self._hand_off(s)
         if s is not s.share.leader:
             return
@@ -243,6 +248,25 @@ class Windows:
                 r.failed = RuntimeError(f"{r.path}: its state was not taken with its snapshot's")
                 r.cancel.set()
             self._hand_off(r)
+
+    @property
+    def window_overhead_s(self) -> float:
+        """The per-window stall the plan's model misses, seconds: the median over the latest
+        saves, at least 0 (:attr:`gockpt.plan.Costs.window_overhead_s`)."""
+        if not self._window_residuals:
+            return 0.0
+        return max(0.0, statistics.median(self._window_residuals))
+
+    def _note_window_residual(self, s: SaveRecord) -> None:
+        plan, by = s.plan, s.metrics.stall_by_phase_s
+        k = plan.num_overlap_steps
+        if (not plan.costed or plan.mode not in ("lazy", *MULTI_STEP_MODES) or "flush" in by
+                or s.metrics.num_overlap_steps != k):
+            return  # no model to compare with, or windows cut short (not what was planned)
+        windows = sum(v for name, v in by.items()
+                      if name not in ("request", "capture", "setup", "slot_wait"))
+        model = plan.predicted_stall_s - k * plan.window_overhead_s
+        self._window_residuals.append((windows - model) / k)
 
     def _hand_off(self, s: SaveRecord) -> None:
         s.phase = Phase.FINALIZED

@@ -224,7 +224,9 @@ class Engine:
             setup |= self._backends.select_all()  # the first time: the replay self-check
         t_setup = time.perf_counter()
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
-                                  window_s=self._windows.window_s, unchanged=self._held_estimate(layout))
+                                  window_s=self._windows.window_s,
+                                  window_overhead_s=self._windows.window_overhead_s,
+                                  unchanged=self._held_estimate(layout))
         seq = next(self._seq)
         fixed = statistics.median(self._windows.fixed_stalls) if self._windows.fixed_stalls else 0.0
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,

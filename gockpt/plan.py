@@ -47,10 +47,14 @@ class Costs:
         copy_bytes_per_s: host-copy (D2H) bandwidth in bytes/s.
         window_s: seconds from the end of an optimizer update to the start of the next one
             (forward + backward + anything else the loop does): the time a copy can hide in.
+        window_overhead_s: seconds of stall each copy window adds beyond the per-window model
+            (waking the training thread, a copy that ends a little after the window although it
+            was sized to fit), measured on earlier saves; charged once per window.
     """
 
     copy_bytes_per_s: float
     window_s: float
+    window_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,17 @@ class CopyPlan:
         lower_bound_s: the least stall, in seconds, any plan of at most ``max_overlap_steps``
             windows could have under the same model and costs (:func:`stall_lower_bound_s`);
             0.0 when no costs were measured yet.
+        window_overhead_s: the per-window cost (:attr:`Costs.window_overhead_s`) included in
+            ``predicted_stall_s`` once per window, seconds.
+        costed: whether the plan was made from measured costs (its prediction means something).
     """
 
     mode: str
     blocks: tuple[tuple[int, ...], ...]
     predicted_stall_s: float
     lower_bound_s: float = 0.0
+    window_overhead_s: float = 0.0
+    costed: bool = False
 
     @property
     def num_overlap_steps(self) -> int:
@@ -142,7 +151,7 @@ def predict_stall_s(
     cap = max(costs.window_s, 0.0) * bw
     if mode in ("sync", "async"):
         return (sum(unit_bytes) + static_bytes) / bw
-    stall = float(static_bytes)
+    stall = float(static_bytes) + len(blocks) * max(costs.window_overhead_s, 0.0) * bw
     grads_copied = 0  # gradient bytes of the blocks copied before the current window
     for j, block in enumerate(blocks):
         state = sum(unit_bytes[i] for i in block)
@@ -186,17 +195,18 @@ def stall_lower_bound_s(
         raise ValueError("unit_bytes and grad_bytes differ in length")
     bw = max(costs.copy_bytes_per_s, 1.0)
     cap = max(costs.window_s, 0.0) * bw
+    per_window = max(costs.window_overhead_s, 0.0) * bw
     total = float(sum(unit_bytes))
     lines = _support_lines(unit_bytes, grad_bytes)
-    best = total  # every bound is at most the total
+    best = total + per_window  # every bound is at most the total, in one window
     for k in range(1, max_overlap_steps + 1):
         bound_k = 0.0
         for r, c in lines:
             first = (1.0 - r) ** (k - 1)  # l_0
             big_l = (1.0 - first * (1.0 - r)) / r if r > 0 else float(k)
             bound_k = max(bound_k, total + c * (big_l - first) - cap * big_l)
-        best = min(best, bound_k)
-    return (max(0.0, best) + static_bytes) / bw
+        best = min(best, max(0.0, bound_k) + k * per_window)
+    return (best + static_bytes) / bw
 
 
 def _support_lines(unit_bytes: list[int], grad_bytes: list[int]) -> list[tuple[float, float]]:
@@ -355,11 +365,12 @@ def make_plan(
                                 static_bytes=static_bytes)
     if mode == "auto" and not replayable:
         mode = "lazy"
+    oh = max(costs.window_overhead_s, 0.0)
     if mode in ("sync", "async", "lazy"):
         blocks = split_blocks(unit_bytes, 1)
         stall = predict_stall_s(mode, unit_bytes, grad_bytes, blocks, costs,
                                 static_bytes=static_bytes)
-        return CopyPlan(mode, blocks, stall, bound)
+        return CopyPlan(mode, blocks, stall, bound, oh if mode == "lazy" else 0.0, costed=True)
     # (stall bytes, K, preference, mode, blocks); auto's K = 1 is lazy, preferred on ties.
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).
     modes = ("gockpt_o",) if mode == "auto" else (mode,)
@@ -367,6 +378,7 @@ def make_plan(
     bw = max(costs.copy_bytes_per_s, 1.0)
     cap = max(costs.window_s, 0.0) * bw
     candidates: list[tuple[float, int, int, str, tuple[tuple[int, ...], ...]]] = []
+    per_window = oh * bw  # each window's overhead, in bytes of copy time
     for rank, m in enumerate(modes):
         found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
                            overlap_last=not static_bytes)
@@ -374,18 +386,18 @@ def make_plan(
             if best is None:
                 continue
             if k >= k_lo:
-                candidates.append((best[0], k, rank + 1, m, best[1]))
+                candidates.append((best[0] + k * per_window, k, rank + 1, m, best[1]))
             elif k == 1 and mode == "auto":
-                candidates.append((best[0], 1, 0, "lazy", best[1]))
+                candidates.append((best[0] + per_window, 1, 0, "lazy", best[1]))
     if not candidates:  # no units, or fewer than min_overlap_steps: at most one block each
         m = "lazy" if mode == "auto" else mode
         blocks = split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps)
         return CopyPlan(m, blocks, predict_stall_s(
-            m, unit_bytes, grad_bytes, blocks, costs, static_bytes=static_bytes), bound)
+            m, unit_bytes, grad_bytes, blocks, costs, static_bytes=static_bytes), bound, oh, costed=True)
     least = min(c[0] for c in candidates)
     stall_bytes, k, _, m, blocks = min(
         (c for c in candidates if c[0] <= least + MIN_GAIN_WINDOWS * cap),
         key=lambda c: (c[1], c[2]))
     if k == 1 and mode == "auto":
         m = "lazy"
-    return CopyPlan(m, blocks, (stall_bytes + static_bytes) / bw, bound)
+    return CopyPlan(m, blocks, (stall_bytes + static_bytes) / bw, bound, oh, costed=True)

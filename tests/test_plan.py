@@ -76,7 +76,8 @@ def test_unreplayable_falls_back_to_lazy_and_bounds_respected():
 
 unit_lists = st.lists(st.integers(1, 1000), min_size=1, max_size=12)
 cost_values = st.builds(Costs, copy_bytes_per_s=st.sampled_from([1.0, 10.0, 100.0]),
-                        window_s=st.floats(0.0, 50.0))
+                        window_s=st.floats(0.0, 50.0),
+                        window_overhead_s=st.sampled_from([0.0, 0.0, 0.5, 3.0]))
 
 
 @st.composite
@@ -181,6 +182,25 @@ def test_k_stops_growing_when_gradient_traffic_eats_the_gain():
     full = make_plan("auto", units, list(units), costs, max_overlap_steps=30, replayable=True)
     # r = 1 (SGD without momentum: gradient as large as the state): another window never pays.
     assert full.mode == "lazy" and full.num_overlap_steps == 1
+
+
+def test_each_window_is_charged_its_measured_overhead():
+    units, grads = [100] * 64, [5] * 64
+    free = Costs(copy_bytes_per_s=100.0, window_s=20.0)  # a full copy spans 3.2 windows
+    plan = make_plan("gockpt_o", units, grads, free, max_overlap_steps=7, replayable=True)
+    costly = Costs(copy_bytes_per_s=100.0, window_s=20.0, window_overhead_s=0.5)
+    assert predict_stall_s("gockpt_o", units, grads, plan.blocks, costly) == pytest.approx(
+        plan.predicted_stall_s + 0.5 * plan.num_overlap_steps)
+    lazy = make_plan("lazy", units, grads, costly, max_overlap_steps=7, replayable=True)
+    assert lazy.predicted_stall_s == pytest.approx(64 * 100 / 100 - 20 + 0.5)
+    assert lazy.window_overhead_s == 0.5 and lazy.costed
+    # A window costing more than it hides is not worth opening: K shrinks to where it pays.
+    dear = Costs(copy_bytes_per_s=100.0, window_s=20.0, window_overhead_s=15.0)
+    short = make_plan("gockpt_o", units, grads, dear, max_overlap_steps=7, replayable=True)
+    assert short.num_overlap_steps < plan.num_overlap_steps
+    assert make_plan("auto", units, grads, Costs(100.0, 20.0, 25.0), max_overlap_steps=7,
+                     replayable=True).mode == "lazy"
+    assert not make_plan("auto", units, grads, None, max_overlap_steps=7, replayable=True).costed
 
 
 @settings(max_examples=200, deadline=None)

@@ -55,7 +55,7 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     # window; the frozen parameter is copied in its block and never replayed.
     model, opt, sched, scaler = _frozen_model()
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w: Costs(1000.0, state_bytes / 3000.0))
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
     config = GoCkptConfig(mode=mode, max_overlap_steps=4, host_buffer_bytes=1 << 20,
                           max_shard_bytes=2048)
     eng = Engine(model, opt, config)
