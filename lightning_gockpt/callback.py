@@ -373,7 +373,7 @@ class GoCkptCallback(Callback):
         if self._every_rank:
             return sharded.build_engine(self, trainer, trainer.global_step if restored else None,
                                         replicated=self._kind == "replicated")
-        if self._kind is None and shared_parameters(trainer.optimizers):
+        if self._kind in (None, "replicated") and shared_parameters(trainer.optimizers):
             # A parameter several optimizers update has no one owner to plan its copy by: its
             # checkpoints are taken whole at the request, as stock async saving does.
             log.info("gockpt: a parameter is in more than one optimizer; checkpoints are copied "

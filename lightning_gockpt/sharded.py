@@ -95,7 +95,8 @@ def shares_write(trainer: Any, storage_options: Any) -> bool:
     """Whether the DDP ranks of ``trainer`` can share the write of its checkpoints.
 
     Not when an optimizer's state is not replicated (a ZeRO optimizer: Lightning consolidates
-    it on rank 0), nor when a ``ModelCheckpoint`` saves to a path that is not local (sharded
+    it on rank 0), nor when optimizers share a parameter (their state is taken whole at the
+    request, by rank 0), nor when a ``ModelCheckpoint`` saves to a path that is not local (sharded
     checkpoints are local; an object store keeps rank 0's write), nor across several nodes
     (every part must land in one directory that rank 0 sees; node-local disks would leave the
     other nodes' parts where its commit never finds them, so several nodes keep rank 0's write).
@@ -103,8 +104,11 @@ def shares_write(trainer: Any, storage_options: Any) -> bool:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gockpt.fsutil import is_local, url_to_fs
+    from gockpt.layout import shared_parameters
 
     if any(hasattr(o, "consolidate_state_dict") for o in trainer.optimizers):
+        return False
+    if shared_parameters(trainer.optimizers):
         return False
     if getattr(trainer, "num_nodes", 1) > 1:
         return False

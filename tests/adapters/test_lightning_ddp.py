@@ -207,6 +207,31 @@ def test_ddp_spawn_shares_the_write(tmp_path, monkeypatch):
     assert_bitwise_equal(last["state_dict"], {k: v.detach() for k, v in model.state_dict().items()}, "weights")
 
 
+def test_ddp_optimizers_sharing_a_parameter_checkpoint_as_stock(tmp_path, monkeypatch):
+    """Two optimizers over the same parameters under ``ddp_spawn``: no unit layout to share
+    out, so rank 0 takes each checkpoint whole at its request; it equals stock DDP's bit for bit."""
+    import lightning.pytorch as pl
+    from test_lightning_fidelity import Net
+
+    def run(root, io):
+        monkeypatch.setenv("MASTER_PORT", str(_port()))
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            default_root_dir=root, max_steps=8, accelerator="cpu", devices=2, strategy="ddp_spawn",
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=4)],
+            plugins=[io] if io is not None else None)
+        trainer.fit(Net("shared"))
+
+    run(str(tmp_path / "g"), _io("gockpt_o"))
+    run(str(tmp_path / "s"), None)
+    ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)
+    stock = torch.load(tmp_path / "s" / "step=4.ckpt", weights_only=False)
+    assert ours["global_step"] == stock["global_step"] == 4
+    assert_bitwise_equal(ours["state_dict"], stock["state_dict"], "state_dict")
+    assert_bitwise_equal(ours["optimizer_states"], stock["optimizer_states"], "optimizer_states")
+
+
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
                       NODE_RANK="0", WORLD_SIZE="2")
@@ -338,3 +363,8 @@ def test_ddp_keeps_one_writer_for_an_object_store_or_a_zero_optimizer(tmp_path):
     assert not shares_write(trainer(str(tmp_path), zero), None)
     # Several nodes: their local disks may differ, so rank 0 writes alone.
     assert not shares_write(trainer(str(tmp_path), num_nodes=2), None)
+    # Two optimizers over one parameter: no unit layout to split, rank 0 takes it whole.
+    second = torch.optim.AdamW(opt.param_groups[0]["params"], lr=0.1)
+    both = SimpleNamespace(optimizers=[opt, second], num_nodes=1,
+                           checkpoint_callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
+    assert not shares_write(both, None)
