@@ -383,8 +383,7 @@ def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_la
     request are written out by the save it was borrowed from: the first window's blocks (all
     of them for ``sync``/``async``) and the static tensors."""
     blocks = plan.blocks if plan.mode in ("sync", "async") else plan.blocks[:1]
-    entries = [e for b in blocks for i in b for e in (layout.units[i].param_entry,
-                                                     *layout.units[i].state_entries.values())]
+    entries = [e for b in blocks for i in b for e in layout.units[i].entries]
     entries += layout.static
     ranges = [(slot_layout.offsets[e.key], slot_layout.offsets[e.key] + e.spec.nbytes) for e in entries]
     left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))

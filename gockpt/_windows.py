@@ -309,7 +309,7 @@ class Windows:
             for i in s.plan.blocks[j]:
                 u = s.layout.units[i]
                 keep = held is not None and rememberable(u)
-                for e in (u.param_entry, *u.state_entries.values()):
+                for e in u.entries:
                     view = s.views[e.key]
                     s.versions.append((e.versioned, e.versioned._version))
                     if held is not None:
@@ -383,8 +383,7 @@ class Windows:
         if self._when_changed and units:
             # The replay will write these views: a frozen parameter unfrozen during the save,
             # whose view was kept (not copied, so not waited for on a borrowed slot).
-            views = [s.views[e.key] for i in units for e in (s.layout.units[i].param_entry,
-                                                              *s.layout.units[i].state_entries.values())]
+            views = [s.views[e.key] for i in units for e in s.layout.units[i].entries]
             base = s.slot.data.data_ptr()
             s.slot.held.forget(v.data_ptr() - base for v in views)
             if s.borrowed is not None and not s.borrowed.done:

@@ -159,9 +159,14 @@ class Unit:
     state_entries: dict[str, Entry]
 
     @property
+    def entries(self) -> tuple[Entry, ...]:
+        """The stored parameter, then its optimizer state tensors."""
+        return (self.param_entry, *self.state_entries.values())
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of the parameter plus its optimizer state."""
-        return self.param_entry.spec.nbytes + sum(e.spec.nbytes for e in self.state_entries.values())
+        return sum(e.spec.nbytes for e in self.entries)
 
     @property
     def grad_bytes(self) -> int:
@@ -200,8 +205,7 @@ class StateLayout:
         """Every stored tensor (units first, then static)."""
         out = []
         for u in self.units:
-            out.append(u.param_entry)
-            out.extend(u.state_entries.values())
+            out.extend(u.entries)
         out.extend(self.static)
         return out
 

@@ -99,7 +99,7 @@ def partition_layout(layout: StateLayout, rank: int, world: int) -> StateLayout:
     mine = [u for u, r in zip(layout.units, owners, strict=True) if r == rank]
     foreign = [u for u, r in zip(layout.units, owners, strict=True) if r != rank]
     static = list(layout.static) if rank == 0 else []
-    stored = {e.key for u in mine for e in (u.param_entry, *u.state_entries.values())}
+    stored = {e.key for u in mine for e in u.entries}
     stored |= {e.key for e in static}
     aliases = {a: t for a, t in layout.aliases.items() if t in stored}
     foreign_keys = {u.param_entry.key for u in foreign}

@@ -386,8 +386,8 @@ def slot_chunks(req: PersistRequest) -> list[tuple[int, int]]:
 
 
 def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterator[memoryview]:
-    for offset in range(begin, end, chunk_bytes):
-        yield data[offset : min(offset + chunk_bytes, end)]
+    for lo, hi in _ranges(begin, end, chunk_bytes):
+        yield data[lo:hi]
 
 
 def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) -> dict[str, dict]:
@@ -414,7 +414,7 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
         (
             len(extra_view),
             extra_name,
-            lambda: _chunks(extra_view, 0, len(extra_view), req.chunk_bytes),
+            _whole(extra_view, req.chunk_bytes),
         )
     )
     jobs.sort(key=lambda job: -job[0])  # largest first balances the threads

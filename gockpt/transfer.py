@@ -169,7 +169,7 @@ class CpuCopier:
                         time.sleep(rest)
                 now = time.perf_counter()
                 self.bytes_copied += n
-                self.busy_s += now - (t0 if since is None else min(t0, since))
+                self.busy_s += now - (t0 if since is None else since)
                 since = now
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 self._drop(job)
