@@ -122,8 +122,8 @@ class Planner:
              version: int, window_s: float | None, window_overhead_s: float = 0.0,
              unchanged: Callable[[Entry], bool] | None = None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
-        unknown; ``window_overhead_s``: the measured stall per window beyond the model,
-        seconds), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
+        unknown; ``window_overhead_s``: how much longer than its bytes at the copy rate a
+        window's copy runs, seconds), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
         logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
         (``frozen_copy="when_changed"``), so its copy costs nothing."""
         replayable = self._replayable(layout, version)

@@ -251,8 +251,10 @@ class Windows:
 
     @property
     def window_overhead_s(self) -> float:
-        """The per-window stall the plan's model misses, seconds: the median over the latest
-        saves, at least 0 (:attr:`gockpt.plan.Costs.window_overhead_s`)."""
+        """How much longer than its bytes at the copy rate a window's copy runs, seconds: the
+        value each of the latest saves' measured window stall implies
+        (:meth:`gockpt.plan.CopyPlan.fit_overhead`), their median, at least 0
+        (:attr:`gockpt.plan.Costs.window_overhead_s`)."""
         if not self._window_residuals:
             return 0.0
         return max(0.0, statistics.median(self._window_residuals))
@@ -265,8 +267,9 @@ class Windows:
             return  # no model to compare with, or windows cut short (not what was planned)
         windows = sum(v for name, v in by.items()
                       if name not in ("request", "capture", "setup", "slot_wait"))
-        model = plan.predicted_stall_s - k * plan.window_overhead_s
-        self._window_residuals.append((windows - model) / k)
+        fitted = plan.fit_overhead(windows)
+        if fitted is not None:  # None: every window had room to spare, nothing was learned
+            self._window_residuals.append(fitted)
 
     def _hand_off(self, s: SaveRecord) -> None:
         s.phase = Phase.FINALIZED

@@ -15,6 +15,11 @@ gradient bytes of blocks ``0..j-1``, window j carries ``s_j + G_j``:
 - ``gockpt`` (gradients copied while the training thread waits): ``G_j / bw + max(0, s_j - C) / bw``;
 - ``lazy``: one window, ``max(0, S - C) / bw``; ``sync``/``async``: everything, ``S / bw``.
 
+Each window's copy is taken to run ``window_overhead_s`` longer than its bytes at the copy rate
+(measured on earlier saves: waking the training thread, chunks that queue behind other work), so
+a window hides ``C' = max(0, C - overhead * bw)``: a window its copy fills pays the overhead, one
+with room for it pays nothing.
+
 Tensors outside the blocks (buffers, parameters without an optimizer) are copied while the
 training thread waits when the non-tensor state is taken, adding ``static_bytes / bw`` to every
 mode; that happens as the last window opens, behind its gradient copy, so with static bytes the
@@ -47,9 +52,9 @@ class Costs:
         copy_bytes_per_s: host-copy (D2H) bandwidth in bytes/s.
         window_s: seconds from the end of an optimizer update to the start of the next one
             (forward + backward + anything else the loop does): the time a copy can hide in.
-        window_overhead_s: seconds of stall each copy window adds beyond the per-window model
-            (waking the training thread, a copy that ends a little after the window although it
-            was sized to fit), measured on earlier saves; charged once per window.
+        window_overhead_s: seconds each window's copy runs beyond its bytes at
+            ``copy_bytes_per_s`` (waking the training thread, chunks queued behind other work),
+            measured on earlier saves: a window hides ``window_s - window_overhead_s`` of copy.
     """
 
     copy_bytes_per_s: float
@@ -69,9 +74,15 @@ class CopyPlan:
         lower_bound_s: the least stall, in seconds, any plan of at most ``max_overlap_steps``
             windows could have under the same model and costs (:func:`stall_lower_bound_s`);
             0.0 when no costs were measured yet.
-        window_overhead_s: the per-window cost (:attr:`Costs.window_overhead_s`) included in
-            ``predicted_stall_s`` once per window, seconds.
+        window_overhead_s: the per-window overhead (:attr:`Costs.window_overhead_s`) the
+            prediction used, seconds.
         costed: whether the plan was made from measured costs (its prediction means something).
+        window_s: the copy window the prediction used, seconds (:attr:`Costs.window_s`).
+        paid_s: the part of the prediction no window hides (static tensors, gradients copied
+            while the training thread waits), seconds.
+        window_loads_s: each window's copy that must fit in it, in seconds at the copy rate:
+            ``predicted_stall_s = paid_s + sum(max(0, l - max(0, window_s - window_overhead_s)))``
+            over these (empty when not costed).
     """
 
     mode: str
@@ -80,6 +91,39 @@ class CopyPlan:
     lower_bound_s: float = 0.0
     window_overhead_s: float = 0.0
     costed: bool = False
+    window_s: float = 0.0
+    paid_s: float = 0.0
+    window_loads_s: tuple[float, ...] = ()
+
+    def fit_overhead(self, stall_s: float) -> float | None:
+        """The per-window overhead, seconds, under which this plan's model predicts ``stall_s``
+        of window stall (a save's measured stall, request and capture left out): the value
+        :attr:`Costs.window_overhead_s` is estimated from.
+
+        Returns None when ``stall_s`` says nothing of it: the plan was not costed, or no window
+        stalled and none was predicted to fill. Where no window stalled although the largest was
+        predicted to fill its window, the copy went faster than the rate: the most overhead
+        consistent with that, ``window_s - max(load)`` (<= 0). A stall beyond every window's
+        whole copy gives ``window_s`` (windows hide nothing).
+        """
+        loads = [x for x in self.window_loads_s if x > 0]
+        if not self.costed or not loads:
+            return None
+        w, top = self.window_s, max(loads)
+
+        def model(oh: float) -> float:
+            hide = max(0.0, w - oh)
+            return self.paid_s + sum(max(0.0, x - hide) for x in loads)
+
+        if stall_s <= model(w - top) + 1e-9:
+            return w - top if top >= w else None
+        lo, hi = w - top, w
+        if model(hi) < stall_s:
+            return hi
+        for _ in range(60):  # model() is nondecreasing in oh: bisect
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if model(mid) < stall_s else (lo, mid)
+        return hi
 
     @property
     def num_overlap_steps(self) -> int:
@@ -148,20 +192,34 @@ def predict_stall_s(
         static_bytes: bytes outside the units, copied while the training thread waits.
     """
     bw = max(costs.copy_bytes_per_s, 1.0)
-    cap = max(costs.window_s, 0.0) * bw
+    paid, loads = _window_terms(mode, unit_bytes, grad_bytes, blocks, static_bytes)
+    hide = _hidden_bytes(costs)
+    return (paid + sum(max(0.0, x - hide) for x in loads)) / bw
+
+
+def _hidden_bytes(costs: Costs) -> float:
+    """Bytes one window hides: its length less the per-window overhead, at the copy rate."""
+    return max(0.0, costs.window_s - max(costs.window_overhead_s, 0.0)) * max(costs.copy_bytes_per_s, 1.0)
+
+
+def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
+                  blocks: tuple[tuple[int, ...], ...], static_bytes: int) -> tuple[float, list[float]]:
+    """(paid, loads) in bytes: what the training thread waits for whatever the window, and each
+    window's copy that hides up to one window's worth (the module's stall model)."""
     if mode in ("sync", "async"):
-        return (sum(unit_bytes) + static_bytes) / bw
-    stall = float(static_bytes) + len(blocks) * max(costs.window_overhead_s, 0.0) * bw
+        return float(sum(unit_bytes) + static_bytes), []
+    paid, loads = float(static_bytes), []
     grads_copied = 0  # gradient bytes of the blocks copied before the current window
     for j, block in enumerate(blocks):
         state = sum(unit_bytes[i] for i in block)
         if mode == "gockpt" or (static_bytes and j == len(blocks) - 1):
             # The static copy, taken as the last window opens, queues behind its gradients.
-            stall += grads_copied + max(0.0, state - cap)
+            paid += grads_copied
+            loads.append(float(state))
         else:  # gockpt_o, and lazy (one window, no gradients)
-            stall += max(0.0, state + grads_copied - cap)
+            loads.append(float(state + grads_copied))
         grads_copied += sum(grad_bytes[i] for i in block)
-    return stall / bw
+    return paid, loads
 
 
 def stall_lower_bound_s(
@@ -194,18 +252,17 @@ def stall_lower_bound_s(
     if len(unit_bytes) != len(grad_bytes):
         raise ValueError("unit_bytes and grad_bytes differ in length")
     bw = max(costs.copy_bytes_per_s, 1.0)
-    cap = max(costs.window_s, 0.0) * bw
-    per_window = max(costs.window_overhead_s, 0.0) * bw
+    cap = _hidden_bytes(costs)
     total = float(sum(unit_bytes))
     lines = _support_lines(unit_bytes, grad_bytes)
-    best = total + per_window  # every bound is at most the total, in one window
+    best = total  # every bound is at most the total, in one window
     for k in range(1, max_overlap_steps + 1):
         bound_k = 0.0
         for r, c in lines:
             first = (1.0 - r) ** (k - 1)  # l_0
             big_l = (1.0 - first * (1.0 - r)) / r if r > 0 else float(k)
             bound_k = max(bound_k, total + c * (big_l - first) - cap * big_l)
-        best = min(best, max(0.0, bound_k) + k * per_window)
+        best = min(best, max(0.0, bound_k))
     return (best + static_bytes) / bw
 
 
@@ -365,39 +422,41 @@ def make_plan(
                                 static_bytes=static_bytes)
     if mode == "auto" and not replayable:
         mode = "lazy"
-    oh = max(costs.window_overhead_s, 0.0)
+
+    def costed(m: str, blocks: tuple[tuple[int, ...], ...], stall_s: float | None = None) -> CopyPlan:
+        paid, loads = _window_terms(m, unit_bytes, grad_bytes, blocks, static_bytes)
+        if stall_s is None:
+            stall_s = predict_stall_s(m, unit_bytes, grad_bytes, blocks, costs, static_bytes=static_bytes)
+        return CopyPlan(m, blocks, stall_s, bound, max(costs.window_overhead_s, 0.0), costed=True,
+                        window_s=costs.window_s, paid_s=paid / bw,
+                        window_loads_s=tuple(x / bw for x in loads))
+
+    bw = max(costs.copy_bytes_per_s, 1.0)
     if mode in ("sync", "async", "lazy"):
-        blocks = split_blocks(unit_bytes, 1)
-        stall = predict_stall_s(mode, unit_bytes, grad_bytes, blocks, costs,
-                                static_bytes=static_bytes)
-        return CopyPlan(mode, blocks, stall, bound, oh if mode == "lazy" else 0.0, costed=True)
+        return costed(mode, split_blocks(unit_bytes, 1))
     # (stall bytes, K, preference, mode, blocks); auto's K = 1 is lazy, preferred on ties.
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).
     modes = ("gockpt_o",) if mode == "auto" else (mode,)
     k_lo = min(min_overlap_steps, max_overlap_steps)
-    bw = max(costs.copy_bytes_per_s, 1.0)
-    cap = max(costs.window_s, 0.0) * bw
+    hide = _hidden_bytes(costs)  # what one window hides, its overhead taken off
     candidates: list[tuple[float, int, int, str, tuple[tuple[int, ...], ...]]] = []
-    per_window = oh * bw  # each window's overhead, in bytes of copy time
     for rank, m in enumerate(modes):
-        found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
+        found = _window_dp(unit_bytes, grad_bytes, hide, max_overlap_steps, m == "gockpt_o",
                            overlap_last=not static_bytes)
         for k, best in enumerate(found, start=1):
             if best is None:
                 continue
             if k >= k_lo:
-                candidates.append((best[0] + k * per_window, k, rank + 1, m, best[1]))
+                candidates.append((best[0], k, rank + 1, m, best[1]))
             elif k == 1 and mode == "auto":
-                candidates.append((best[0] + per_window, 1, 0, "lazy", best[1]))
+                candidates.append((best[0], 1, 0, "lazy", best[1]))
     if not candidates:  # no units, or fewer than min_overlap_steps: at most one block each
         m = "lazy" if mode == "auto" else mode
-        blocks = split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps)
-        return CopyPlan(m, blocks, predict_stall_s(
-            m, unit_bytes, grad_bytes, blocks, costs, static_bytes=static_bytes), bound, oh, costed=True)
+        return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))
     least = min(c[0] for c in candidates)
     stall_bytes, k, _, m, blocks = min(
-        (c for c in candidates if c[0] <= least + MIN_GAIN_WINDOWS * cap),
+        (c for c in candidates if c[0] <= least + MIN_GAIN_WINDOWS * max(costs.window_s, 0.0) * bw),
         key=lambda c: (c[1], c[2]))
     if k == 1 and mode == "auto":
         m = "lazy"
-    return CopyPlan(m, blocks, (stall_bytes + static_bytes) / bw, bound, oh, costed=True)
+    return costed(m, blocks, (stall_bytes + static_bytes) / bw)

@@ -311,17 +311,17 @@ class Slot:
     """
 
     def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
-                 data: torch.Tensor | None = None) -> None:
+                 data: torch.Tensor | None = None, held: HeldTensors | None = None) -> None:
         sizes = _grad_sizes(grad_bytes)
         # ``data``: a dropped slot's data buffer of ``slot_bytes`` bytes, kept (only its gradient
-        # buffers were too small).
+        # buffers were too small); ``held``: what that buffer still holds.
         self.data = data if data is not None else torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin)
         self.grads = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
         self.grad_busy: list[threading.Event] = [threading.Event(), threading.Event()]
         for e in self.grad_busy:
             e.set()  # set = free
         self.refs = 0
-        self.held = HeldTensors()
+        self.held = held if data is not None and held is not None else HeldTensors()
         self.drain: Drain | None = None
 
     @property
@@ -399,6 +399,7 @@ class SlotPool:
         want = [slot_bytes, *_grad_sizes(grad_bytes)]
         deadline = None if timeout is None else time.monotonic() + timeout
         keep: torch.Tensor | None = None  # the data buffer of a dropped slot, if large enough
+        keep_held: HeldTensors | None = None  # and what it holds (frozen_copy="when_changed")
         with self._cv:
             while True:
                 grown = list(want)
@@ -412,7 +413,7 @@ class SlotPool:
                     old = [s.data.numel(), *(g.numel() for g in s.grads)]
                     grown = [max(a, b) for a, b in zip(grown, old, strict=True)]
                     if keep is None or s.data.numel() > keep.numel():
-                        keep = s.data
+                        keep, keep_held = s.data, s.held
                     s = None  # type: ignore[assignment]  # its other buffers are freed now
                 sizes = grown if self._fits(sum(grown)) else want
                 if keep is not None and sizes[0] <= keep.numel() and self._fits(sum(sizes) - sizes[0] + keep.numel()):
@@ -434,7 +435,7 @@ class SlotPool:
                     return None
                 self._cv.wait(left)
         try:
-            slot = Slot(sizes[0], sizes[1:], self._pin, data=keep)
+            slot = Slot(sizes[0], sizes[1:], self._pin, data=keep, held=keep_held)
         except BaseException:
             with self._cv:
                 self._count -= 1

@@ -122,3 +122,34 @@ def test_default_copies_everything_every_time(tmp_path):
 def test_frozen_copy_is_checked():
     with pytest.raises(ValueError, match="frozen_copy"):
         GoCkptConfig(frozen_copy="never")
+
+
+def test_a_slot_regrown_for_more_gradient_windows_keeps_what_it_holds(tmp_path):
+    """A later save with more windows needs larger gradient buffers: the slot is rebuilt around
+    the same data buffer, whose frozen tensors are still not copied again."""
+    torch.manual_seed(0)
+    model = Adapted()
+    opt = torch.optim.AdamW([*model.mid.parameters(), model.a, model.b], lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", frozen_copy="when_changed",
+                                          min_overlap_steps=3, max_overlap_steps=3))
+    live: dict[int, dict] = {}
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        live[eng.version] = snapshot(model, opt)
+        if it in (1, 5):  # the first save is durable before the second (3 steps later)
+            k = 2 if it == 1 else 3
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}"), max_overlap_steps=k))
+        if it == 4:
+            handles[0].result()
+
+    _train(model, opt, eng, 9, on_step_end=on_step_end)
+    metrics = [h.result() for h in handles]
+    eng.close()
+    assert [m.num_overlap_steps for m in metrics] == [2, 3]
+    for m in metrics:
+        state = gockpt.load_checkpoint(m.path)
+        v = state.captured_step
+        assert_state_equal(state.model_state_dict, live[v]["model"], f"model@{v}")
+        assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"optim@{v}")
+    assert [m.unchanged_bytes for m in metrics] == [0, _frozen_bytes(model)]

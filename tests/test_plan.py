@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gockpt.plan import Costs, make_plan, predict_stall_s, split_blocks, stall_lower_bound_s
+from gockpt.plan import CopyPlan, Costs, make_plan, predict_stall_s, split_blocks, stall_lower_bound_s
 
 
 # deadline=None: a correctness property; a loaded machine must not fail it on time.
@@ -184,23 +184,77 @@ def test_k_stops_growing_when_gradient_traffic_eats_the_gain():
     assert full.mode == "lazy" and full.num_overlap_steps == 1
 
 
-def test_each_window_is_charged_its_measured_overhead():
+def test_a_window_pays_its_overhead_only_when_its_copy_fills_it():
     units, grads = [100] * 64, [5] * 64
     free = Costs(copy_bytes_per_s=100.0, window_s=20.0)  # a full copy spans 3.2 windows
-    plan = make_plan("gockpt_o", units, grads, free, max_overlap_steps=7, replayable=True)
+    plan = make_plan("gockpt_o", units, grads, free, max_overlap_steps=3, replayable=True)
     costly = Costs(copy_bytes_per_s=100.0, window_s=20.0, window_overhead_s=0.5)
-    assert predict_stall_s("gockpt_o", units, grads, plan.blocks, costly) == pytest.approx(
-        plan.predicted_stall_s + 0.5 * plan.num_overlap_steps)
+    # The overhead is window time the copy cannot use: the same as a shorter window.
+    shorter = Costs(copy_bytes_per_s=100.0, window_s=19.5)
+    for k in (1, 2, 3, 5):
+        blocks = split_blocks(units, k)
+        assert predict_stall_s("gockpt_o", units, grads, blocks, costly) == pytest.approx(
+            predict_stall_s("gockpt_o", units, grads, blocks, shorter))
+    # Blocks sized to fill their windows pay it in each window they fill.
+    filled = make_plan("gockpt_o", units, grads, costly, max_overlap_steps=3, replayable=True)
+    assert filled.predicted_stall_s == pytest.approx(plan.predicted_stall_s + 3 * 0.5)
     lazy = make_plan("lazy", units, grads, costly, max_overlap_steps=7, replayable=True)
     assert lazy.predicted_stall_s == pytest.approx(64 * 100 / 100 - 20 + 0.5)
     assert lazy.window_overhead_s == 0.5 and lazy.costed
-    # A window costing more than it hides is not worth opening: K shrinks to where it pays.
-    dear = Costs(copy_bytes_per_s=100.0, window_s=20.0, window_overhead_s=15.0)
-    short = make_plan("gockpt_o", units, grads, dear, max_overlap_steps=7, replayable=True)
-    assert short.num_overlap_steps < plan.num_overlap_steps
+    # A copy with room to spare in its window pays nothing for it (a mostly frozen model whose
+    # frozen tensors the slot still holds: only the small trainable part is copied).
+    small = make_plan("lazy", [100] * 4, [100] * 4, costly, max_overlap_steps=7, replayable=True)
+    assert small.predicted_stall_s == 0.0
+    # An overhead as long as the window leaves nothing to hide: auto copies in one window.
     assert make_plan("auto", units, grads, Costs(100.0, 20.0, 25.0), max_overlap_steps=7,
                      replayable=True).mode == "lazy"
     assert not make_plan("auto", units, grads, None, max_overlap_steps=7, replayable=True).costed
+
+
+def test_fitted_overhead_reproduces_the_measured_stall():
+    units, grads = [100] * 64, [5] * 64
+    costs = Costs(copy_bytes_per_s=100.0, window_s=20.0)
+    for mode in ("lazy", "gockpt", "gockpt_o"):
+        plan = make_plan(mode, units, grads, costs, max_overlap_steps=5, replayable=True,
+                         static_bytes=300)
+        for true_oh in (0.0, 0.3, 2.0):
+            with_oh = Costs(copy_bytes_per_s=100.0, window_s=20.0, window_overhead_s=true_oh)
+            measured = predict_stall_s(mode, units, grads, plan.blocks, with_oh, static_bytes=300)
+            if measured > plan.predicted_stall_s:
+                assert plan.fit_overhead(measured) == pytest.approx(true_oh, abs=1e-6)
+    # No window stalled where every one had room: nothing learned.
+    roomy = make_plan("lazy", [100] * 4, [0] * 4, costs, max_overlap_steps=1, replayable=True)
+    assert roomy.fit_overhead(0.0) is None
+    # No stall where the model without overhead predicted one: the copy beat the rate.
+    full = make_plan("lazy", units, grads, costs, max_overlap_steps=1, replayable=True)
+    assert full.fit_overhead(0.0) == pytest.approx(20.0 - 64.0)
+    # Beyond the whole copy: windows hid nothing.
+    assert full.fit_overhead(1000.0) == pytest.approx(20.0)
+    assert CopyPlan("lazy", ((0,),), 0.0).fit_overhead(1.0) is None  # not costed
+
+
+@settings(max_examples=200, deadline=None)
+@given(workloads(grads_at_most_state=False), st.integers(1, 6), st.integers(0, 300),
+       st.sampled_from(["lazy", "gockpt", "gockpt_o", "auto"]), st.floats(0.0, 1.0))
+def test_fit_overhead_inverts_the_stall_model(work, k_max, static, mode, frac):
+    units, grads, costs = work
+    plan = make_plan(mode, units, grads, costs, max_overlap_steps=k_max, replayable=True,
+                     static_bytes=static)
+    assert plan.costed and plan.predicted_stall_s == pytest.approx(
+        predict_stall_s(plan.mode, units, grads, plan.blocks, costs, static_bytes=static), abs=1e-9)
+    true_oh = frac * costs.window_s
+    other = Costs(costs.copy_bytes_per_s, costs.window_s, true_oh)
+    measured = predict_stall_s(plan.mode, units, grads, plan.blocks, other, static_bytes=static)
+    fitted = plan.fit_overhead(measured)
+    top = max(plan.window_loads_s, default=0.0)
+    if top > 0 and costs.window_s - top < true_oh < costs.window_s:
+        # The model is strictly increasing there: the overhead is recovered.
+        assert fitted == pytest.approx(true_oh, abs=1e-6 * max(1.0, costs.window_s))
+    if fitted is not None:  # whatever it returns reproduces the stall (clamped at the ends)
+        again = Costs(costs.copy_bytes_per_s, costs.window_s, max(fitted, 0.0))
+        if fitted >= 0 and fitted < costs.window_s:
+            assert predict_stall_s(plan.mode, units, grads, plan.blocks, again,
+                                   static_bytes=static) == pytest.approx(measured, abs=1e-6 * max(1.0, measured))
 
 
 @settings(max_examples=200, deadline=None)
