@@ -208,9 +208,14 @@ def new_record(
     ``writer.tensor_files(layout)`` (None: GoCkpt's shards)."""
     handle.metrics.host_bytes = slot.nbytes
     slot.held.keep_only(layout, slot_layout.offsets)
-    views = {}
-    for e in layout.entries:
-        views[e.key] = host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
+    # The views of one layout into one slot are the same every save: made once, read-only after.
+    cached = slot.views
+    if cached is not None and cached[0] is layout and cached[1] is slot_layout:
+        views = cached[2]
+    else:
+        views = {e.key: host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
+                 for e in layout.entries}
+        slot.views = (layout, slot_layout, views)
     grad_views = [
         {i: host_view(g, off, layout.units[i].param_entry.tensor) for i, off in grad_offsets.items()
          if off + layout.units[i].grad_bytes <= need}

@@ -12,7 +12,9 @@ the slot with no serialization copy (DataStates-LLM §V-A3: fixed tensor offsets
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -133,13 +135,10 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * dtype_itemsize(self.dtype)
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ class ShardLayout:
 
 def dtype_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def dtype_code(dtype: torch.dtype, key: str) -> str:

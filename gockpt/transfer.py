@@ -20,6 +20,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -306,6 +307,8 @@ class Slot:
         refs: saves holding the slot (written under the pool's lock).
         held: the views of ``data`` that still hold a tensor as copied at a known version
             (``frozen_copy="when_changed"``; training thread only).
+        views: the views of ``data`` per tensor key of the latest state layout planned into it
+            (training thread only).
         drain: while a persist reads the slot and it may be lent: what it has yet to read
             (``drain.lent``: a save borrowed it, :meth:`SlotPool.acquire` with ``lend``).
     """
@@ -322,6 +325,8 @@ class Slot:
             e.set()  # set = free
         self.refs = 0
         self.held = held if data is not None and held is not None else HeldTensors()
+        # (layout, slot layout, key -> view of ``data``): the last layout's views, reused
+        self.views: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
         self.drain: Drain | None = None
 
     @property
