@@ -268,7 +268,7 @@ class Windows:
         windows = sum(v for name, v in by.items()
                       if name not in ("request", "capture", "setup", "slot_wait"))
         fitted = plan.fit_overhead(windows)
-        if fitted is not None:  # None: every window had room to spare, nothing was learned
+        if fitted is not None:  # None: nothing copied in the windows
             self._window_residuals.append(fitted)
 
     def _hand_off(self, s: SaveRecord) -> None:

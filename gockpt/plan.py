@@ -100,11 +100,12 @@ class CopyPlan:
         of window stall (a save's measured stall, request and capture left out): the value
         :attr:`Costs.window_overhead_s` is estimated from.
 
-        Returns None when ``stall_s`` says nothing of it: the plan was not costed, or no window
-        stalled and none was predicted to fill. Where no window stalled although the largest was
-        predicted to fill its window, the copy went faster than the rate: the most overhead
-        consistent with that, ``window_s - max(load)`` (<= 0). A stall beyond every window's
-        whole copy gives ``window_s`` (windows hide nothing).
+        Where no window stalled, the overhead was at most ``window_s - max(load)``: that bound
+        where it is below the plan's own overhead (the fullest window shows the plan asked too
+        much), else the plan's overhead (a window with room to spare says nothing new; recording
+        nothing there instead would keep only the saves that stalled, and drift upward). A stall
+        beyond every window's whole copy gives ``window_s`` (windows hide nothing). None: the
+        plan was not costed or copies nothing in its windows.
         """
         loads = [x for x in self.window_loads_s if x > 0]
         if not self.costed or not loads:
@@ -116,7 +117,7 @@ class CopyPlan:
             return self.paid_s + sum(max(0.0, x - hide) for x in loads)
 
         if stall_s <= model(w - top) + 1e-9:
-            return w - top if top >= w else None
+            return min(w - top, self.window_overhead_s)
         lo, hi = w - top, w
         if model(hi) < stall_s:
             return hi

@@ -41,7 +41,7 @@ class GoCkptCallback(Callback):
     replicated, or with checkpoints on an object store keeps Lightning's path: global rank 0
     runs the engine; :func:`lightning_gockpt.sharded.shares_write`.)
     In ``setup`` it moves itself to the front of ``trainer.callbacks``, so that its hooks run
-    before any other callback's.
+    before any other callback's; ``teardown`` gives the list back in the order it found it.
 
     Call sequence (training thread, rank 0):
 
@@ -57,6 +57,9 @@ class GoCkptCallback(Callback):
        ``optimizer.step(closure)``, so the step pre-hook fires before the forward). It runs
        before other callbacks' ``on_train_start`` (a ``Timer`` does not count its start-up).
     3. ``on_before_optimizer_step``: ``engine.before_update()``, the end of a copy window.
+       An optimizer step pre-hook finishes the saves in flight (``engine.flush()``) when an
+       update comes while ``trainer.callbacks`` does not hold this callback (the tuner's
+       learning-rate and batch-size finders swap the list out while they train).
     4. ``on_train_batch_end``, by a companion callback placed right before the checkpoint
        callbacks (where ``ModelCheckpoint`` saves): ``engine.step_end()`` (the step boundary where
        checkpoints take Lightning's dict), then log finished checkpoints.
@@ -96,6 +99,8 @@ class GoCkptCallback(Callback):
         self._failed = False
         self._logging = False
         self._exit_token = -1
+        self._step_hooks: list[Any] = []  # optimizer step pre-hooks (see _step_without_us)
+        self._user_order: list[Callback] | None = None  # trainer.callbacks as setup found them
 
     # A copy (``copy.deepcopy(trainer.callbacks)``, pickling for ``ddp_spawn``) is an unlinked
     # callback: engines, threads and locks stay with the original.
@@ -130,6 +135,8 @@ class GoCkptCallback(Callback):
         self.io, self._trainer = io, trainer
         io._callback = self
         cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if self._user_order is None:  # given back at teardown: the run leaves the list as it was
+            self._user_order = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
         if cbs and cbs[0] is not self:
             cbs.remove(self)
             cbs.insert(0, self)
@@ -157,6 +164,8 @@ class GoCkptCallback(Callback):
             # A run can end without teardown (an exception in a ddp_spawn worker runs no hook):
             # the saves in flight and the top-k removals behind them are finished at exit.
             self._exit_token = _exit.register(self._close_at_exit)
+            self._step_hooks = [opt.register_step_pre_hook(self._step_without_us)
+                                for opt in trainer.optimizers]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
@@ -197,7 +206,10 @@ class GoCkptCallback(Callback):
         self._logging = False  # the loggers are finalized after this hook
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            self._restore_order(trainer)
 
     # ------------------------------------------------------------------ used by GoCkptIO
 
@@ -307,6 +319,9 @@ class GoCkptCallback(Callback):
         engine, self.engine = self.engine, None
         if engine is None:
             return
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks = []
         _exit.unregister(self._exit_token)
         try:
             engine.close()
@@ -321,7 +336,37 @@ class GoCkptCallback(Callback):
             # durable (also after a failed run), else the checkpoint stays as the newest one.
             self._remove_deferred()
 
+    def wait_for(self, path: str) -> None:
+        """Finish the saves of ``path`` in flight in this process (training thread): a load of
+        a checkpoint right after its request (Lightning's tuner restores its own) reads it whole.
+
+        Raises:
+            The error of such a save.
+        """
+        for h in [h for h in self._pending if h.path == path and not h.done()]:
+            h.result()
+
     # ------------------------------------------------------------------ helpers
+
+    def _step_without_us(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        trainer = self._trainer
+        if self.engine is None or trainer is None or self in trainer.callbacks:
+            return
+        # An update while trainer.callbacks does not hold this callback (the learning-rate and
+        # batch-size finders swap the list out): no window end or step boundary reaches the
+        # engine, so the saves in flight are finished now, at the last step it saw.
+        self.engine.flush()
+
+    def _restore_order(self, trainer: Trainer) -> None:
+        order, self._user_order = self._user_order, None
+        if order is None:
+            return
+        cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        ours = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
+        if sorted(map(id, ours)) == sorted(map(id, order)):
+            cbs[:] = order
+        else:  # callbacks added or removed during the run: keep that, only drop the companion
+            cbs[:] = ours
 
     def _flush(self) -> None:
         if self.engine is not None:

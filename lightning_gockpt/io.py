@@ -163,8 +163,9 @@ class GoCkptIO(CheckpointIO):
 
         A ``last*.ckpt`` path that is not complete (a save of it, or of the checkpoint it links
         to, was cut short) resolves, with a warning, to the newest complete checkpoint in its
-        directory (the ``latest`` pointer). A plain file is loaded with ``torch.load``. A
-        checkpoint whose DDP ranks shared the write is read from all its parts, in any number of
+        directory (the ``latest`` pointer). A save of ``path`` still in flight in this run is
+        finished first (Lightning's tuner restores the checkpoint it just saved). A plain file
+        is loaded with ``torch.load``. A checkpoint whose DDP ranks shared the write is read from all its parts, in any number of
         processes (:func:`lightning_gockpt.replicated.load`): the same dict as a single writer's.
 
         Args:
@@ -180,12 +181,16 @@ class GoCkptIO(CheckpointIO):
         Raises:
             FileNotFoundError: no complete checkpoint at ``path`` (nor, for ``last*.ckpt``,
                 in its directory).
+            gockpt.CheckpointError: the save of ``path`` in flight in this run failed (its
+                error).
             gockpt.CheckpointCorruptError: a corrupt file (names the file and key), or a
                 GoCkpt checkpoint not written by GoCkptIO.
             ValueError: a sharded checkpoint of ``ModelParallelStrategy`` (resume it under that
                 strategy; :func:`gockpt.dcp.load_full` assembles it).
         """
         path = os.fspath(path)
+        if self._callback is not None and self._callback.io is self:
+            self._callback.wait_for(path)  # saved just before in this run: read it whole
         if os.path.isfile(path):
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
         fs, local = url_to_fs(path, self.config.storage_options)

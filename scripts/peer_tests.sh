@@ -77,6 +77,9 @@ if [[ $PEER == lightning ]]; then
         tests_pytorch/callbacks/test_model_checkpoint_manual_opt.py
         tests_pytorch/callbacks/test_timer.py
         tests_pytorch/callbacks/test_lr_monitor.py
+        tests_pytorch/callbacks/test_finetuning_callback.py
+        tests_pytorch/callbacks/test_pruning.py
+        tests_pytorch/tuner
         tests_pytorch/trainer/logging_
         tests_pytorch/trainer/test_trainer.py
         tests_pytorch/core/test_saving.py

@@ -222,9 +222,14 @@ def test_fitted_overhead_reproduces_the_measured_stall():
             measured = predict_stall_s(mode, units, grads, plan.blocks, with_oh, static_bytes=300)
             if measured > plan.predicted_stall_s:
                 assert plan.fit_overhead(measured) == pytest.approx(true_oh, abs=1e-6)
-    # No window stalled where every one had room: nothing learned.
-    roomy = make_plan("lazy", [100] * 4, [0] * 4, costs, max_overlap_steps=1, replayable=True)
-    assert roomy.fit_overhead(0.0) is None
+    # No window stalled where every one had room: the plan's own overhead stands (a roomy save
+    # neither raises nor lowers the estimate).
+    for oh in (0.0, 0.5):
+        roomy = make_plan("lazy", [100] * 4, [0] * 4, Costs(100.0, 20.0, oh), max_overlap_steps=1,
+                          replayable=True)
+        assert roomy.fit_overhead(0.0) == oh
+    assert make_plan("lazy", [0] * 4, [0] * 4, costs, max_overlap_steps=1,
+                     replayable=True).fit_overhead(0.0) is None  # nothing copied in the window
     # No stall where the model without overhead predicted one: the copy beat the rate.
     full = make_plan("lazy", units, grads, costs, max_overlap_steps=1, replayable=True)
     assert full.fit_overhead(0.0) == pytest.approx(20.0 - 64.0)

@@ -665,3 +665,49 @@ def test_ctrl_c_during_a_save_keeps_every_complete_checkpoint(tmp_path, mode):
         assert gockpt.is_complete(str(root / name)), (name, entries)
     loaded = GoCkptIO().load_checkpoint(str(root / "step=4.ckpt"))
     assert loaded["global_step"] == 4
+
+
+# ---------------------------------------------------------------------- Lightning's tuner
+
+
+class _FindLrAtEpochStarts(__import__("lightning.pytorch.callbacks", fromlist=["x"]).LearningRateFinder):
+    """Lightning's learning-rate finder run mid-fit, at the start of epochs 0 and 1: it saves a
+    checkpoint, trains with ``trainer.callbacks`` swapped out, restores it and removes it."""
+
+    def __init__(self) -> None:
+        super().__init__(num_training_steps=6, early_stop_threshold=None, update_attr=False)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pass
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch in (0, 1):
+            self.lr_find(trainer, pl_module)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt_o"])
+def test_learning_rate_finder_mid_fit_restores_its_checkpoint_as_stock(tmp_path, mode):
+    ref = results(*fit(str(tmp_path / "stock"), ckpt_every=4, callbacks=(_FindLrAtEpochStarts(),)))
+    got = results(*fit(str(tmp_path / "g"), io=gockpt_io(mode), ckpt_every=4,
+                       callbacks=(_FindLrAtEpochStarts(),)))
+    assert got["losses"] == ref["losses"]
+    assert got["global_step"] == ref["global_step"] == 24
+    assert_bitwise_equal(got["model"], ref["model"], "model")
+    assert_bitwise_equal(got["optim"], ref["optim"], "optimizer")
+    assert not [p.name for p in (tmp_path / "g").iterdir() if p.name.startswith(".lr_find")]
+
+
+def test_a_run_leaves_trainer_callbacks_as_it_found_them(tmp_path):
+    import lightning.pytorch as pl
+    from _lightning_train import Batches, TinyNet
+    from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=4, accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Timer(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
+                         plugins=[gockpt_io("lazy")])
+    before = list(trainer.callbacks)
+    assert [type(cb) for cb in before].index(GoCkptCallback) > 0  # not where the run wants it
+    trainer.fit(TinyNet(), train_dataloaders=Batches())
+    assert [id(cb) for cb in trainer.callbacks] == [id(cb) for cb in before]
+    assert is_complete(str(tmp_path / "epoch=0-step=4.ckpt"))
