@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -235,10 +236,10 @@ def _claim_remote(
     other = _read_owner_object(fs, owner_path)
     if other and other.get("token") != owner["token"]:
         # Alive means renewed: watch it for one lease (clock-free, unlike comparing stamps).
-        deadline = time.monotonic() + lease_s * 1.1
+        deadline = monotonic() + lease_s * 1.1
         seen = other.get("seq")
-        while time.monotonic() < deadline:
-            time.sleep(min(lease_s / 6, max(deadline - time.monotonic(), 0)))
+        while monotonic() < deadline:
+            time.sleep(min(lease_s / 6, max(deadline - monotonic(), 0)))
             now = _read_owner_object(fs, owner_path)
             if not now:
                 break  # released meanwhile
@@ -251,7 +252,7 @@ def _claim_remote(
             )
     state = _ClaimState(
         count=1, owner=owner, fs=fs, owner_path=owner_path, lease_s=lease_s,
-        next_renew=time.monotonic() + lease_s / 3,
+        next_renew=monotonic() + lease_s / 3,
     )
     _put_owner(state)
     return state
@@ -281,7 +282,7 @@ def _heartbeat_loop() -> None:
             if not remote:
                 _HEARTBEAT = None
                 return
-        now = time.monotonic()
+        now = monotonic()
         for key, state in remote:
             if now < state.next_renew:
                 continue
@@ -300,7 +301,7 @@ def _heartbeat_loop() -> None:
                     _put_owner(state)
             except Exception as e:  # noqa: BLE001 - a missed renewal only shortens the lease
                 log.warning("gockpt: %s: renewing the writer claim failed: %s", key, e)
-        wake = min(s.next_renew for _, s in remote) - time.monotonic()
+        wake = min(s.next_renew for _, s in remote) - monotonic()
         _HEARTBEAT_WAKE.wait(min(max(wake, 0.01), 1.0))
         _HEARTBEAT_WAKE.clear()
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from time import perf_counter
 
 import torch
 from torch.optim import Optimizer
@@ -245,7 +246,7 @@ class Pipeline:
             m.persist_bytes = res.bytes_written
             m.persist_s = res.seconds
             m.persist_gbps = res.bytes_written / res.seconds / 1e9 if res.seconds > 0 else 0.0
-            m.time_to_durable_s = time.perf_counter() - s.t_request
+            m.time_to_durable_s = perf_counter() - s.t_request
             m.host_peak_bytes = self._slots.peak_bytes
             if s is not s.share.leader:
                 m.replay_backend = s.share.leader.metrics.replay_backend

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import warnings
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -225,9 +225,9 @@ def probe_copy_bandwidth(copier: Any, device: torch.device, cap: float | None) -
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
     t = copier.copy([(src, dst)], PRIORITY_GRAD)
-    t0 = time.perf_counter()
+    t0 = perf_counter()
     t.wait()
-    bw = n / max(time.perf_counter() - t0, 1e-9)
+    bw = n / max(perf_counter() - t0, 1e-9)
     if cap is not None:
         bw = min(bw, cap)
     return bw

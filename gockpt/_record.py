@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 import uuid
 import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -350,7 +350,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     files = writer.tensor_files(layout) if writer is not None else None
     grad_offsets, grad_bytes = planner.grad_layout(layout, plan)
     planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
-    tw = time.perf_counter()
+    tw = perf_counter()
     pinned = (version, state_versions(layout))
     find = partial(find_leader, records, version=version, layout=layout, plan=plan,
                    exact_k=planner.agree is not None, versions=pinned[1])
@@ -369,7 +369,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                       f"checkpoint {path} (the checkpoint in flight is still being written out: "
                       "storage slower than the checkpoint interval?)", stacklevel=3)
         slot = None
-    handle.metrics.add_stall("slot_wait", time.perf_counter() - tw)
+    handle.metrics.add_stall("slot_wait", perf_counter() - tw)
     if leader is not None:
         return join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,
                            t_request=t_request, writer=writer, files=files), leader
@@ -391,5 +391,5 @@ def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_la
     entries = [e for b in blocks for i in b for e in layout.units[i].entries]
     entries += layout.static
     ranges = [(slot_layout.offsets[e.key], slot_layout.offsets[e.key] + e.spec.nbytes) for e in entries]
-    left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+    left = None if timeout_s is None else max(0.0, timeout_s - (perf_counter() - t0))
     return drain.wait_free(ranges, left)

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
+from time import monotonic
 from typing import Any
 
 import xxhash
@@ -79,7 +80,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
     try:
         metrics = own.result()
         target = metrics.captured_step if metrics.captured_step is not None else target
-        deadline = time.monotonic() + timeout_s
+        deadline = monotonic() + timeout_s
         for r in range(world):
             await_part(stage, r, deadline)
         fs, root = fsutil.url_to_fs(path, None)
@@ -143,7 +144,7 @@ def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
 
 
 def await_part(stage: str, rank: int, deadline: float) -> None:
-    """Wait for rank ``rank``'s marker until ``deadline`` (``time.monotonic()``).
+    """Wait for rank ``rank``'s marker until ``deadline`` (``monotonic()``).
 
     Raises:
         RuntimeError: the part failed; TimeoutError: no marker by ``deadline``.
@@ -154,7 +155,7 @@ def await_part(stage: str, rank: int, deadline: float) -> None:
     while not os.path.exists(done):
         if os.path.exists(failed):
             raise RuntimeError(f"gockpt: rank {rank}'s part of the sharded checkpoint failed")
-        if time.monotonic() > deadline:
+        if monotonic() > deadline:
             raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "
                                f"arrive within commit_timeout_s (crashed or stalled rank)")
         time.sleep(delay)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from time import perf_counter
 from typing import NamedTuple
 
 
@@ -24,7 +25,7 @@ class Event(NamedTuple):
             ``gockpt-io_2``, ...).
         phase: ``copy``, ``replay``, ``serialize``, ``write``, ``checksum``, ``fsync``,
             ``manifest``, ``publish`` or ``latest``.
-        start, end: ``time.perf_counter()`` seconds.
+        start, end: ``perf_counter()`` seconds.
         cpu_start, cpu_end: the thread's ``time.thread_time()`` seconds.
         nbytes: bytes the phase moved (0 where none).
         ident: ``threading.get_ident()`` of the thread (names repeat across thread pools).
@@ -68,11 +69,11 @@ class _Phase:
         self.events, self.name, self.nbytes = events, name, nbytes
 
     def __enter__(self) -> None:
-        self.t0, self.c0 = time.perf_counter(), time.thread_time()
+        self.t0, self.c0 = perf_counter(), time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
         self.events.append(Event(threading.current_thread().name, self.name, self.t0,
-                                 time.perf_counter(), self.c0, time.thread_time(), self.nbytes,
+                                 perf_counter(), self.c0, time.thread_time(), self.nbytes,
                                  threading.get_ident()))
 
 

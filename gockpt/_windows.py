@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import collections
 import statistics
-import time
 import warnings
 import weakref
 from collections.abc import Sequence
+from time import perf_counter
 
 import torch
 from torch import nn
@@ -80,11 +80,11 @@ class Windows:
             self._copy_blocks(s, range(s.num_blocks), wait=True)
             self._capture(s, version)
             s.phase = Phase.CAPTURED
-            metrics.add_stall("copy", time.perf_counter() - t0 - metrics.stall_s)
+            metrics.add_stall("copy", perf_counter() - t0 - metrics.stall_s)
             if plan.mode == "sync":
-                ts = time.perf_counter()
+                ts = perf_counter()
                 self._pipeline.persist(s)
-                metrics.add_stall("persist", time.perf_counter() - ts)
+                metrics.add_stall("persist", perf_counter() - ts)
                 self._pipeline.raise_errors()
                 handle.result()
             else:
@@ -95,7 +95,7 @@ class Windows:
         self._open_window(s)
         if s.target == version:
             self._capture(s, version)
-        metrics.add_stall("request", max(0.0, time.perf_counter() - t0 - metrics.stall_s))
+        metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s))
         return handle
 
     def join(self, leader: SaveRecord, s: SaveRecord, t0: float, version: int) -> SaveHandle:
@@ -111,7 +111,7 @@ class Windows:
             self._take(s, current, live, version)
         if leader.handed_off:
             self._hand_off(s)
-        s.metrics.add_stall("request", max(0.0, time.perf_counter() - t0 - s.metrics.stall_s))
+        s.metrics.add_stall("request", max(0.0, perf_counter() - t0 - s.metrics.stall_s))
         return s.handle
 
     def drop(self, s: SaveRecord) -> None:
@@ -171,14 +171,14 @@ class Windows:
 
     def window_end(self, version: int) -> None:
         """End the open copy windows (right before an update); waits for their copies."""
-        now = time.perf_counter()
+        now = perf_counter()
         if self._t_update_end is not None:
             self._recent_windows.append(now - self._t_update_end)
             self.window_s = statistics.median(self._recent_windows)
         for s in list(self.saves):
             if s.phase is not Phase.COPYING:
                 continue
-            t0 = time.perf_counter()
+            t0 = perf_counter()
             try:
                 s.tickets[s.window].fence_compute()
                 self._check_versions(s)
@@ -186,7 +186,7 @@ class Windows:
                 self.fail(s, e)
                 continue
             s.phase = Phase.COPIED
-            s.metrics.add_stall("window_end", time.perf_counter() - t0)
+            s.metrics.add_stall("window_end", perf_counter() - t0)
             if not s.captured and s.target == version:
                 if not self._fallback_warned and s.num_blocks > 1:
                     # stacklevel: this, Engine.before_update (or the step pre-hook), its caller.
@@ -203,7 +203,7 @@ class Windows:
         """Finish the copy windows of every pending save at step ``version``."""
         self.release_guards(wait=True)
         for s in list(self.saves):
-            tf = time.perf_counter()
+            tf = perf_counter()
             try:
                 if s.phase is Phase.COPYING:
                     s.tickets[s.window].wait()
@@ -222,7 +222,7 @@ class Windows:
                 continue
             # Its snapshot is now the state of this step: a request at this step may share it.
             s.pinned = (version, state_versions(s.layout))
-            s.metrics.add_stall("flush", time.perf_counter() - tf)
+            s.metrics.add_stall("flush", perf_counter() - tf)
             self.finalize(s)
 
     # ------------------------------------------------------------------ hand-off
@@ -346,12 +346,12 @@ class Windows:
         """
         base = s.slot.data.data_ptr()
         ranges = [(v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views]
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         left = self._slot_wait_timeout_s
         if left is not None:  # one bound for all of the save's slot waits, the request's included
             left = max(0.0, left - s.metrics.stall_by_phase_s.get("slot_wait", 0.0))
         ok = s.borrowed.wait_free(ranges, left)  # type: ignore[union-attr]
-        s.metrics.add_stall("slot_wait", time.perf_counter() - t0)
+        s.metrics.add_stall("slot_wait", perf_counter() - t0)
         if not ok:
             s.overtaken = True
             raise CheckpointTimeoutError(
@@ -393,9 +393,9 @@ class Windows:
                 self._wait_drain(s, views)
         turn = s.grad_turn
         s.grad_turn ^= 1
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         s.slot.grad_busy[turn].wait()  # the replay of the update before last has released it
-        s.metrics.add_stall("grad_buffer", time.perf_counter() - t0)
+        s.metrics.add_stall("grad_buffer", perf_counter() - t0)
         s.slot.grad_busy[turn].clear()
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
             (local(s.layout.units[i].param.grad), s.grad_views[turn][i])  # type: ignore[arg-type]
@@ -406,9 +406,9 @@ class Windows:
         s.grad_tickets.append(ticket)
         s.metrics.grad_bytes += ticket.nbytes
         if s.plan.mode == "gockpt":
-            t0 = time.perf_counter()
+            t0 = perf_counter()
             ticket.wait()
-            s.metrics.add_stall("grad_copy", time.perf_counter() - t0)
+            s.metrics.add_stall("grad_copy", perf_counter() - t0)
         elif s.layout.sharded:
             # FSDP2 accumulates into sharded gradients outside autograd, where no tensor hook
             # fires: the copy overlaps only until the next forward starts (forward_start).
@@ -435,20 +435,20 @@ class Windows:
     def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket):
         def hook(grad: torch.Tensor) -> None:
             if p.grad is not None and not ticket.done():
-                t0 = time.perf_counter()
+                t0 = perf_counter()
                 ticket.wait()
                 for s in self.saves:
-                    s.metrics.add_stall("guard", (time.perf_counter() - t0) / max(1, len(self.saves)))
+                    s.metrics.add_stall("guard", (perf_counter() - t0) / max(1, len(self.saves)))
         return hook
 
     def forward_start(self, version: int) -> None:
         """The model's forward begins: guarded sharded gradient copies end; a due capture."""
         if self._wait_at_forward:
             self._wait_at_forward = False
-            t0 = time.perf_counter()
+            t0 = perf_counter()
             self.release_guards(wait=True)
             for s in self.saves:
-                s.metrics.add_stall("guard", (time.perf_counter() - t0) / max(1, len(self.saves)))
+                s.metrics.add_stall("guard", (perf_counter() - t0) / max(1, len(self.saves)))
         if self.saves and self.capture_due(version):
             self.boundary(version)
 
@@ -501,22 +501,22 @@ class Windows:
         Every save sharing ``s``'s snapshot takes its own tree now too; one whose ``state_fn``
         raises fails alone while others still want the snapshot.
         """
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         current, live, pairs = self._live(s)
         remember = []
         if self._when_changed and pairs:
             pairs, remember = self._unchanged_static(s, pairs)
         pairs = [(t.detach(), view) for t, view in pairs]
         if pairs:
-            tc = time.perf_counter()
+            tc = perf_counter()
             t = self._copier.copy(pairs, PRIORITY_GRAD)
             t.wait()
             for off, nbytes, fp in remember:
                 s.slot.held.remember(off, nbytes, fp)
             s.metrics.state_bytes += t.nbytes
             # Apart from "capture": the planner predicts this copy, the rest is a fixed cost.
-            s.metrics.add_stall("static_copy", time.perf_counter() - tc)
-            t0 += time.perf_counter() - tc
+            s.metrics.add_stall("static_copy", perf_counter() - tc)
+            t0 += perf_counter() - tc
         others = [r for r in s.share.records if r is not s and not r.cancel.is_set()]
         for r in [s, *others] if not s.cancel.is_set() else others:
             if r.captured or (r is not s and r.handed_off):
@@ -528,7 +528,7 @@ class Windows:
                     raise
                 self._fail_own(r, e)
         s.captured = True
-        s.metrics.add_stall("capture", time.perf_counter() - t0)
+        s.metrics.add_stall("capture", perf_counter() - t0)
 
     def _unchanged_static(self, s: SaveRecord, pairs: list) -> tuple[list, list]:
         """``pairs`` (static tensor, view) less those the slot still holds unchanged, and what

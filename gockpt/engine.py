@@ -30,9 +30,9 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 from torch import nn
@@ -194,7 +194,7 @@ class Engine:
         self._pipeline.raise_errors()
         self._windows.boundary(self.version)
         path = path.rstrip("/") or path
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
         setup = False
         if parent not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
@@ -222,7 +222,7 @@ class Engine:
         exact = exact_step or max_overlap_steps == 1
         if self._planner.may_replay(layout, mode, exact, self.version):
             setup |= self._backends.select_all()  # the first time: the replay self-check
-        t_setup = time.perf_counter()
+        t_setup = perf_counter()
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s,
                                   window_overhead_s=self._windows.window_overhead_s,
@@ -309,12 +309,12 @@ class Engine:
         Raises:
             The first background error; TimeoutError after ``timeout_s`` seconds.
         """
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self._flush_windows()
         out = []
         deadline = None if timeout_s is None else t0 + timeout_s
         for s in list(self._all):
-            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            left = None if deadline is None else max(0.0, deadline - perf_counter())
             try:
                 out.append(s.handle.result(left))
             except BaseException:  # noqa: BLE001 - failures are raised once, below
@@ -418,7 +418,7 @@ class Engine:
             self._windows.boundary(self.version)
 
     def _on_post_hook(self, opt_index: int) -> None:
-        now = time.perf_counter()
+        now = perf_counter()
         self.version += 1
         self._windows.after_update(opt_index, self.version, now)
 

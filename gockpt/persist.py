@@ -36,11 +36,11 @@ import logging
 import os
 import sys
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -182,7 +182,7 @@ def persist(req: PersistRequest) -> PersistResult:
         Any error raised by ``is_superseded`` or ``on_published``, unchanged. In every error
         case the files of this save are removed and the previous checkpoint is intact.
     """
-    start = time.perf_counter()
+    start = perf_counter()
     captured_step = _check_request(req)
     extra_name = f"state-{uuid.uuid4().hex[:12]}.pt"
     target: StorageTarget
@@ -235,7 +235,7 @@ def persist(req: PersistRequest) -> PersistResult:
     return PersistResult(
         published=published,
         bytes_written=written + (len(manifest_bytes) if published else 0),
-        seconds=time.perf_counter() - start,
+        seconds=perf_counter() - start,
         files=files,
         latest_error=latest_error,
     )

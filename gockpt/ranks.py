@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from time import monotonic
 from typing import Any
 
 import torch
@@ -137,13 +138,13 @@ def wait_for_shares(staging: str, names: Sequence[str], timeout_s: float,
         TimeoutError: some are missing after ``timeout_s`` seconds or once ``stopped()`` is true
             (names them).
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = monotonic() + timeout_s
     missing = list(names)
     while missing:
         missing = [n for n in missing if not os.path.exists(os.path.join(staging, n))]
         if not missing:
             return
-        if stopped() or time.monotonic() > deadline:
+        if stopped() or monotonic() > deadline:
             raise TimeoutError(f"{staging}: other processes did not write {missing} "
                                f"within {timeout_s:.0f} s")
         time.sleep(0.01)

@@ -20,9 +20,9 @@ import json
 import logging
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterator
+from time import monotonic
 from typing import Any
 
 import xxhash
@@ -265,9 +265,9 @@ class ObjectTarget(StorageTarget):
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one write; past ``timeout_s`` the file fails even if the call came back."""
-        t0 = time.monotonic()
+        t0 = monotonic()
         out = fn()
-        if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
+        if self.timeout_s is not None and monotonic() - t0 > self.timeout_s:
             # The caller names the checkpoint and file (storage.storage_error).
             raise TimeoutError(f"one write took over {self.timeout_s:g} s (storage_timeout_s)")
         return out

@@ -20,6 +20,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from time import monotonic, perf_counter
 from typing import Any
 
 import torch
@@ -160,15 +161,15 @@ class CpuCopier:
                         "zero_grad(set_to_none=False) or gradient accumulation in the next step)")
                         if torn else None)
                     continue
-                t0 = time.perf_counter()
+                t0 = perf_counter()
                 n = item[1].numel()
                 with _trace.phase("copy", n):
                     item[1].copy_(item[0])
                 if self._rate is not None:
-                    rest = n / self._rate - (time.perf_counter() - t0)
+                    rest = n / self._rate - (perf_counter() - t0)
                     if rest > 0:
                         time.sleep(rest)
-                now = time.perf_counter()
+                now = perf_counter()
                 self.bytes_copied += n
                 self.busy_s += now - (t0 if since is None else since)
                 since = now
@@ -282,11 +283,11 @@ class Drain:
     def wait_free(self, ranges: Sequence[tuple[int, int]], timeout_s: float | None) -> bool:
         """Block until no pending range overlaps any of ``ranges``; False after ``timeout_s``
         seconds (None: no bound)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else monotonic() + timeout_s
         with self._cv:
             for b, e in ranges:
                 while self._busy(b, e):
-                    left = None if deadline is None else deadline - time.monotonic()
+                    left = None if deadline is None else deadline - monotonic()
                     if left is not None and left <= 0:
                         return False
                     self._cv.wait(left)
@@ -402,7 +403,7 @@ class SlotPool:
         size of each buffer when that stays within ``max_bytes``.
         """
         want = [slot_bytes, *_grad_sizes(grad_bytes)]
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else monotonic() + timeout
         keep: torch.Tensor | None = None  # the data buffer of a dropped slot, if large enough
         keep_held: HeldTensors | None = None  # and what it holds (frozen_copy="when_changed")
         with self._cv:
@@ -435,7 +436,7 @@ class SlotPool:
                     if lent is not None:
                         return lent
                 keep = None  # not counted while waiting: let it go
-                left = None if deadline is None else deadline - time.monotonic()
+                left = None if deadline is None else deadline - monotonic()
                 if not block or (left is not None and left <= 0):
                     return None
                 self._cv.wait(left)

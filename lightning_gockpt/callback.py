@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
-from torch import nn
+from torch import nn, optim
 
 import gockpt
 from gockpt import Engine, SaveHandle, _exit
@@ -165,7 +165,7 @@ class GoCkptCallback(Callback):
             # the saves in flight and the top-k removals behind them are finished at exit.
             self._exit_token = _exit.register(self._close_at_exit)
             self._step_hooks = [opt.register_step_pre_hook(self._step_without_us)
-                                for opt in trainer.optimizers]
+                                for opt in trainer.optimizers if isinstance(opt, optim.Optimizer)]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
@@ -361,12 +361,12 @@ class GoCkptCallback(Callback):
         order, self._user_order = self._user_order, None
         if order is None:
             return
-        cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        ours = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
+        # A new list, not the one Lightning is iterating over to call this very hook.
+        ours = [cb for cb in trainer.callbacks if not isinstance(cb, _BatchEnd)]  # type: ignore[attr-defined]
         if sorted(map(id, ours)) == sorted(map(id, order)):
-            cbs[:] = order
+            trainer.callbacks = order  # type: ignore[attr-defined]
         else:  # callbacks added or removed during the run: keep that, only drop the companion
-            cbs[:] = ours
+            trainer.callbacks = ours  # type: ignore[attr-defined]
 
     def _flush(self) -> None:
         if self.engine is not None:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from time import monotonic, perf_counter
 from typing import Any
 
 import gockpt
@@ -137,12 +137,12 @@ class StagedAdapterEngine:
             RuntimeError: the staging directory could not be made (every rank raises).
             What the writer raises.
         """
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         fs, root = url_to_fs(path, self.config.storage_options)
         if not is_local(fs):
             raise ValueError(f"these checkpoints are written to local paths only, got {path}")
         self._bound_inflight()
-        waited = time.perf_counter() - t0
+        waited = perf_counter() - t0
         target, problem = None, None
         if self.rank == 0:
             try:
@@ -171,7 +171,7 @@ class StagedAdapterEngine:
             if target is not None:
                 target.cleanup(False)
             raise
-        stall = time.perf_counter() - t0
+        stall = perf_counter() - t0
         step = checkpoint.get("global_step", self.version)  # Lightning's optimizer steps
         # "lazy": captured at the request.
         metrics = CheckpointMetrics(path=root, mode="lazy", num_overlap_steps=1, requested_step=step,
@@ -221,7 +221,7 @@ class StagedAdapterEngine:
                 own = e
             # Every rank's outcome before the staging directory goes, even when this rank's
             # failed: a rank still writing into it would leave part of it behind.
-            deadline = time.monotonic() + self.commit_timeout_s
+            deadline = monotonic() + self.commit_timeout_s
             errors: list[BaseException] = []
             for r in range(self.world):
                 if own is not None and r == self.rank:
@@ -243,7 +243,7 @@ class StagedAdapterEngine:
                 fsync_path(d)
             target.publish(b"")
             published = True
-            metrics.time_to_durable_s = time.perf_counter() - t0
+            metrics.time_to_durable_s = perf_counter() - t0
             return metrics
         finally:
             target.cleanup(published)
@@ -328,9 +328,9 @@ def drain_discards() -> None:
 
 def _fill(metrics: CheckpointMetrics, nbytes: int, t0: float) -> None:
     metrics.persist_bytes = nbytes
-    metrics.persist_s = time.perf_counter() - t0 - metrics.stall_s
+    metrics.persist_s = perf_counter() - t0 - metrics.stall_s
     metrics.persist_gbps = nbytes / metrics.persist_s / 1e9 if metrics.persist_s > 0 else 0.0
-    metrics.time_to_durable_s = time.perf_counter() - t0
+    metrics.time_to_durable_s = perf_counter() - t0
 
 
 def _settle(outcome: Future[CheckpointMetrics], written: Future[int], metrics: CheckpointMetrics,

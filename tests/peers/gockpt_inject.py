@@ -6,8 +6,9 @@ What: with ``GOCKPT_INJECT=1`` in the environment,
   no ``CheckpointIO`` gets a fresh ``GoCkptIO()`` appended. Not injected (counted as "kept"):
   a ``CheckpointIO`` already in ``plugins`` (``TorchCheckpointIO``, ``AsyncCheckpointIO``, a
   spec'd mock, ...); a strategy *object* that carries its own ``checkpoint_io`` (Lightning raises
-  if both are given); FSDP/DeepSpeed/ModelParallel/XLA strategies, which GoCkptIO refuses by
-  design. The callback half needs nothing: the installed package adds it to every Trainer
+  if both are given); FSDP/DeepSpeed/ModelParallel strategies (covered by GoCkpt's own tests
+  of them) and XLA ones, named or picked by an XLA/TPU accelerator (they take XLACheckpointIO
+  only). The callback half needs nothing: the installed package adds it to every Trainer
   through the ``lightning.pytorch.callbacks_factory`` entry point (also in stock runs, inert).
 - ``accelerate.Accelerator.prepare`` is wrapped so that, once it returns and the accelerator
   holds at least one prepared model and optimizer, ``GoCkptPlugin().attach(accelerator)`` runs.
@@ -125,7 +126,9 @@ def _patch_lightning() -> None:
         strategy = kwargs.get("strategy")
         keep = (any(isinstance(p, CheckpointIO) for p in listed)
                 or (isinstance(strategy, Strategy) and getattr(strategy, "_checkpoint_io", None) is not None)
-                or _refused(strategy))
+                or _refused(strategy)
+                # An XLA accelerator picks an XLA strategy, which takes XLACheckpointIO only.
+                or _refused(kwargs.get("accelerator")) or kwargs.get("accelerator") == "tpu")
         if keep:
             counts["lightning_kept"] += 1
         else:
