@@ -77,6 +77,13 @@ if [[ $PEER == lightning ]]; then
         tests_pytorch/callbacks/test_model_checkpoint_manual_opt.py
         tests_pytorch/callbacks/test_timer.py
         tests_pytorch/callbacks/test_lr_monitor.py
+        tests_pytorch/callbacks/test_model_checkpoint_additional_cases.py
+        tests_pytorch/callbacks/test_model_checkpoint_edge_cases.py
+        tests_pytorch/callbacks/test_model_checkpoint_step_interval_val_metric.py
+        tests_pytorch/callbacks/test_callbacks.py
+        tests_pytorch/callbacks/test_lambda_function.py
+        tests_pytorch/callbacks/test_throughput_monitor.py
+        tests_pytorch/trainer/connectors/test_callback_connector.py
         tests_pytorch/callbacks/test_finetuning_callback.py
         tests_pytorch/callbacks/test_pruning.py
         tests_pytorch/tuner

@@ -617,13 +617,16 @@ def test_example_demo_kills_resumes_and_continues(tmp_path):
 # ---------------------------------------------------------------------- Ctrl-C
 
 CTRL_C_JOB = """
-import sys, time
+import signal, sys, time
 import faultfs
 from _lightning_train import fit
 from lightning_gockpt import GoCkptIO
 
 root, mode = sys.argv[1], sys.argv[2]
 saves = []
+# A suite started in the background by a shell without job control runs with SIGINT ignored,
+# which this process would inherit: Ctrl-C must reach it as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def announce(op, path):
     # The second checkpoint's first shard tells the parent to press Ctrl-C, then stalls: the
