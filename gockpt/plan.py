@@ -113,8 +113,7 @@ class CopyPlan:
         w, top = self.window_s, max(loads)
 
         def model(oh: float) -> float:
-            hide = max(0.0, w - oh)
-            return self.paid_s + sum(max(0.0, x - hide) for x in loads)
+            return _model_stall(self.paid_s, loads, max(0.0, w - oh))
 
         if stall_s <= model(w - top) + 1e-9:
             return min(w - top, self.window_overhead_s)
@@ -194,8 +193,13 @@ def predict_stall_s(
     """
     bw = max(costs.copy_bytes_per_s, 1.0)
     paid, loads = _window_terms(mode, unit_bytes, grad_bytes, blocks, static_bytes)
-    hide = _hidden_bytes(costs)
-    return (paid + sum(max(0.0, x - hide) for x in loads)) / bw
+    return _model_stall(paid, loads, _hidden_bytes(costs)) / bw
+
+
+def _model_stall(paid: float, loads: list[float], hide: float) -> float:
+    """The stall model in one line: what is paid anyway plus each window's overflow beyond what
+    it hides (any one unit: bytes, or seconds at the copy rate)."""
+    return paid + sum(max(0.0, x - hide) for x in loads)
 
 
 def _hidden_bytes(costs: Costs) -> float:
@@ -427,7 +431,7 @@ def make_plan(
     def costed(m: str, blocks: tuple[tuple[int, ...], ...], stall_s: float | None = None) -> CopyPlan:
         paid, loads = _window_terms(m, unit_bytes, grad_bytes, blocks, static_bytes)
         if stall_s is None:
-            stall_s = predict_stall_s(m, unit_bytes, grad_bytes, blocks, costs, static_bytes=static_bytes)
+            stall_s = _model_stall(paid, loads, _hidden_bytes(costs)) / bw
         return CopyPlan(m, blocks, stall_s, bound, max(costs.window_overhead_s, 0.0), costed=True,
                         window_s=costs.window_s, paid_s=paid / bw,
                         window_loads_s=tuple(x / bw for x in loads))

@@ -325,7 +325,7 @@ class Slot:
         for e in self.grad_busy:
             e.set()  # set = free
         self.refs = 0
-        self.held = held if data is not None and held is not None else HeldTensors()
+        self.held = held if held is not None else HeldTensors()
         # (layout, slot layout, key -> view of ``data``): the last layout's views, reused
         self.views: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
         self.drain: Drain | None = None

@@ -363,7 +363,7 @@ class GoCkptCallback(Callback):
             return
         # A new list, not the one Lightning is iterating over to call this very hook.
         ours = [cb for cb in trainer.callbacks if not isinstance(cb, _BatchEnd)]  # type: ignore[attr-defined]
-        if sorted(map(id, ours)) == sorted(map(id, order)):
+        if {id(cb) for cb in ours} == {id(cb) for cb in order}:
             trainer.callbacks = order  # type: ignore[attr-defined]
         else:  # callbacks added or removed during the run: keep that, only drop the companion
             trainer.callbacks = ours  # type: ignore[attr-defined]

@@ -165,8 +165,9 @@ class GoCkptIO(CheckpointIO):
         to, was cut short) resolves, with a warning, to the newest complete checkpoint in its
         directory (the ``latest`` pointer). A save of ``path`` still in flight in this run is
         finished first (Lightning's tuner restores the checkpoint it just saved). A plain file
-        is loaded with ``torch.load``. A checkpoint whose DDP ranks shared the write is read from all its parts, in any number of
-        processes (:func:`lightning_gockpt.replicated.load`): the same dict as a single writer's.
+        is loaded with ``torch.load``. A checkpoint whose DDP ranks shared the write is read from
+        all its parts, in any number of processes (:func:`lightning_gockpt.replicated.load`):
+        the same dict as a single writer's.
 
         Args:
             path: checkpoint directory (local path or fsspec URL).

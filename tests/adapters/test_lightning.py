@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from _lightning_train import Crash, CrashAfter, assert_bitwise_equal, fit, results
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.loggers import Logger
 
 import gockpt
@@ -673,7 +674,7 @@ def test_ctrl_c_during_a_save_keeps_every_complete_checkpoint(tmp_path, mode):
 # ---------------------------------------------------------------------- Lightning's tuner
 
 
-class _FindLrAtEpochStarts(__import__("lightning.pytorch.callbacks", fromlist=["x"]).LearningRateFinder):
+class _FindLrAtEpochStarts(LearningRateFinder):
     """Lightning's learning-rate finder run mid-fit, at the start of epochs 0 and 1: it saves a
     checkpoint, trains with ``trainer.callbacks`` swapped out, restores it and removes it."""
 
