@@ -105,7 +105,9 @@ class CopyPlan:
         much), else the plan's overhead (a window with room to spare says nothing new; recording
         nothing there instead would keep only the saves that stalled, and drift upward). A stall
         beyond every window's whole copy gives ``window_s`` (windows hide nothing). None: the
-        plan was not costed or copies nothing in its windows.
+        plan was not costed or copies nothing in its windows. Raises nothing. The model inverted
+        is the module's per-window stall model (after GoCkpt §4.2.3), nondecreasing in the
+        overhead, so a bisection finds it.
         """
         loads = [x for x in self.window_loads_s if x > 0]
         if not self.costed or not loads:
