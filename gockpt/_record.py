@@ -154,6 +154,9 @@ class SaveRecord:
     # The leader: its snapshot's state was taken (whether or not its own state_fn worked).
     # A follower: its own state was taken.
     captured: bool = False
+    # Its slot's buffers were newly allocated or its views built for it: its request and copies
+    # pay first-touch costs no later save into the slot pays (_windows.CostSamples).
+    cold: bool = False
 
     def __post_init__(self) -> None:
         if self.share is None:
@@ -210,9 +213,12 @@ def new_record(
     slot.held.keep_only(layout, slot_layout.offsets)
     # The views of one layout into one slot are the same every save: made once, read-only after.
     cached = slot.views
+    cold = slot.fresh
+    slot.fresh = False
     if cached is not None and cached[0] is layout and cached[1] is slot_layout:
         views = cached[2]
     else:
+        cold = True
         views = {e.key: host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
                  for e in layout.entries}
         slot.views = (layout, slot_layout, views)
@@ -224,7 +230,7 @@ def new_record(
     shards, segments = _files(layout, slot_layout, files)
     return SaveRecord(seq, path, handle, plan, layout, slot, views, grad_views, shards,
                       slot_layout.bases, state_fn, target=target, t_request=t_request,
-                      writer=writer, shard_segments=segments, pinned=pinned)
+                      writer=writer, shard_segments=segments, pinned=pinned, cold=cold)
 
 
 def _files(layout: StateLayout, slot_layout: SlotLayout, files: list[TensorFile] | None,

@@ -34,6 +34,36 @@ from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
 
 
+class CostSamples:
+    """The latest ``maxlen`` values of one per-save cost, in seconds, warm saves first.
+
+    A cold save (:attr:`gockpt._record.SaveRecord.cold`: its copies are the first into a newly
+    allocated host buffer, so they also fault its pages in, and its request builds the slot's
+    views) costs more than any later save into the same slot. Its value counts only until a
+    save that is not cold records one; after that, cold values are not recorded.
+    """
+
+    def __init__(self, maxlen: int = 15) -> None:
+        self._values: collections.deque[float] = collections.deque(maxlen=maxlen)
+        self._cold = False  # every value held is a cold save's
+
+    def add(self, value: float, *, cold: bool) -> None:
+        """Record one save's value (seconds)."""
+        if cold and self._values and not self._cold:
+            return
+        if not cold and self._cold:
+            self._values.clear()
+        self._cold = cold
+        self._values.append(value)
+
+    def median(self) -> float | None:
+        """The median of the values held, None while there are none."""
+        return statistics.median(self._values) if self._values else None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class Windows:
     """Copy windows of the saves in flight (GoCkpt §4.2), on the training thread."""
 
@@ -57,10 +87,10 @@ class Windows:
         self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
         # Per-save costs no plan changes (the request's bookkeeping, taking the state tree), in
         # seconds, of the latest saves: added to the plan's predicted stall in the metrics.
-        self.fixed_stalls: collections.deque[float] = collections.deque(maxlen=15)
+        self.fixed_stalls = CostSamples()
         # Per window, the stall of the latest saves' copy windows beyond the plan's window model
         # (seconds; may be negative): what the planner charges each window (Costs).
-        self._window_residuals: collections.deque[float] = collections.deque(maxlen=15)
+        self._window_residuals = CostSamples()
         self._t_update_end: float | None = None
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -236,7 +266,7 @@ class Windows:
             self.saves.remove(s)
         if s is s.share.leader and s.failed is None:
             by = s.metrics.stall_by_phase_s
-            self.fixed_stalls.append(by.get("request", 0.0) + by.get("capture", 0.0))
+            self.fixed_stalls.add(by.get("request", 0.0) + by.get("capture", 0.0), cold=s.cold)
             self._note_window_residual(s)
         self._hand_off(s)
         if s is not s.share.leader:
@@ -254,10 +284,9 @@ class Windows:
         """How much longer than its bytes at the copy rate a window's copy runs, seconds: the
         value each of the latest saves' measured window stall implies
         (:meth:`gockpt.plan.CopyPlan.fit_overhead`), their median, at least 0
-        (:attr:`gockpt.plan.Costs.window_overhead_s`)."""
-        if not self._window_residuals:
-            return 0.0
-        return max(0.0, statistics.median(self._window_residuals))
+        (:attr:`gockpt.plan.Costs.window_overhead_s`); cold saves count only until a warm one
+        (:class:`CostSamples`)."""
+        return max(0.0, self._window_residuals.median() or 0.0)
 
     def _note_window_residual(self, s: SaveRecord) -> None:
         plan, by = s.plan, s.metrics.stall_by_phase_s
@@ -269,7 +298,7 @@ class Windows:
                       if name not in ("request", "capture", "setup", "slot_wait"))
         fitted = plan.fit_overhead(windows)
         if fitted is not None:  # None: nothing copied in the windows
-            self._window_residuals.append(fitted)
+            self._window_residuals.add(fitted, cold=s.cold)
 
     def _hand_off(self, s: SaveRecord) -> None:
         s.phase = Phase.FINALIZED

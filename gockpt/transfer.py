@@ -312,6 +312,7 @@ class Slot:
             (training thread only).
         drain: while a persist reads the slot and it may be lent: what it has yet to read
             (``drain.lent``: a save borrowed it, :meth:`SlotPool.acquire` with ``lend``).
+        fresh: a buffer was allocated and no save has copied into the slot since.
     """
 
     def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
@@ -329,6 +330,9 @@ class Slot:
         # (layout, slot layout, key -> view of ``data``): the last layout's views, reused
         self.views: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
         self.drain: Drain | None = None
+        # No save has copied into it since one of its buffers was allocated (their pages are
+        # faulted in by the first copies): its first save's costs are not the steady state's.
+        self.fresh = True
 
     @property
     def nbytes(self) -> int:
@@ -466,6 +470,7 @@ class SlotPool:
                 if s.grads[t].numel() < n:
                     self._bytes += n - s.grads[t].numel()
                     s.grads[t] = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
+                    s.fresh = True
             self._peak = max(self._peak, self._bytes)
             d.lent = True
             s.refs += 1

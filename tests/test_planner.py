@@ -90,3 +90,49 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     assert by["setup"] > 0.0 and "setup" not in second.stall_by_phase_s
     assert fixed == pytest.approx(by["request"] + by.get("capture", 0.0), abs=1e-12)
     assert torch.equal(model.hidden.weight, live[max(live)]["model"]["hidden.weight"])
+
+
+def test_a_save_into_a_fresh_slot_stops_counting_once_a_warm_one_is_measured(tmp_path, monkeypatch):
+    # The first save faults its new host buffers in and builds the slot's views: its request
+    # costs more than any later one. Its fixed cost stands in only until a save into the warm
+    # slot is measured; from then on the prediction rests on warm saves alone.
+    model, opt, sched, scaler = make("adamw")
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=4,
+                                          host_buffer_bytes=1 << 20, max_shard_bytes=2048))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in (2, 8, 14):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 20, on_step_end=on_step_end)
+    eng.close()
+    first, second, third = (h.result() for h in handles)
+    assert first.num_overlap_steps == second.num_overlap_steps == third.num_overlap_steps > 1
+    fixed = [m.stall_by_phase_s["request"] + m.stall_by_phase_s.get("capture", 0.0)
+             for m in (first, second)]
+    # Before any warm save: the cold one's cost (plans equal, so predictions differ by it).
+    assert second.predicted_stall_s - first.predicted_stall_s == pytest.approx(fixed[0], abs=1e-12)
+    # After one: the warm save's alone, not the median of both.
+    assert third.predicted_stall_s - first.predicted_stall_s == pytest.approx(fixed[1], abs=1e-12)
+    assert fixed[0] != fixed[1]
+
+
+def test_cost_samples_hold_cold_values_only_until_a_warm_one():
+    from gockpt._windows import CostSamples
+
+    s = CostSamples(maxlen=3)
+    assert s.median() is None
+    s.add(9.0, cold=True)
+    s.add(7.0, cold=True)
+    assert s.median() == 8.0  # nothing better known yet
+    s.add(1.0, cold=False)
+    assert s.median() == 1.0 and len(s) == 1
+    s.add(50.0, cold=True)  # a later cold save (a regrown slot): not recorded
+    s.add(3.0, cold=False)
+    s.add(2.0, cold=False)
+    s.add(4.0, cold=False)  # the oldest warm value leaves
+    assert s.median() == 3.0 and len(s) == 3
