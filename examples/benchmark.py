@@ -7,7 +7,10 @@ scheme in turn, each scheme in a fresh process (forked from a parent that has on
 libraries). The schemes are driven from the same plain PyTorch loop: a save is requested right
 after ``optimizer.step()``; Lightning's CheckpointIO plugins get the dict a Trainer would build.
 ``host-snapshot`` is a reference floor, not a product: a memcpy into a preallocated buffer and one
-thread writing it to a single file.
+thread writing it to a single file. ``disk-only`` is the floor below it: another process writes as
+many bytes as the checkpoint holds (O_DIRECT and fsync, as GoCkpt's persist) while the training
+process copies nothing, so its steps show what writing a checkpoint costs training on this
+machine's disk at all.
 
 Measured per scheme (definitions are also printed and written next to the table):
 
@@ -80,12 +83,13 @@ STALL_DEFINITION = (
 )
 # fmt: off
 SCHEMES = (
-    "none", "host-snapshot", "lightning-torch", "lightning-async", "dcp-async", "accelerate",
+    "none", "disk-only", "host-snapshot", "lightning-torch", "lightning-async", "dcp-async", "accelerate",
     "gockpt-sync", "gockpt-async", "gockpt-lazy", "gockpt-gockpt", "gockpt-gockpt_o", "gockpt-auto",
 )
 EMULATED_SCHEMES = ("gockpt-lazy", "gockpt-gockpt", "gockpt-gockpt_o", "gockpt-auto")
 LABELS = {
     "none": "no checkpoint", "host-snapshot": "reference: host snapshot + 1 writer thread",
+    "disk-only": "reference: the same bytes written by another process",
     "lightning-torch": "Lightning TorchCheckpointIO", "lightning-async": "Lightning AsyncCheckpointIO",
     "dcp-async": "DCP async_save", "accelerate": "Accelerate save_state",
 }
@@ -391,6 +395,87 @@ class HostSnapshot(Scheme):
                 f.readinto(memoryview(t.detach().reshape(-1).view(self.torch.uint8).numpy()))
 
 
+# The disk-only reference's writer: another process that, per line ``path nbytes`` on stdin,
+# writes ``nbytes`` from its own page-aligned buffer to ``path`` with O_DIRECT (as GoCkpt's
+# default; buffered where the file system refuses it), fsyncs, and answers a line.
+_DISK_WRITER = r"""
+import mmap, os, sys
+buf = None
+for line in sys.stdin:
+    path, n = line.split()
+    size = -(-int(n) // 4096) * 4096
+    if buf is None or len(buf) < size:
+        buf = mmap.mmap(-1, size)
+        for i in range(0, size, 1 << 20):
+            buf[i:i + (1 << 20)] = bytes([i >> 20 & 255]) * min(1 << 20, size - i)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
+        os.write(fd, memoryview(buf)[:4096])
+        os.lseek(fd, 0, 0)
+    except OSError:
+        fd = os.open(path, flags)
+    view = memoryview(buf)[:size]
+    for i in range(0, size, 64 << 20):
+        os.write(fd, view[i:i + (64 << 20)])
+    os.ftruncate(fd, int(n))
+    os.fsync(fd)
+    os.close(fd)
+    print(path, flush=True)
+"""
+
+
+class DiskOnly(Scheme):
+    """Reference floor, no product: at each save another process writes as many bytes as the
+    checkpoint holds (made up, not the state) to one file, O_DIRECT and fsync, as GoCkpt's
+    persist does. Nothing is copied and the training process only sends it a line: its steps
+    show what writing the checkpoint's bytes to this disk costs training on this machine.
+    Restore reads the file into a scratch buffer."""
+
+    fsync = True
+
+    def __init__(self, model, optimizer, args) -> None:
+        import subprocess
+
+        super().__init__(model, optimizer, args)
+        self.proc = subprocess.Popen([sys.executable, "-c", _DISK_WRITER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.starts: list[float] = []  # per save request, perf_counter seconds
+        self.done = 0  # writes the writer reported complete
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.nbytes = 0
+
+    def _read(self) -> None:
+        for _ in self.proc.stdout:
+            self.durable_s.append(time.perf_counter() - self.starts[self.done])
+            self.done += 1
+
+    def save(self, path: str, step: int) -> None:
+        if not self.nbytes:
+            import torch
+
+            opt = [v for s in self.optimizer.state.values() for v in s.values()]
+            self.nbytes = sum(t.numel() * t.element_size()
+                              for t in [*self.model.state_dict().values(), *opt]
+                              if isinstance(t, torch.Tensor))
+        self.starts.append(time.perf_counter())
+        self.proc.stdin.write(f"{path} {self.nbytes}\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> None:
+        while self.done < len(self.starts):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the disk-only writer exited with {self.proc.returncode}")
+            time.sleep(0.001)
+
+    def restore(self, path: str) -> None:
+        with open(path, "rb", buffering=0) as f:
+            scratch = bytearray(CHUNK_BYTES)
+            while f.readinto(scratch):
+                pass
+
+
 def _scheme_class(name: str) -> type[Scheme]:
     if name.startswith("gockpt-"):
         return GoCkptScheme
@@ -400,6 +485,7 @@ def _scheme_class(name: str) -> type[Scheme]:
         "dcp-async": DcpAsync,
         "accelerate": AccelerateSaveState,
         "host-snapshot": HostSnapshot,
+        "disk-only": DiskOnly,
     }[name]
 
 
@@ -687,6 +773,12 @@ def targets(results: list[dict]) -> list[str]:
           if r.get("io_nice") is None and not r.get("buffered")}
     floor = max(abs(r["stall_per_ckpt_s"]) for r in results if r["scheme"] == "none")
     lines = [f"noise floor (largest |stall| of the 'none' runs): {floor:.3f} s per checkpoint"]
+    disk = by.get(("disk-only", False))
+    if disk and disk["step_split"]["during_n"]:
+        lines.append(
+            f"disk floor (another process writes as many bytes, O_DIRECT + fsync, nothing copied): "
+            f"stall {disk['stall_per_ckpt_s']:.3f} s per checkpoint, step during the write "
+            f"{disk['step_split']['during_vs_free']:.3f} x a step without one")
     reference = by.get(("lightning-async", False))
     floor_scheme = by.get(("host-snapshot", False))
     if reference and floor_scheme:
