@@ -86,8 +86,9 @@ class Windows:
         self.window_s: float | None = None
         self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
         # Per-save costs no plan changes (the request's bookkeeping, taking the state tree), in
-        # seconds, of the latest saves: added to the plan's predicted stall in the metrics.
-        self.fixed_stalls = CostSamples()
+        # seconds, of the latest saves per mode (a multi-step request also lays out gradient
+        # buffers and sizes blocks per window): added to the plan's predicted stall.
+        self._fixed_stalls: dict[str, CostSamples] = {}
         # Per window, the stall of the latest saves' copy windows beyond the plan's window model
         # (seconds; may be negative): what the planner charges each window (Costs).
         self._window_residuals = CostSamples()
@@ -266,7 +267,8 @@ class Windows:
             self.saves.remove(s)
         if s is s.share.leader and s.failed is None:
             by = s.metrics.stall_by_phase_s
-            self.fixed_stalls.add(by.get("request", 0.0) + by.get("capture", 0.0), cold=s.cold)
+            self._fixed_stalls.setdefault(s.plan.mode, CostSamples()).add(
+                by.get("request", 0.0) + by.get("capture", 0.0), cold=s.cold)
             self._note_window_residual(s)
         self._hand_off(s)
         if s is not s.share.leader:
@@ -278,6 +280,16 @@ class Windows:
                 r.failed = RuntimeError(f"{r.path}: its state was not taken with its snapshot's")
                 r.cancel.set()
             self._hand_off(r)
+
+    def fixed_stall_s(self, mode: str) -> float:
+        """The per-save fixed cost of a save in ``mode`` (its request and capture on the training
+        thread), seconds: the median over the latest saves in that mode, else the median of
+        the other modes' medians, 0.0 before any save (cold saves: :class:`CostSamples`)."""
+        own = self._fixed_stalls.get(mode)
+        if own is not None and len(own):
+            return own.median() or 0.0
+        others = [m for x in self._fixed_stalls.values() if (m := x.median()) is not None]
+        return statistics.median(others) if others else 0.0
 
     @property
     def window_overhead_s(self) -> float:

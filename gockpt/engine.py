@@ -227,7 +227,7 @@ class Engine:
                                   window_overhead_s=self._windows.window_overhead_s,
                                   unchanged=self._held_estimate(layout))
         seq = next(self._seq)
-        fixed = self._windows.fixed_stalls.median() or 0.0
+        fixed = self._windows.fixed_stall_s(plan.mode)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version,
                                     predicted_stall_s=plan.predicted_stall_s + fixed,

@@ -136,3 +136,32 @@ def test_cost_samples_hold_cold_values_only_until_a_warm_one():
     s.add(2.0, cold=False)
     s.add(4.0, cold=False)  # the oldest warm value leaves
     assert s.median() == 3.0 and len(s) == 3
+
+
+def test_the_fixed_cost_in_a_prediction_is_that_of_saves_in_the_same_mode(tmp_path, monkeypatch):
+    # A multi-step request does more on the training thread than a lazy one (gradient buffers,
+    # blocks sized per window): `auto` switching between them must not predict one with the
+    # other's cost.
+    model, opt, sched, scaler = make("adamw")
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=4,
+                                          host_buffer_bytes=1 << 20, max_shard_bytes=2048))
+    modes = {2: "lazy", 8: "gockpt_o", 14: "lazy", 20: "gockpt_o"}
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in modes:
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}"), mode=modes[it]))
+
+    train(model, opt, sched, scaler, 26, on_step_end=on_step_end)
+    eng.close()
+    ms = [h.result() for h in handles]
+    assert [m.mode for m in ms] == ["lazy", "gockpt_o", "lazy", "gockpt_o"]
+    assert ms[1].num_overlap_steps == ms[3].num_overlap_steps > 1
+    fixed = [m.stall_by_phase_s["request"] + m.stall_by_phase_s.get("capture", 0.0) for m in ms]
+    # Equal plans per mode, so predictions within a mode differ by the fixed cost alone.
+    assert ms[2].predicted_stall_s - ms[0].predicted_stall_s == pytest.approx(fixed[0], abs=1e-12)
+    assert ms[3].predicted_stall_s - ms[1].predicted_stall_s == pytest.approx(
+        fixed[1] - fixed[0], abs=1e-12)  # the second stood in for gockpt_o with lazy's cost
