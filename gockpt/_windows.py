@@ -60,6 +60,11 @@ class CostSamples:
         """The median of the values held, None while there are none."""
         return statistics.median(self._values) if self._values else None
 
+    @property
+    def cold(self) -> bool:
+        """Whether every value held is a cold save's (False while empty)."""
+        return self._cold and bool(self._values)
+
     def __len__(self) -> int:
         return len(self._values)
 
@@ -284,12 +289,16 @@ class Windows:
     def fixed_stall_s(self, mode: str) -> float:
         """The per-save fixed cost of a save in ``mode`` (its request and capture on the training
         thread), seconds: the median over the latest saves in that mode, else the median of
-        the other modes' medians, 0.0 before any save (cold saves: :class:`CostSamples`)."""
+        the other modes' medians; warm saves' before cold ones' (:class:`CostSamples`: a cold
+        save pays more than a mode's difference); 0.0 before any save."""
         own = self._fixed_stalls.get(mode)
-        if own is not None and len(own):
-            return own.median() or 0.0
-        others = [m for x in self._fixed_stalls.values() if (m := x.median()) is not None]
-        return statistics.median(others) if others else 0.0
+        for cold in (False, True):
+            if own is not None and len(own) and own.cold == cold:
+                return own.median() or 0.0
+            others = [x.median() for x in self._fixed_stalls.values() if len(x) and x.cold == cold]
+            if others:
+                return statistics.median(others)
+        return 0.0
 
     @property
     def window_overhead_s(self) -> float:
