@@ -689,7 +689,7 @@ def label(r: dict) -> str:
     if r.get("buffered"):
         text += " [buffered writes]"
     if r["emulated"]:
-        text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2f} GB/s]"
+        text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2g} GB/s]"
     if r.get("workload", "fp32") != "fp32":
         text += f" [{r['workload']}]"
     if r.get("when_changed"):
