@@ -35,45 +35,71 @@ import time
 
 CHUNK = 4 << 20
 
-_WRITER = r"""
-import mmap, os, sys
-n, chunk, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-buf = mmap.mmap(-1, n)
-buf.write(b"\x5a" * n)
-flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-while True:
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of made-up data, page-aligned (as ``O_DIRECT`` needs), every page touched."""
+    buf = mmap.mmap(-1, nbytes)
+    for i in range(0, nbytes, 1 << 20):
+        n = min(1 << 20, nbytes - i)
+        buf[i:i + n] = bytes([(i >> 20) & 255]) * n
+    return buf
+
+
+def write_file(path: str, view: memoryview, stop: threading.Event | None = None) -> None:
+    """Write ``view`` (a multiple of 4096 bytes) to ``path`` in ``CHUNK`` writes, with
+    ``O_DIRECT`` where the file system takes it (else through the page cache, as on tmpfs),
+    then fsync; stops early once ``stop`` is set."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
         fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-        os.write(fd, memoryview(buf)[:4096])
+        os.write(fd, view[:4096])  # some file systems refuse O_DIRECT only at the first write
         os.lseek(fd, 0, 0)
-    except OSError:  # a file system without O_DIRECT (tmpfs): through the page cache
+    except OSError:
         fd = os.open(path, flags)
-    view = memoryview(buf)
-    for i in range(0, n, chunk):
-        os.write(fd, view[i:i + chunk])
-    os.fsync(fd)
-    os.close(fd)
-"""
-
-
-def _thread_writer(nbytes: int, path: str, stop: threading.Event) -> None:
-    buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
-    buf.write(b"\x5a" * nbytes)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    while not stop.is_set():
-        try:
-            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-            os.write(fd, memoryview(buf)[:4096])
-            os.lseek(fd, 0, 0)
-        except OSError:
-            fd = os.open(path, flags)
-        view = memoryview(buf)
-        for i in range(0, nbytes, CHUNK):
-            if stop.is_set():
+    try:
+        for i in range(0, len(view), CHUNK):
+            if stop is not None and stop.is_set():
                 break
             os.write(fd, view[i:i + CHUNK])
         os.fsync(fd)
+    finally:
         os.close(fd)
+
+
+def serve_writes() -> None:
+    """The writer process: per line ``path nbytes`` on stdin (nbytes a multiple of 4096), write
+    that many made-up bytes to ``path`` (:func:`write_file`) and answer the path on stdout."""
+    buf = None
+    for line in sys.stdin:
+        path, n = line.split()
+        if buf is None or len(buf) < int(n):
+            buf = aligned_buffer(int(n))
+        write_file(path, memoryview(buf)[:int(n)])
+        print(path, flush=True)
+
+
+def start_writer_process() -> subprocess.Popen:
+    """Another Python process running :func:`serve_writes` (text pipes)."""
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-writes"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _feed(proc: subprocess.Popen, path: str, nbytes: int, stop: threading.Event) -> None:
+    """Keep the writer process writing until ``stop`` (then it is killed: the pipe breaks)."""
+    try:
+        while not stop.is_set():
+            proc.stdin.write(f"{path} {nbytes}\n")
+            proc.stdin.flush()
+            if not proc.stdout.readline():
+                return
+    except (BrokenPipeError, ValueError):
+        return
+
+
+def _thread_writer(nbytes: int, path: str, stop: threading.Event) -> None:
+    view = memoryview(aligned_buffer(nbytes))
+    while not stop.is_set():
+        write_file(path, view, stop)
 
 
 def main() -> None:
@@ -84,7 +110,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=["lazy"], help="GoCkpt modes to add as conditions")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under .)")
     parser.add_argument("--nice", type=int, default=None, help="niceness of this process (root for < 0)")
+    parser.add_argument("--serve-writes", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_writes:
+        serve_writes()
+        return
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
@@ -113,9 +143,11 @@ def main() -> None:
     target = os.path.join(root, "bytes")
 
     def measure(kind: str) -> float:
-        stop, helper, engine, handles = threading.Event(), None, None, []
+        stop, helper, proc, engine, handles = threading.Event(), None, None, None, []
         if kind == "process writer":
-            helper = subprocess.Popen([sys.executable, "-c", _WRITER, str(nbytes), str(CHUNK), target])
+            proc = start_writer_process()
+            helper = threading.Thread(target=_feed, args=(proc, target, nbytes, stop))
+            helper.start()
         elif kind == "thread writer":
             helper = threading.Thread(target=_thread_writer, args=(nbytes, target, stop))
             helper.start()
@@ -131,11 +163,11 @@ def main() -> None:
                 if not handles or handles[-1].done():
                     handles.append(engine.save(os.path.join(root, f"ckpt-{len(handles)}")))
             times.append(time.perf_counter() - t)
-        if isinstance(helper, subprocess.Popen):
-            helper.kill()
-            helper.wait()
-        elif helper is not None:
-            stop.set()
+        stop.set()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        if helper is not None:
             helper.join()
         if engine is not None:
             engine.close()

@@ -395,36 +395,6 @@ class HostSnapshot(Scheme):
                 f.readinto(memoryview(t.detach().reshape(-1).view(self.torch.uint8).numpy()))
 
 
-# The disk-only reference's writer: another process that, per line ``path nbytes`` on stdin,
-# writes ``nbytes`` from its own page-aligned buffer to ``path`` with O_DIRECT (as GoCkpt's
-# default; buffered where the file system refuses it), fsyncs, and answers a line.
-_DISK_WRITER = r"""
-import mmap, os, sys
-buf = None
-for line in sys.stdin:
-    path, n = line.split()
-    size = -(-int(n) // 4096) * 4096
-    if buf is None or len(buf) < size:
-        buf = mmap.mmap(-1, size)
-        for i in range(0, size, 1 << 20):
-            buf[i:i + (1 << 20)] = bytes([i >> 20 & 255]) * min(1 << 20, size - i)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:
-        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-        os.write(fd, memoryview(buf)[:4096])
-        os.lseek(fd, 0, 0)
-    except OSError:
-        fd = os.open(path, flags)
-    view = memoryview(buf)[:size]
-    for i in range(0, size, 64 << 20):
-        os.write(fd, view[i:i + (64 << 20)])
-    os.ftruncate(fd, int(n))
-    os.fsync(fd)
-    os.close(fd)
-    print(path, flush=True)
-"""
-
-
 class DiskOnly(Scheme):
     """Reference floor, no product: at each save another process writes as many bytes as the
     checkpoint holds (made up, not the state) to one file, O_DIRECT and fsync, as GoCkpt's
@@ -435,11 +405,10 @@ class DiskOnly(Scheme):
     fsync = True
 
     def __init__(self, model, optimizer, args) -> None:
-        import subprocess
+        import bench_interference
 
         super().__init__(model, optimizer, args)
-        self.proc = subprocess.Popen([sys.executable, "-c", _DISK_WRITER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = bench_interference.start_writer_process()  # O_DIRECT + fsync per request
         self.starts: list[float] = []  # per save request, perf_counter seconds
         self.done = 0  # writes the writer reported complete
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -456,9 +425,9 @@ class DiskOnly(Scheme):
             import torch
 
             opt = [v for s in self.optimizer.state.values() for v in s.values()]
-            self.nbytes = sum(t.numel() * t.element_size()
-                              for t in [*self.model.state_dict().values(), *opt]
-                              if isinstance(t, torch.Tensor))
+            nbytes = sum(t.numel() * t.element_size() for t in [*self.model.state_dict().values(), *opt]
+                         if isinstance(t, torch.Tensor))
+            self.nbytes = -(-nbytes // 4096) * 4096  # O_DIRECT writes whole pages
         self.starts.append(time.perf_counter())
         self.proc.stdin.write(f"{path} {self.nbytes}\n")
         self.proc.stdin.flush()

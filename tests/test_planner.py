@@ -92,10 +92,11 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     assert torch.equal(model.hidden.weight, live[max(live)]["model"]["hidden.weight"])
 
 
-def test_a_save_into_a_fresh_slot_stops_counting_once_a_warm_one_is_measured(tmp_path, monkeypatch):
-    # The first save faults its new host buffers in and builds the slot's views: its request
-    # costs more than any later one. Its fixed cost stands in only until a save into the warm
-    # slot is measured; from then on the prediction rests on warm saves alone.
+def _saves_with_equal_plans(tmp_path, monkeypatch, modes: dict[int, str]) -> list:
+    """Metrics of saves at the given steps in the given modes, with the planner's costs fixed
+    (so saves in one mode get equal plans: their predictions differ by the fixed cost alone),
+    each durable before the next request (past its K <= 4 windows), so that it gets the
+    same host slot back."""
     model, opt, sched, scaler = make("adamw")
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
@@ -105,22 +106,53 @@ def test_a_save_into_a_fresh_slot_stops_counting_once_a_warm_one_is_measured(tmp
 
     def on_step_end(it: int) -> None:
         eng.step_end()
-        if it in (7, 13):  # durable before the next request: it gets the same slot back
+        if it - 5 in modes:
             handles[-1].result()
-        if it in (2, 8, 14):
-            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+        if it in modes:
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}"), mode=modes[it]))
 
-    train(model, opt, sched, scaler, 20, on_step_end=on_step_end)
+    train(model, opt, sched, scaler, max(modes) + 6, on_step_end=on_step_end)
     eng.close()
-    first, second, third = (h.result() for h in handles)
+    ms = [h.result() for h in handles]
+    assert [m.mode for m in ms] == list(modes.values())
+    return ms
+
+
+def _fixed(m) -> float:
+    return m.stall_by_phase_s["request"] + m.stall_by_phase_s.get("capture", 0.0)
+
+
+def test_a_save_into_a_fresh_slot_stops_counting_once_a_warm_one_is_measured(tmp_path, monkeypatch):
+    # The first save faults its new host buffers in and builds the slot's views: its request
+    # costs more than any later one. Its fixed cost stands in only until a save into the warm
+    # slot is measured; from then on the prediction rests on warm saves alone.
+    first, second, third = _saves_with_equal_plans(tmp_path, monkeypatch,
+                                                   {2: "gockpt_o", 8: "gockpt_o", 14: "gockpt_o"})
     assert first.num_overlap_steps == second.num_overlap_steps == third.num_overlap_steps > 1
-    fixed = [m.stall_by_phase_s["request"] + m.stall_by_phase_s.get("capture", 0.0)
-             for m in (first, second)]
-    # Before any warm save: the cold one's cost (plans equal, so predictions differ by it).
+    fixed = [_fixed(first), _fixed(second)]
+    # Before any warm save: the cold one's cost (the first save predicted none).
     assert second.predicted_stall_s - first.predicted_stall_s == pytest.approx(fixed[0], abs=1e-12)
     # After one: the warm save's alone, not the median of both.
     assert third.predicted_stall_s - first.predicted_stall_s == pytest.approx(fixed[1], abs=1e-12)
     assert fixed[0] != fixed[1]
+
+
+def test_the_fixed_cost_in_a_prediction_is_that_of_saves_in_the_same_mode(tmp_path, monkeypatch):
+    # A multi-step request does more on the training thread than a lazy one (gradient buffers,
+    # blocks sized per window): `auto` switching between them must not predict one with the
+    # other's cost. The first save into a fresh slot (each mode's first here) stands in only
+    # while nothing warm is known.
+    modes = {2: "lazy", 8: "gockpt_o", 14: "lazy", 20: "gockpt_o", 26: "lazy", 32: "gockpt_o"}
+    ms = _saves_with_equal_plans(tmp_path, monkeypatch, modes)
+    assert len({m.num_overlap_steps for m in ms[1::2]}) == 1 and ms[1].num_overlap_steps > 1
+    f = [_fixed(m) for m in ms]
+    lazy = [m.predicted_stall_s - ms[0].predicted_stall_s for m in ms[0::2]]
+    over = [m.predicted_stall_s - ms[1].predicted_stall_s + f[0] for m in ms[1::2]]
+    assert over[0] == lazy[1] == pytest.approx(f[0], abs=1e-12)  # only the cold first save known
+    assert over[1] == pytest.approx(f[2], abs=1e-12)  # a warm lazy save beats a cold gockpt_o one
+    assert lazy[2] == pytest.approx(f[2], abs=1e-12)  # lazy's own
+    assert over[2] == pytest.approx(f[3], abs=1e-12)  # gockpt_o's own, not lazy's
+    assert f[3] != f[2]
 
 
 def test_cost_samples_hold_cold_values_only_until_a_warm_one():
