@@ -1,7 +1,9 @@
-"""examples/bench_scale.py runs end to end at a tiny size and prints one row per scheme."""
+"""The example benchmarks (bench_scale.py, bench_interference.py, benchmark.py) run end to end at a tiny
+size and report every scheme they were asked for."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +35,21 @@ def test_bench_interference_measures_every_condition_and_leaves_nothing(tmp_path
     assert [float(x) for x in rows["none"]] == [1.0, 1.0, 1.0]
     assert all(float(x) > 0 for r in rows.values() for x in r)
     assert list(tmp_path.iterdir()) == []  # the writes and checkpoints are removed
+
+
+def test_benchmark_quick_run_reports_the_disk_floor_beside_gockpt(tmp_path):
+    # The whole pipeline at a tiny size: per-scheme processes, the disk-only reference (another
+    # process writing as many bytes), GoCkpt, the report and its targets.
+    script = _SCRIPT.parent / "benchmark.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--schemes", "none,disk-only,gockpt-lazy",
+                    "--no-repeat", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    rows = {r["scheme"]: r for r in report["results"] if not r["emulated"]}
+    assert set(rows) == {"none", "disk-only", "gockpt-lazy"}
+    disk = rows["disk-only"]
+    # Every checkpoint's write was reported complete, fsynced, and read back at the restore.
+    assert len(disk["durable_s"]) == len(disk["ckpt_steps"]) > 0 and disk["fsync"] is True
+    assert disk["bytes_on_disk"] >= disk["state_bytes"] and disk["restore_s"] > 0
+    assert any(line.startswith("disk floor") for line in report["targets"])
+    assert "reference: the same bytes written by another process" in (tmp_path / "benchmark.md").read_text()
