@@ -118,7 +118,7 @@ def main() -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
-    from workload import PRESETS, build_training, make_dataloader, text_datasets
+    from workload import PRESETS, build_training, make_dataloader, state_nbytes, text_datasets
 
     import gockpt
 
@@ -137,8 +137,7 @@ def main() -> None:
     data = batches()
     for _ in range(3):
         train_step(model, opt, next(data))
-    state = [*model.state_dict().values(), *(t for s in opt.state.values() for t in s.values())]
-    nbytes = -(-sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor)) // 4096) * 4096
+    nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
     root = tempfile.mkdtemp(prefix=".bench-interference-", dir=args.dir or ".")
     target = os.path.join(root, "bytes")
 

@@ -411,32 +411,35 @@ class DiskOnly(Scheme):
         self.proc = bench_interference.start_writer_process()  # O_DIRECT + fsync per request
         self.starts: list[float] = []  # per save request, perf_counter seconds
         self.done = 0  # writes the writer reported complete
+        self.cv = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.nbytes = 0
 
     def _read(self) -> None:
         for _ in self.proc.stdout:
-            self.durable_s.append(time.perf_counter() - self.starts[self.done])
-            self.done += 1
+            with self.cv:
+                self.durable_s.append(time.perf_counter() - self.starts[self.done])
+                self.done += 1
+                self.cv.notify_all()
+        with self.cv:  # the writer exited: wake finish()
+            self.cv.notify_all()
 
     def save(self, path: str, step: int) -> None:
         if not self.nbytes:
-            import torch
+            from workload import state_nbytes
 
-            opt = [v for s in self.optimizer.state.values() for v in s.values()]
-            nbytes = sum(t.numel() * t.element_size() for t in [*self.model.state_dict().values(), *opt]
-                         if isinstance(t, torch.Tensor))
-            self.nbytes = -(-nbytes // 4096) * 4096  # O_DIRECT writes whole pages
-        self.starts.append(time.perf_counter())
+            self.nbytes = -(-state_nbytes(self.model, self.optimizer) // 4096) * 4096  # whole pages
+        with self.cv:
+            self.starts.append(time.perf_counter())
         self.proc.stdin.write(f"{path} {self.nbytes}\n")
         self.proc.stdin.flush()
 
     def finish(self) -> None:
-        while self.done < len(self.starts):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the disk-only writer exited with {self.proc.returncode}")
-            time.sleep(0.001)
+        with self.cv:
+            self.cv.wait_for(lambda: self.done == len(self.starts) or not self.reader.is_alive())
+            if self.done < len(self.starts):
+                raise RuntimeError(f"the disk-only writer exited with {self.proc.wait()}")
 
     def restore(self, path: str) -> None:
         with open(path, "rb", buffering=0) as f:
@@ -489,7 +492,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
 
     import bench_timeline
     import torch
-    from workload import PRESETS, build_training, make_dataloader, text_datasets
+    from workload import PRESETS, build_training, make_dataloader, state_nbytes, text_datasets
 
     from gockpt import _trace
 
@@ -558,20 +561,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
     events = _trace.stop()
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     clean += [step() for _ in range(args.clean_steps)]
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    in_model = {t.data_ptr() for t in model.state_dict().values()}
-    state_bytes += sum(  # optimizer parameters outside the model (bf16-master's fp32 masters)
-        p.numel() * p.element_size()
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if p.data_ptr() not in in_model
-    )
-    state_bytes += sum(
-        t.numel() * t.element_size()
-        for s in optimizer.state_dict()["state"].values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
+    state_bytes = state_nbytes(model, optimizer)
 
     durable_at = [r + d for r, d in zip(requests, scheme.durable_s, strict=False)] if scheme else []
     free = _free_steps(times, measured_starts, ckpt_steps if scheme else [], durable_at)

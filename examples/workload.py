@@ -298,6 +298,19 @@ def _autocast_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return loss
 
 
+def state_nbytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the training state a checkpoint holds: the model's ``state_dict``, optimizer
+    parameters outside the model (``bf16-master``'s fp32 masters) and the optimizer's state
+    tensors (after the first step; 0 of them before)."""
+    model_state = model.state_dict().values()
+    in_model = {t.data_ptr() for t in model_state}
+    tensors = [*model_state]
+    tensors += [p for g in optimizer.param_groups for p in g["params"] if p.data_ptr() not in in_model]
+    tensors += [t for st in optimizer.state_dict()["state"].values() for t in st.values()
+                if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def build_training(
     workload: str = "fp32", preset: str = "small", *, seed: int = 0
 ) -> tuple[nn.Module, torch.optim.Optimizer, TrainStep]:

@@ -63,7 +63,7 @@ class CostSamples:
     @property
     def cold(self) -> bool:
         """Whether every value held is a cold save's (False while empty)."""
-        return self._cold and bool(self._values)
+        return self._cold
 
     def __len__(self) -> int:
         return len(self._values)
