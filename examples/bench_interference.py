@@ -48,7 +48,11 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 def write_file(path: str, view: memoryview, stop: threading.Event | None = None) -> None:
     """Write ``view`` (a multiple of 4096 bytes) to ``path`` in ``CHUNK`` writes, with
     ``O_DIRECT`` where the file system takes it (else through the page cache, as on tmpfs),
-    then fsync; stops early once ``stop`` is set."""
+    then fsync; stops early once ``stop`` is set.
+
+    Raises:
+        OSError: the file could not be opened, written or fsynced (a full disk: ENOSPC).
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
         fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
@@ -68,7 +72,8 @@ def write_file(path: str, view: memoryview, stop: threading.Event | None = None)
 
 def serve_writes() -> None:
     """The writer process: per line ``path nbytes`` on stdin (nbytes a multiple of 4096), write
-    that many made-up bytes to ``path`` (:func:`write_file`) and answer the path on stdout."""
+    that many made-up bytes to ``path`` (:func:`write_file`) and answer the path on stdout; ends
+    when stdin closes. An ``OSError`` of a write ends the process (the caller sees it exit)."""
     buf = None
     for line in sys.stdin:
         path, n = line.split()
