@@ -20,6 +20,7 @@ the local tensor's) and where the shard lies in the global tensor (:class:`Shard
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -188,9 +189,10 @@ class StateLayout:
             stores (:mod:`gockpt.partition`); None when the layout is everything this rank holds.
     """
 
-    @property
+    @cached_property
     def sharded(self) -> bool:
-        """Whether some entry is the local shard of a ``DTensor``."""
+        """Whether some entry is the local shard of a ``DTensor`` (a layout is not changed once
+        built: computed once, it is read at every request and capture)."""
         return any(e.shard is not None for e in self.entries)
 
     units: list[Unit]

@@ -33,8 +33,9 @@ and reports a lower bound no plan can beat (:func:`stall_lower_bound_s`).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 MULTI_STEP_MODES = ("gockpt", "gockpt_o")
 
@@ -261,31 +262,36 @@ def stall_lower_bound_s(
     bw = max(costs.copy_bytes_per_s, 1.0)
     cap = _hidden_bytes(costs)
     total = float(sum(unit_bytes))
-    lines = _support_lines(unit_bytes, grad_bytes)
+    r, c = _support_lines(unit_bytes, grad_bytes)
+    q = 1.0 - r
+    safe_r = np.where(r > 0, r, 1.0)
     best = total  # every bound is at most the total, in one window
     for k in range(1, max_overlap_steps + 1):
-        bound_k = 0.0
-        for r, c in lines:
-            first = (1.0 - r) ** (k - 1)  # l_0
-            big_l = (1.0 - first * (1.0 - r)) / r if r > 0 else float(k)
-            bound_k = max(bound_k, total + c * (big_l - first) - cap * big_l)
+        first = np.power(q, k - 1)  # l_0
+        big_l = np.where(r > 0, (1.0 - first * q) / safe_r, float(k))
+        bound_k = float(np.max(total + c * (big_l - first) - cap * big_l))
         best = min(best, max(0.0, bound_k))
     return (best + static_bytes) / bw
 
 
-def _support_lines(unit_bytes: list[int], grad_bytes: list[int]) -> list[tuple[float, float]]:
-    """Lines ``r*x + c`` (0 <= r <= 1) below the least gradient bytes any prefix of ``x`` state
-    bytes carries: the convex piecewise-linear curve of the units sorted by gradient/state ratio
-    (units of no state are left out: placed last, they carry nothing)."""
-    pieces = sorted((g / s, s) for s, g in zip(unit_bytes, grad_bytes, strict=True) if s > 0)
-    lines = [(0.0, 0.0)]  # G(x) >= 0
-    x, y, left = 0.0, 0.0, 0.0
-    for ratio, s in pieces:
-        r = min(ratio, 1.0)
-        if r >= left:  # a subgradient at (x, y): the line supports the curve
-            lines.append((r, y - r * x))
-        x, y, left = x + s, y + ratio * s, ratio
-    return lines
+def _support_lines(unit_bytes: list[int], grad_bytes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Lines ``r*x + c`` (0 <= r <= 1), as arrays ``(r, c)``, below the least gradient bytes any
+    prefix of ``x`` state bytes carries: the convex piecewise-linear curve of the units sorted by
+    gradient/state ratio (units of no state are left out: placed last, they carry nothing)."""
+    s = np.asarray(unit_bytes, dtype=np.int64)
+    g = np.asarray(grad_bytes, dtype=np.int64)
+    keep = s > 0
+    s, g = s[keep].astype(np.float64), g[keep].astype(np.float64)
+    ratio = g / s
+    order = np.lexsort((s, ratio))  # by ratio, then by state bytes
+    ratio, s = ratio[order], s[order]
+    x = np.concatenate(([0.0], np.cumsum(s)[:-1]))  # state bytes before each piece
+    y = np.concatenate(([0.0], np.cumsum(ratio * s)[:-1]))  # their gradient bytes
+    left = np.concatenate(([0.0], ratio[:-1]))
+    r = np.minimum(ratio, 1.0)
+    sup = r >= left  # a subgradient at (x, y): the line supports the curve
+    return (np.concatenate(([0.0], r[sup])),  # G(x) >= 0 first
+            np.concatenate(([0.0], y[sup] - r[sup] * x[sup])))
 
 
 def _window_dp(unit_bytes: list[int], grad_bytes: list[int], cap: float, k_max: int,
@@ -296,79 +302,121 @@ def _window_dp(unit_bytes: list[int], grad_bytes: list[int], cap: float, k_max: 
     Window ``[a, b)`` costs ``P[a] + max(0, S[b] - C - H[a])`` (prefix sums S of state, G of
     gradients; ``overlap``: P = 0, H = S - G; else P = G, H = S). Where H is nondecreasing (a
     unit's gradient never exceeds its state, as the engine's never do) the least cost over the
-    start ``a`` splits at the first ``a*`` with ``H[a*] >= S[b] - C``: a running minimum of
-    ``f(a) - H[a]`` before it and a sliding-window minimum of ``f(a) + P[a]`` after it, both
-    moving right with ``b``, so each K costs O(n); otherwise O(n^2). The last window ``[a, n)``
-    costs ``G[a] + max(0, S[n] - S[a] - C)`` unless ``overlap_last`` (its gradients hidden too).
+    start ``a`` splits at the first ``a*`` with ``H[a*] >= S[b] - C``: a prefix minimum of
+    ``f(a) - H[a]`` before it and a range minimum of ``f(a) + P[a]`` over ``[a*, b)`` after it,
+    each taken for every ``b`` at once (numpy; a sparse table for the range minimum), so each K
+    costs O(n log n) in a few dozen array operations rather than a Python loop per unit (this
+    runs on the training thread at every request); otherwise O(n^2) per K. The last window
+    ``[a, n)`` costs ``G[a] + max(0, S[n] - S[a] - C)`` unless ``overlap_last`` (its gradients
+    hidden too). Ties go to the earliest last window and, inside, as the prefix minimum (earliest
+    start) before the range minimum (latest start).
     """
     n = len(unit_bytes)
-    s_pre, g_pre = [0] * (n + 1), [0] * (n + 1)
-    for i in range(n):
-        s_pre[i + 1] = s_pre[i] + unit_bytes[i]
-        g_pre[i + 1] = g_pre[i] + grad_bytes[i]
+    s_pre = np.zeros(n + 1, dtype=np.int64)
+    g_pre = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.asarray(unit_bytes, dtype=np.int64), out=s_pre[1:])
+    np.cumsum(np.asarray(grad_bytes, dtype=np.int64), out=g_pre[1:])
     if overlap:
-        pay, h = [0] * (n + 1), [s - g for s, g in zip(s_pre, g_pre, strict=True)]
+        pay, h = np.zeros(n + 1, dtype=np.int64), s_pre - g_pre
     else:
         pay, h = g_pre, s_pre
-    monotone = all(h[i] <= h[i + 1] for i in range(n))
+    monotone = bool(np.all(h[:-1] <= h[1:]))
     inf = float("inf")
-    f = [0.0] + [inf] * n  # f[b]: least cost of units [0, b) in j windows (j = 0 here)
-    choice: list[list[int]] = []
+    idx = np.arange(n + 1)
+    b_all = idx[1:]
+    t = s_pre[1:] - cap  # t[b - 1]: what a window ending at b copies beyond C, less H[a]
+    # The last window [a, n), for every a < n.
+    if overlap and overlap_last:
+        last_pay, last_over = 0, np.maximum(0.0, s_pre[n] - h[:n] - cap)
+    else:
+        last_pay, last_over = g_pre[:n], np.maximum(0.0, s_pre[n] - s_pre[:n] - cap)
+    if monotone:
+        star = np.minimum(np.searchsorted(h, t, side="left"), b_all)
+        some = star <= b_all - 1  # windows ending at b that some start in [a*, b) hides
+        hidden_b = b_all[some]
+        range_min = _RangeMin(n, star[some], hidden_b - 1)
+    f = np.full(n + 1, inf)
+    f[0] = 0.0  # f[b]: least cost of units [0, b) in j windows (j = 0 here)
+    choice: list[np.ndarray] = []
     results: list[tuple[float, tuple[tuple[int, ...], ...]] | None] = []
     for j in range(k_max):
         # Exactly j + 1 windows: the least f[a] (j windows over [0, a)) plus the last window.
-        last, last_a = inf, -1
-        for a in range(n):
-            if overlap and overlap_last:
-                v = f[a] + max(0.0, s_pre[n] - h[a] - cap)
-            else:
-                v = f[a] + g_pre[a] + max(0.0, s_pre[n] - s_pre[a] - cap)
-            if v < last:
-                last, last_a = v, a
-        if last == inf:
+        v = (f[:n] + last_pay) + last_over
+        last_a = int(np.argmin(v)) if n else -1
+        if n == 0 or v[last_a] == inf:
             results.append(None)
         else:
             cuts, b = [tuple(range(last_a, n))], last_a
             for arg_j in reversed(choice):
-                a = arg_j[b]
+                a = int(arg_j[b])
                 cuts.append(tuple(range(a, b)))
                 b = a
-            results.append((max(0.0, last), tuple(reversed(cuts))))
+            results.append((max(0.0, float(v[last_a])), tuple(reversed(cuts))))
         if j == k_max - 1:
             break
-        fp = [f[a] + pay[a] for a in range(n + 1)]
-        g_new, arg = [inf] * (n + 1), [-1] * (n + 1)
-        if monotone:
-            pm, pm_arg = [inf] * (n + 2), [-1] * (n + 2)  # pm[m]: min over a < m of fp - h
-            for a in range(n + 1):
-                v = fp[a] - h[a]
-                pm[a + 1], pm_arg[a + 1] = (v, a) if v < pm[a] else (pm[a], pm_arg[a])
-            star = 0  # a*: the first start whose window hides nothing more
-            window: deque[int] = deque()  # starts in [a*, b), by increasing fp
-            for b in range(1, n + 1):
-                t = s_pre[b] - cap
-                while star <= n and h[star] < t:
-                    star += 1
-                a = b - 1
-                while window and fp[window[-1]] >= fp[a]:
-                    window.pop()
-                window.append(a)
-                while window and window[0] < star:
-                    window.popleft()
-                m = min(star, b)
-                if pm[m] + t < g_new[b]:
-                    g_new[b], arg[b] = pm[m] + t, pm_arg[m]
-                if window and fp[window[0]] < g_new[b]:
-                    g_new[b], arg[b] = fp[window[0]], window[0]
+        fp = f + pay
+        g_new, arg = np.full(n + 1, inf), np.full(n + 1, -1, dtype=np.int64)
+        if n == 0:
+            pass
+        elif monotone:
+            # Starts a < a*: the window copies beyond C, cost fp[a] - H[a] + t (prefix minimum).
+            vals = fp - h
+            pm = np.empty(n + 2)
+            pm[0] = inf
+            np.minimum.accumulate(vals, out=pm[1:])
+            new = vals < pm[:-1]  # a strictly lower prefix minimum starts at a
+            pm_arg = np.empty(n + 2, dtype=np.int64)
+            pm_arg[0] = -1
+            pm_arg[1:] = np.maximum.accumulate(np.where(new, idx, -1))
+            cand = pm[star] + t
+            g_new[1:] = np.where(cand < inf, cand, inf)
+            arg[1:] = np.where(cand < inf, pm_arg[star], -1)
+            # Starts in [a*, b): the window hides its copy, cost fp[a] (range minimum).
+            if len(hidden_b):
+                rv, ri = range_min(fp[:n])
+                better = rv < g_new[hidden_b]
+                g_new[hidden_b[better]] = rv[better]
+                arg[hidden_b[better]] = ri[better]
         else:
             for b in range(1, n + 1):
-                for a in range(b):
-                    v = fp[a] + max(0.0, s_pre[b] - cap - h[a])
-                    if v < g_new[b]:
-                        g_new[b], arg[b] = v, a
+                v_b = fp[:b] + np.maximum(0.0, s_pre[b] - cap - h[:b])
+                a = int(np.argmin(v_b))
+                if v_b[a] < inf:
+                    g_new[b], arg[b] = v_b[a], a
         f = g_new
         choice.append(arg)
     return results
+
+
+class _RangeMin:
+    """Least value and its latest index over fixed ranges ``[lo[i], hi[i]]`` (``lo <= hi``) of
+    arrays of one length, by a sparse table (row ``k``: the least over ``[a, a + 2**k)``): the
+    ranges are laid out once, each array then costs a few array operations per row."""
+
+    def __init__(self, n: int, lo: np.ndarray, hi: np.ndarray) -> None:
+        span = hi - lo + 1
+        self.level = np.frexp(span.astype(np.float64))[1] - 1  # floor(log2(span)), exact
+        self.rows = int(self.level.max()) + 1 if len(span) else 1
+        self.lo, self.b = lo, hi - (np.int64(1) << self.level) + 1
+        self.n = n
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.n
+        vals = np.empty((self.rows, n))
+        where = np.empty((self.rows, n), dtype=np.int64)
+        vals[0], where[0] = x, np.arange(n)
+        width = 1
+        for k in range(1, self.rows):
+            m = n - width  # row k is read only where a + 2**k <= n
+            left, right = vals[k - 1, :m], vals[k - 1, width:]
+            take_right = right <= left
+            vals[k, :m] = np.where(take_right, right, left)
+            where[k, :m] = np.where(take_right, where[k - 1, width:], where[k - 1, :m])
+            width *= 2
+        va, vb = vals[self.level, self.lo], vals[self.level, self.b]
+        take_b = vb <= va
+        return np.where(take_b, vb, va), np.where(take_b, where[self.level, self.b],
+                                                  where[self.level, self.lo])
 
 
 def make_plan(

@@ -116,6 +116,50 @@ def test_per_window_split_is_the_least_stall_of_every_contiguous_split(work, k, 
         _brute_force_stall(mode, units, grads, costs, k), abs=1e-9)
 
 
+
+def _plain_dp_stall(mode, units, grads, costs, k, static=0):
+    """The least predicted stall over contiguous splits into exactly k blocks, by the textbook
+    recurrence over (windows so far, units so far): each block's cost from predict_stall_s's
+    terms on the block alone, O(n^2 k). A reference for unit counts brute force cannot reach."""
+    n, hide = len(units), max(0.0, costs.window_s - costs.window_overhead_s) * costs.copy_bytes_per_s
+    s_pre, g_pre = [0], [0]
+    for u, g in zip(units, grads):
+        s_pre.append(s_pre[-1] + u)
+        g_pre.append(g_pre[-1] + g)
+
+    def window(a, b, last):  # stall bytes of block [a, b) in its window, gradients of [0, a) too
+        state, carried = s_pre[b] - s_pre[a], g_pre[a]
+        if mode == "gockpt" or (last and static):
+            return carried + max(0.0, state - hide)
+        return max(0.0, state + carried - hide)
+
+    inf = float("inf")
+    f = [0.0] + [inf] * n
+    for j in range(k):
+        last = j == k - 1
+        f = [min((f[a] + window(a, b, last) for a in range(b) if f[a] < inf), default=inf)
+             for b in range(n + 1)]
+    return (f[n] + static) / costs.copy_bytes_per_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([1, 50, 50, 200, 700]), min_size=10, max_size=45),
+       st.sampled_from([0.0, 1 / 7, 1 / 3, 0.5, 1.0, 1.5]), cost_values, st.integers(1, 7),
+       st.sampled_from(["gockpt", "gockpt_o"]), st.sampled_from([0, 0, 120]))
+def test_per_window_split_matches_the_plain_recurrence_on_many_units(units, ratio, costs, k,
+                                                                     mode, static):
+    # Repeated unit sizes make ties common; ratios above 1 take the general (non-monotone) path.
+    grads = [int(u * ratio) for u in units]
+    plan = make_plan(mode, units, grads, costs, max_overlap_steps=k, min_overlap_steps=k,
+                     replayable=True, static_bytes=static)
+    assert plan.num_overlap_steps == k
+    assert [i for b in plan.blocks for i in b] == list(range(len(units)))
+    assert plan.predicted_stall_s == pytest.approx(
+        predict_stall_s(mode, units, grads, plan.blocks, costs, static_bytes=static), abs=1e-9)
+    assert plan.predicted_stall_s == pytest.approx(
+        _plain_dp_stall(mode, units, grads, costs, k, static), rel=1e-12, abs=1e-9)
+
+
 @settings(max_examples=200, deadline=None)
 @given(workloads(grads_at_most_state=False), st.integers(1, 8), st.integers(0, 500))
 def test_lower_bound_is_below_every_plan(work, k_max, static):
