@@ -1,0 +1,45 @@
+"""The state tree a capture takes (gockpt.snapshot.to_skeleton): an independent copy, attributes kept."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from gockpt.snapshot import REF, storage_key, to_skeleton
+
+
+def test_a_state_dicts_metadata_is_copied_deeply_with_the_tree():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    sd = model.state_dict(keep_vars=True)
+    live = {storage_key(sd["0.weight"]): "model.0.weight"}
+    skel = to_skeleton(sd, live)
+    assert type(skel) is type(sd) and list(skel) == list(sd)
+    assert skel["0.weight"] == {REF: "model.0.weight", "stride": None}
+    assert torch.equal(skel["1.running_var"], sd["1.running_var"])
+    assert skel["1.running_var"].data_ptr() != sd["1.running_var"].data_ptr()
+    # load_state_dict reads the per-module versions from _metadata (BatchNorm's migration).
+    assert skel._metadata == sd._metadata and skel._metadata["1"]["version"] == 2
+    sd._metadata["1"]["version"] = 99  # the live tree changes after the capture
+    sd._metadata["extra"] = {}
+    assert skel._metadata["1"]["version"] == 2 and "extra" not in skel._metadata
+
+
+class _Marker:
+    """A class local to this test module's namespace, holding an unpicklable lock."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.lock = n, threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> _Marker:
+        return _Marker(self.n)
+
+
+def test_attributes_that_do_not_pickle_are_copied_as_deepcopy_copies_them():
+    tree = OrderedDict(w=torch.ones(2))
+    tree.note = {"m": _Marker(7)}  # type: ignore[attr-defined]
+    skel = to_skeleton(tree, {})
+    assert skel.note["m"].n == 7 and skel.note["m"] is not tree.note["m"]
+    assert skel.note is not tree.note
