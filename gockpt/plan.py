@@ -312,6 +312,8 @@ def _window_dp(unit_bytes: list[int], grad_bytes: list[int], cap: float, k_max: 
     start) before the range minimum (latest start).
     """
     n = len(unit_bytes)
+    if n == 0:
+        return [None] * k_max
     s_pre = np.zeros(n + 1, dtype=np.int64)
     g_pre = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.asarray(unit_bytes, dtype=np.int64), out=s_pre[1:])
@@ -342,8 +344,8 @@ def _window_dp(unit_bytes: list[int], grad_bytes: list[int], cap: float, k_max: 
     for j in range(k_max):
         # Exactly j + 1 windows: the least f[a] (j windows over [0, a)) plus the last window.
         v = (f[:n] + last_pay) + last_over
-        last_a = int(np.argmin(v)) if n else -1
-        if n == 0 or v[last_a] == inf:
+        last_a = int(np.argmin(v))
+        if v[last_a] == inf:
             results.append(None)
         else:
             cuts, b = [tuple(range(last_a, n))], last_a
@@ -356,9 +358,7 @@ def _window_dp(unit_bytes: list[int], grad_bytes: list[int], cap: float, k_max: 
             break
         fp = f + pay
         g_new, arg = np.full(n + 1, inf), np.full(n + 1, -1, dtype=np.int64)
-        if n == 0:
-            pass
-        elif monotone:
+        if monotone:
             # Starts a < a*: the window copies beyond C, cost fp[a] - H[a] + t (prefix minimum).
             vals = fp - h
             pm = np.empty(n + 2)
@@ -368,9 +368,8 @@ def _window_dp(unit_bytes: list[int], grad_bytes: list[int], cap: float, k_max: 
             pm_arg = np.empty(n + 2, dtype=np.int64)
             pm_arg[0] = -1
             pm_arg[1:] = np.maximum.accumulate(np.where(new, idx, -1))
-            cand = pm[star] + t
-            g_new[1:] = np.where(cand < inf, cand, inf)
-            arg[1:] = np.where(cand < inf, pm_arg[star], -1)
+            g_new[1:] = pm[star] + t  # inf, with pm_arg -1, where no start before a* exists
+            arg[1:] = pm_arg[star]
             # Starts in [a*, b): the window hides its copy, cost fp[a] (range minimum).
             if len(hidden_b):
                 rv, ri = range_min(fp[:n])
