@@ -1,5 +1,5 @@
-"""The example benchmarks (bench_scale.py, bench_interference.py, benchmark.py) run end to end at a tiny
-size and report every scheme they were asked for."""
+"""The example benchmarks (bench_scale.py, bench_interference.py, bench_planner.py,
+benchmark.py) run end to end at a tiny size and report every scheme they were asked for."""
 
 from __future__ import annotations
 
@@ -53,3 +53,13 @@ def test_benchmark_quick_run_reports_the_disk_floor_beside_gockpt(tmp_path):
     assert disk["bytes_on_disk"] >= disk["state_bytes"] and disk["restore_s"] > 0
     assert any(line.startswith("disk floor") for line in report["targets"])
     assert "reference: the same bytes written by another process" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_bench_planner_prints_plan_request_and_capture_per_parameter_count():
+    script = _SCRIPT.parent / "bench_planner.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--units", "3", "12", "--repeats", "3", "--saves", "2"],
+        check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+    assert [int(r[0]) for r in rows] == [3, 12]
+    assert all(float(x) > 0 for r in rows for x in r[1:])  # plan, request, capture (ms)
