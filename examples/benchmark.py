@@ -679,7 +679,10 @@ def plan_stats(r: dict) -> dict:
     the predicted stall and its lower bound, the engine-reported and the wall stall, seconds."""
     ms = r["engine_metrics"]
     return {
-        "planned": sorted({f"{m['mode']} K={m['num_overlap_steps']}" for m in ms}),
+        # "shared": saves of one snapshot (a request that finished the windows of the save
+        # before it and took its snapshot, and that save).
+        "planned": sorted({f"{m['mode']} K={m['num_overlap_steps']}"
+                           + (" shared" if m.get("host_shared") else "") for m in ms}),
         "predicted_stall_s": statistics.median(m["predicted_stall_s"] for m in ms),
         "lower_bound_s": statistics.median(m["stall_lower_bound_s"] for m in ms),
         "engine_stall_median_s": statistics.median(m["stall_s"] for m in ms),

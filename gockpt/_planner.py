@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import warnings
+from collections import deque
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -98,6 +100,21 @@ class Planner:
         # Partitioned engines (replicated state, gockpt.partition): the share of the layout
         # this rank stores; applied to every layout built.
         self.select: Callable[[StateLayout], StateLayout] | None = None
+        self._requests: deque[int] = deque(maxlen=4)  # steps of the latest requests, distinct
+
+    def note_request(self, version: int) -> int | None:
+        """Record a checkpoint request at step ``version`` (optimizer updates applied) and
+        return the steps the next request is expected after: the median (lower) of the gaps
+        between the latest distinct request steps; None before two. Requests at the same step
+        (one checkpoint under two names) count once; a step below the last one (the state was
+        restored) starts the record anew."""
+        if self._requests and version < self._requests[-1]:
+            self._requests.clear()
+        if not self._requests or version != self._requests[-1]:
+            self._requests.append(version)
+        steps = list(self._requests)
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        return statistics.median_low(gaps) if gaps else None
 
     def forget_layout(self) -> None:
         """Rebuild the layout at the next save (the live tensors were replaced)."""
@@ -120,12 +137,14 @@ class Planner:
 
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
              version: int, window_s: float | None, window_overhead_s: float = 0.0,
-             unchanged: Callable[[Entry], bool] | None = None) -> CopyPlan:
+             unchanged: Callable[[Entry], bool] | None = None,
+             interval_steps: int | None = None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
         unknown; ``window_overhead_s``: how much longer than its bytes at the copy rate a
         window's copy runs, seconds), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
         logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
-        (``frozen_copy="when_changed"``), so its copy costs nothing."""
+        (``frozen_copy="when_changed"``), so its copy costs nothing. ``interval_steps``: the
+        steps to the next request (:meth:`note_request`), None if unknown."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
         local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
@@ -158,7 +177,9 @@ class Planner:
         plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, window_overhead_s),
                          max_overlap_steps=hi, replayable=replayable,
                          min_overlap_steps=min(self._config.min_overlap_steps, hi),
-                         static_bytes=static_bytes)
+                         static_bytes=static_bytes, interval_steps=interval_steps,
+                         # Ranks that agree on K share a snapshot only at that same K.
+                         next_request_shares=self.agree is None)
         plan = plan if self.agree is None else self.agree(plan, unit_bytes)
         if log.isEnabledFor(logging.DEBUG):  # describe() walks every unit: not on every save
             log.debug("gockpt: plan %s", plan.describe(unit_bytes))

@@ -157,6 +157,9 @@ class SaveRecord:
     # Its slot's buffers were newly allocated or its views built for it: its request and copies
     # pay first-touch costs no later save into the slot pays (_windows.CostSamples).
     cold: bool = False
+    # Seconds of its request spent finishing other saves' windows (their "flush" stall): left
+    # out of its own "request" stall.
+    flushed_others_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.share is None:
@@ -360,9 +363,18 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     pinned = (version, state_versions(layout))
     find = partial(find_leader, records, version=version, layout=layout, plan=plan,
                    exact_k=planner.agree is not None, versions=pinned[1])
-    leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find, flush=flush,
-                             wait=config.when_full == "wait", timeout_s=config.slot_wait_timeout_s,
-                             path=path)
+    flushed_s = 0.0
+
+    def timed_flush() -> None:
+        # A flush is the stall of the saves it finishes ("flush"), not this request's wait.
+        nonlocal flushed_s
+        tf = perf_counter()
+        flush()
+        flushed_s += perf_counter() - tf
+
+    leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find,
+                             flush=timed_flush, wait=config.when_full == "wait",
+                             timeout_s=config.slot_wait_timeout_s, path=path)
     drain = slot.drain if slot is not None else None
     if drain is not None and drain.done:
         drain = None  # the save before read everything: nothing to wait for
@@ -375,16 +387,19 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                       f"checkpoint {path} (the checkpoint in flight is still being written out: "
                       "storage slower than the checkpoint interval?)", stacklevel=3)
         slot = None
-    handle.metrics.add_stall("slot_wait", perf_counter() - tw)
+    handle.metrics.add_stall("slot_wait", max(0.0, perf_counter() - tw - flushed_s))
     if leader is not None:
-        return join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,
-                           t_request=t_request, writer=writer, files=files), leader
+        record = join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,
+                             t_request=t_request, writer=writer, files=files)
+        record.flushed_others_s = flushed_s
+        return record, leader
     if slot is None:
         return None, None
     record = new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
                         grad_bytes=grad_bytes, target=version + plan.num_overlap_steps - 1,
                         t_request=t_request, pinned=pinned, writer=writer, files=files)
     record.borrowed = drain
+    record.flushed_others_s = flushed_s
     return record, None
 
 

@@ -116,7 +116,7 @@ class Windows:
             self._copy_blocks(s, range(s.num_blocks), wait=True)
             self._capture(s, version)
             s.phase = Phase.CAPTURED
-            metrics.add_stall("copy", perf_counter() - t0 - metrics.stall_s)
+            metrics.add_stall("copy", perf_counter() - t0 - metrics.stall_s - s.flushed_others_s)
             if plan.mode == "sync":
                 ts = perf_counter()
                 self._pipeline.persist(s)
@@ -131,7 +131,8 @@ class Windows:
         self._open_window(s)
         if s.target == version:
             self._capture(s, version)
-        metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s))
+        metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s
+                                         - s.flushed_others_s))
         return handle
 
     def join(self, leader: SaveRecord, s: SaveRecord, t0: float, version: int) -> SaveHandle:
@@ -147,7 +148,8 @@ class Windows:
             self._take(s, current, live, version)
         if leader.handed_off:
             self._hand_off(s)
-        s.metrics.add_stall("request", max(0.0, perf_counter() - t0 - s.metrics.stall_s))
+        s.metrics.add_stall("request", max(0.0, perf_counter() - t0 - s.metrics.stall_s
+                                           - s.flushed_others_s))
         return s.handle
 
     def drop(self, s: SaveRecord) -> None:

@@ -222,16 +222,20 @@ class Engine:
         if self._planner.may_replay(layout, mode, exact, self.version):
             setup |= self._backends.select_all()  # the first time: the replay self-check
         t_setup = perf_counter()
+        interval = self._planner.note_request(self.version)
+        if self._slots.max_slots > 1:
+            interval = None  # the next request takes a slot of its own: no wait, no flush
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s,
                                   window_overhead_s=self._windows.window_overhead_s,
-                                  unchanged=self._held_estimate(layout))
+                                  unchanged=self._held_estimate(layout), interval_steps=interval)
         seq = next(self._seq)
         fixed = self._windows.fixed_stall_s(plan.mode)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version,
                                     predicted_stall_s=plan.predicted_stall_s + fixed,
-                                    stall_lower_bound_s=plan.lower_bound_s + fixed)
+                                    stall_lower_bound_s=plan.lower_bound_s + fixed,
+                                    expected_interval_steps=interval)
         if setup:
             metrics.add_stall("setup", t_setup - t0)
         handle = SaveHandle(path, metrics)
@@ -248,6 +252,9 @@ class Engine:
         self._all.append(s)
         try:
             if leader is not None:
+                # It copies nothing: what it waits for is the fixed cost (a flush of the
+                # leader's windows is the leader's stall, and the leader's plan predicted it).
+                metrics.predicted_stall_s = metrics.stall_lower_bound_s = fixed
                 return self._windows.join(leader, s, t0, self.version)
             return self._windows.start(s, t0, self.version)
         except BaseException as e:

@@ -51,6 +51,12 @@ class CheckpointMetrics:
         stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
             could have for the same measured costs (:func:`gockpt.plan.stall_lower_bound_s`),
             plus the same fixed cost, seconds.
+        expected_interval_steps: the steps to the next checkpoint request the plan expected
+            (the median gap of the latest requests; None before two requests at different steps,
+            and where the host pool holds more than one slot: ``host_buffer_bytes`` set).
+            K avoids ending its windows right before that request; a K beyond it has the next
+            request copy the blocks left (``flush`` stall) and share the snapshot
+            (:func:`gockpt.plan.make_plan`).
         skipped: the request found no free slot with ``when_full="skip"``.
         superseded: a newer save of the same path was published first; this one was dropped.
     """
@@ -76,6 +82,7 @@ class CheckpointMetrics:
     replay_backend: str = ""
     predicted_stall_s: float = 0.0
     stall_lower_bound_s: float = 0.0
+    expected_interval_steps: int | None = None
     skipped: bool = False
     superseded: bool = False
 

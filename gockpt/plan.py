@@ -44,6 +44,13 @@ MULTI_STEP_MODES = ("gockpt", "gockpt_o")
 #: the model does not charge.
 MIN_GAIN_WINDOWS = 0.01
 
+#: Steps the persist of a save is given, between its last copy window and the next request, to
+#: write out the bytes that request's first window copies into the same host slot. A plan whose
+#: windows end within this many steps of the next request (``interval - margin < K <= interval``)
+#: makes that request wait for the slot (measured: LoRA on the emulated link, a checkpoint every
+#: 6 steps, K = 6 stalled 0.144 s per save, K = 5 0.024 s).
+DRAIN_MARGIN_STEPS = 1
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -84,6 +91,10 @@ class CopyPlan:
         window_loads_s: each window's copy that must fit in it, in seconds at the copy rate:
             ``predicted_stall_s = paid_s + sum(max(0, l - max(0, window_s - window_overhead_s)))``
             over these (empty when not costed).
+        flushed_at: None, or the number of windows that run before the next checkpoint request
+            is expected (K > the request interval): the blocks of the later windows are copied
+            at that request, with the training thread waiting (counted in ``paid_s``), and that
+            request shares this snapshot (:func:`make_plan`).
     """
 
     mode: str
@@ -95,6 +106,7 @@ class CopyPlan:
     window_s: float = 0.0
     paid_s: float = 0.0
     window_loads_s: tuple[float, ...] = ()
+    flushed_at: int | None = None
 
     def fit_overhead(self, stall_s: float) -> float | None:
         """The per-window overhead, seconds, under which this plan's model predicts ``stall_s``
@@ -140,7 +152,8 @@ class CopyPlan:
         if unit_bytes is not None:
             sizes = " blocks " + "/".join(
                 f"{sum(unit_bytes[i] for i in b) / 1e6:.1f}" for b in self.blocks) + " MB,"
-        return (f"{self.mode} K={self.num_overlap_steps},{sizes} predicted stall "
+        flushed = "" if self.flushed_at is None else f" (next request after {self.flushed_at})"
+        return (f"{self.mode} K={self.num_overlap_steps}{flushed},{sizes} predicted stall "
                 f"{self.predicted_stall_s:.4f} s (lower bound {self.lower_bound_s:.4f} s)")
 
 
@@ -428,6 +441,8 @@ def make_plan(
     replayable: bool,
     min_overlap_steps: int = 1,
     static_bytes: int = 0,
+    interval_steps: int | None = None,
+    next_request_shares: bool = True,
 ) -> CopyPlan:
     """Choose the mode, K and the block of each window for one checkpoint.
 
@@ -442,6 +457,22 @@ def make_plan(
     into ``max_overlap_steps`` blocks of equal bytes. Modes that need replay fall back to
     ``lazy`` when ``replayable`` is False (the caller warns).
 
+    With ``interval_steps`` (the steps until the next checkpoint request, as the caller
+    expects them from earlier requests) K is chosen with that request in view (an extension of
+    the paper's model, which assumes the copy ends before the next request):
+
+    - ``K <= interval - DRAIN_MARGIN_STEPS``: the plan as above.
+    - ``interval - DRAIN_MARGIN_STEPS < K <= interval``: left out while another K remains. The
+      windows end right before the next request, which then waits for this save's persist to
+      write out the host slot its first window reuses, a wait the model does not count.
+    - ``K > interval``: the next request finds windows still open. It copies their blocks at
+      once (plus the gradients of the last update of the blocks already copied), while the
+      training thread waits, and shares the snapshot, copying nothing of its own. The plan's
+      prediction counts that copy (:attr:`CopyPlan.flushed_at`). Such a plan is chosen only
+      where its own stall is the least: the two checkpoints then hold the same step, so it is
+      not counted as a saving that halves the copy. Without ``next_request_shares`` the next
+      request would need a slot of its own, and these K are left out as the ones above.
+
     Args:
         mode: ``auto``, ``sync``, ``async``, ``lazy``, ``gockpt`` or ``gockpt_o``.
         unit_bytes: bytes of state per unit, in copy order.
@@ -452,16 +483,23 @@ def make_plan(
         replayable: whether every optimizer can be replayed on the CPU.
         static_bytes: bytes outside the units (buffers, parameters without an optimizer),
             copied while the training thread waits when the non-tensor state is taken.
+        interval_steps: optimizer steps from this request to the next one (>= 1), or None
+            when unknown.
+        next_request_shares: whether a request that cuts this plan's windows short takes its
+            snapshot (False where ranks must agree on K: :mod:`gockpt.sharded`).
 
     Returns:
         The plan, with its predicted stall and the lower bound over plans of at most
         ``max_overlap_steps`` windows (:func:`stall_lower_bound_s`).
 
     Raises:
-        ValueError: unknown mode, ``max_overlap_steps < 1``, or the lists differ in length.
+        ValueError: unknown mode, ``max_overlap_steps < 1``, ``interval_steps < 1``, or the
+            lists differ in length.
     """
     if max_overlap_steps < 1:
         raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
+    if interval_steps is not None and interval_steps < 1:
+        raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
     if len(unit_bytes) != len(grad_bytes):
         raise ValueError("unit_bytes and grad_bytes differ in length")
     if mode not in ("auto", "sync", "async", "lazy", *MULTI_STEP_MODES):
@@ -477,23 +515,28 @@ def make_plan(
     if mode == "auto" and not replayable:
         mode = "lazy"
 
-    def costed(m: str, blocks: tuple[tuple[int, ...], ...], stall_s: float | None = None) -> CopyPlan:
-        paid, loads = _window_terms(m, unit_bytes, grad_bytes, blocks, static_bytes)
-        if stall_s is None:
+    def costed(m: str, blocks: tuple[tuple[int, ...], ...], stall_s: float | None = None,
+               flushed_at: int | None = None) -> CopyPlan:
+        if flushed_at is None:
+            paid, loads = _window_terms(m, unit_bytes, grad_bytes, blocks, static_bytes)
+        else:
+            paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, flushed_at)
+        if stall_s is None or flushed_at is not None:
             stall_s = _model_stall(paid, loads, _hidden_bytes(costs)) / bw
         return CopyPlan(m, blocks, stall_s, bound, max(costs.window_overhead_s, 0.0), costed=True,
                         window_s=costs.window_s, paid_s=paid / bw,
-                        window_loads_s=tuple(x / bw for x in loads))
+                        window_loads_s=tuple(x / bw for x in loads), flushed_at=flushed_at)
 
     bw = max(costs.copy_bytes_per_s, 1.0)
     if mode in ("sync", "async", "lazy"):
         return costed(mode, split_blocks(unit_bytes, 1))
-    # (stall bytes, K, preference, mode, blocks); auto's K = 1 is lazy, preferred on ties.
+    # (stall bytes, K, preference, mode, blocks, flushed_at); auto's K = 1 is lazy, preferred
+    # on ties.
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).
     modes = ("gockpt_o",) if mode == "auto" else (mode,)
     k_lo = min(min_overlap_steps, max_overlap_steps)
     hide = _hidden_bytes(costs)  # what one window hides, its overhead taken off
-    candidates: list[tuple[float, int, int, str, tuple[tuple[int, ...], ...]]] = []
+    candidates: list[_Candidate] = []
     for rank, m in enumerate(modes):
         found = _window_dp(unit_bytes, grad_bytes, hide, max_overlap_steps, m == "gockpt_o",
                            overlap_last=not static_bytes)
@@ -501,16 +544,57 @@ def make_plan(
             if best is None:
                 continue
             if k >= k_lo:
-                candidates.append((best[0], k, rank + 1, m, best[1]))
+                candidates.append((best[0], k, rank + 1, m, best[1], None))
             elif k == 1 and mode == "auto":
-                candidates.append((best[0], 1, 0, "lazy", best[1]))
+                candidates.append((best[0], 1, 0, "lazy", best[1], None))
     if not candidates:  # no units, or fewer than min_overlap_steps: at most one block each
         m = "lazy" if mode == "auto" else mode
         return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))
+    if interval_steps is not None:
+        candidates = _with_next_request(candidates, interval_steps, unit_bytes, grad_bytes,
+                                        static_bytes, hide, next_request_shares)
     least = min(c[0] for c in candidates)
-    stall_bytes, k, _, m, blocks = min(
+    stall_bytes, k, _, m, blocks, flushed_at = min(
         (c for c in candidates if c[0] <= least + MIN_GAIN_WINDOWS * max(costs.window_s, 0.0) * bw),
         key=lambda c: (c[1], c[2]))
     if k == 1 and mode == "auto":
         m = "lazy"
-    return costed(m, blocks, (stall_bytes + static_bytes) / bw)
+    return costed(m, blocks, (stall_bytes + static_bytes) / bw, flushed_at)
+
+
+#: A candidate plan of :func:`make_plan`: (stall bytes with static excluded, K, preference,
+#: mode, blocks, flushed_at).
+_Candidate = tuple[float, int, int, str, tuple[tuple[int, ...], ...], int | None]
+
+
+def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: list[int],
+                       grad_bytes: list[int], static_bytes: int, hide: float, shares: bool,
+                       ) -> list[_Candidate]:
+    """The candidates of :func:`make_plan` with the next request ``interval`` steps away: those
+    that make it wait for the slot left out while others remain (K in the drain margin; K >
+    interval unless that request ``shares`` the snapshot); K > interval charged its copy at
+    that request."""
+    def waits(k: int) -> bool:
+        return interval - DRAIN_MARGIN_STEPS < k <= interval or (k > interval and not shares)
+
+    out: list[_Candidate] = []
+    for c in [c for c in candidates if not waits(c[1])] or candidates:
+        _, k, pref, m, blocks, _ = c
+        if k > interval:
+            paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, interval)
+            c = (_model_stall(paid, loads, hide) - static_bytes, k, pref, m, blocks, interval)
+        out.append(c)
+    return out
+
+
+def _flushed_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
+                   blocks: tuple[tuple[int, ...], ...], static_bytes: int, at: int,
+                   ) -> tuple[float, list[float]]:
+    """(paid, loads) in bytes of a plan whose windows ``at..K-1`` are cut short by a request
+    (:meth:`gockpt._windows.Windows.flush`): windows ``0..at-1`` as in :func:`_window_terms`;
+    then, with the training thread waiting, the state of the later blocks and the gradients of
+    the last update of the blocks copied before, and the static tensors."""
+    paid, loads = _window_terms(mode, unit_bytes, grad_bytes, blocks[:at], 0)
+    later_state = sum(unit_bytes[i] for b in blocks[at:] for i in b)
+    grads_before = sum(grad_bytes[i] for b in blocks[:at] for i in b)
+    return paid + later_state + grads_before + static_bytes, loads

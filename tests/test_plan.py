@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gockpt.plan import CopyPlan, Costs, make_plan, predict_stall_s, split_blocks, stall_lower_bound_s
+from gockpt.plan import (
+    DRAIN_MARGIN_STEPS,
+    MIN_GAIN_WINDOWS,
+    CopyPlan,
+    Costs,
+    make_plan,
+    predict_stall_s,
+    split_blocks,
+    stall_lower_bound_s,
+)
 
 
 # deadline=None: a correctness property; a loaded machine must not fail it on time.
@@ -381,3 +390,93 @@ def test_plan_describes_its_prediction_and_bound():
     line = plan.describe([100] * 8)
     assert f"K={plan.num_overlap_steps}" in line and "predicted stall" in line
     assert "lower bound" in line and "MB" in line
+
+
+# ---------------------------------------------------------------- the next request in view
+
+def _flushed_stall_by_hand(mode, units, grads, blocks, costs, at):
+    """Windows 0..at-1 as usual, then the rest copied at the next request with the training
+    thread waiting: the later blocks' state and the last update's gradients of the blocks
+    copied before."""
+    before = predict_stall_s(mode, units, grads, blocks[:at], costs)
+    rest = sum(units[i] for b in blocks[at:] for i in b) + sum(grads[i] for b in blocks[:at] for i in b)
+    return before + rest / costs.copy_bytes_per_s
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads(grads_at_most_state=False), st.integers(1, 8), st.integers(1, 10),
+       st.sampled_from(["auto", "gockpt", "gockpt_o"]), st.booleans())
+def test_windows_never_end_right_before_the_next_request(work, k_max, interval, mode, shares):
+    units, grads, costs = work
+    plan = make_plan(mode, units, grads, costs, max_overlap_steps=k_max, replayable=True,
+                     interval_steps=interval, next_request_shares=shares)
+    far = make_plan(mode, units, grads, costs, max_overlap_steps=k_max, replayable=True)
+    k, possible = plan.num_overlap_steps, range(1, min(k_max, max(len(units), 1)) + 1)
+
+    def waits(x):  # the next request would wait for this save's slot
+        return interval - DRAIN_MARGIN_STEPS < x <= interval or (x > interval and not shares)
+
+    if waits(k):  # only where every K the plan could take would
+        assert all(waits(x) for x in possible)
+    if interval > k_max:  # the next request is past every window: nothing changes
+        assert plan == far
+    assert (plan.flushed_at is not None) == (k > interval)
+    if plan.flushed_at is not None:
+        assert plan.flushed_at == interval
+        assert plan.predicted_stall_s == pytest.approx(
+            _flushed_stall_by_hand(plan.mode, units, grads, plan.blocks, costs, interval), abs=1e-9)
+        # Cut short, the later windows hide nothing.
+        assert plan.predicted_stall_s >= predict_stall_s(plan.mode, units, grads, plan.blocks,
+                                                         costs) - 1e-9
+        assert plan.predicted_stall_s >= plan.lower_bound_s - 1e-9
+    # No worse than the best plan whose windows end before the margin.
+    if interval - DRAIN_MARGIN_STEPS >= 1:
+        short = make_plan(mode, units, grads, costs, replayable=True,
+                          max_overlap_steps=min(k_max, interval - DRAIN_MARGIN_STEPS))
+        slack = MIN_GAIN_WINDOWS * costs.window_s
+        assert plan.predicted_stall_s <= short.predicted_stall_s + slack + 1e-9
+
+
+def test_a_plan_ends_a_step_before_the_next_request():
+    # A full copy spans 5.3 windows: without the next request in view the planner takes K = 6,
+    # whose windows end right at a request that comes every 6 steps.
+    units, grads = [100] * 64, [2] * 64
+    costs = Costs(copy_bytes_per_s=100.0, window_s=12.0)
+    far = make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True)
+    assert far.num_overlap_steps == 6 and far.flushed_at is None and far.predicted_stall_s == 0
+    for interval in (8, 7):
+        later = make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True,
+                          interval_steps=interval)
+        assert later.num_overlap_steps == 6 and later.predicted_stall_s == 0
+    near = make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True,
+                     interval_steps=6)
+    # Five windows hide 6000 of the 6400 bytes (gradients aside); cutting K = 7 short at the
+    # request would copy more while the training thread waits.
+    assert near.num_overlap_steps == 5 and near.flushed_at is None
+    assert near.predicted_stall_s == pytest.approx(make_plan(
+        "gockpt_o", units, grads, costs, max_overlap_steps=5, min_overlap_steps=5,
+        replayable=True).predicted_stall_s)
+
+
+def test_a_link_too_slow_for_the_interval_copies_the_rest_at_the_next_request():
+    # A full copy spans 8 windows and a request comes every 2 steps: a plan that ends before it
+    # has one window; one the next request cuts short hides two windows' worth (that request
+    # copies the rest and shares the snapshot).
+    units, grads = [100] * 80, [5] * 80
+    costs = Costs(copy_bytes_per_s=100.0, window_s=10.0)
+    plan = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=7, replayable=True,
+                     interval_steps=2)
+    assert plan.flushed_at == 2 and plan.num_overlap_steps > 2
+    assert "next request after 2" in plan.describe()
+    assert plan.predicted_stall_s == pytest.approx(
+        _flushed_stall_by_hand("gockpt_o", units, grads, plan.blocks, costs, 2))
+    one = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=1, replayable=True)
+    assert plan.predicted_stall_s < one.predicted_stall_s
+    # Ranks that must agree on K share no snapshot: the next request would wait for the slot,
+    # so the windows end before it.
+    alone = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=7, replayable=True,
+                      interval_steps=2, next_request_shares=False)
+    assert alone.blocks == one.blocks and alone.predicted_stall_s == one.predicted_stall_s
+    with pytest.raises(ValueError, match="interval_steps"):
+        make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True,
+                  interval_steps=0)

@@ -170,3 +170,74 @@ def test_cost_samples_hold_cold_values_only_until_a_warm_one():
     s.add(2.0, cold=False)
     s.add(4.0, cold=False)  # the oldest warm value leaves
     assert s.median() == 3.0 and len(s) == 3
+
+
+def _deep():
+    """24 equal parameters: a copy splits into windows finely (the test loop's net is one large
+    parameter and a few small ones)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(24)
+                                  for m in (torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh())])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    return model, opt, sched, torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+
+def _every(tmp_path, monkeypatch, interval: int, copy_windows: float, saves: int = 4):
+    """Metrics of ``saves`` checkpoints requested every ``interval`` updates, the planner's costs
+    fixed so that a full copy of the state spans ``copy_windows`` windows (the default host
+    pool of one slot); each checkpoint checked bit for bit against the live state at its
+    captured step."""
+    model, opt, sched, scaler = _deep()
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(
+        1000.0, state_bytes / 1000.0 / copy_windows))
+    eng = Engine(model, opt, GoCkptConfig(mode="auto", max_overlap_steps=7))
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it >= 2 and (it - 2) % interval == 0 and len(handles) < saves:
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 2 + interval * saves + 8, on_step_end=on_step_end,
+          skip_iter=-1)
+    eng.close()
+    ms = [h.result() for h in handles]
+    for m in ms:
+        state = gockpt.load_checkpoint(m.path)
+        v = state.captured_step
+        assert v == m.requested_step + m.num_overlap_steps - 1
+        assert_state_equal(state.model_state_dict, live[v]["model"], f"{m.path}:model@{v}")
+        assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{m.path}:optim@{v}")
+    assert [m.expected_interval_steps for m in ms] == [None] + [interval] * (saves - 1)
+    return ms
+
+
+def test_a_save_ends_its_windows_a_step_before_the_next_request(tmp_path, monkeypatch):
+    # Without the next request in view the plan takes K = 6; with a request every 6 steps its
+    # windows would end right at it, and that request would wait for the slot to be written.
+    first, *rest = _every(tmp_path, monkeypatch, interval=6, copy_windows=8)
+    assert first.num_overlap_steps == 6
+    assert all(m.num_overlap_steps == 5 and not m.host_shared for m in rest)
+    assert all(m.predicted_stall_s > first.predicted_stall_s - 1e-9 for m in rest[1:])
+
+
+def test_a_save_cut_short_by_the_next_request_is_shared_with_it(tmp_path, monkeypatch):
+    # A request every 2 steps, a copy spanning 3 windows (gradients aside): the plan keeps a
+    # third window that the next request cuts short. That request copies the rest, captures
+    # the state at its own step and shares the snapshot.
+    ms = _every(tmp_path, monkeypatch, interval=2, copy_windows=3, saves=4)
+    # The first save (no interval known: K = 7) is cut short the same way; the third is
+    # planned with the request in view.
+    assert ms[1].host_shared and ms[1].captured_step == ms[1].requested_step
+    leader, joiner = ms[2], ms[3]
+    assert leader.num_overlap_steps == 3 and "flush" in leader.stall_by_phase_s
+    assert joiner.host_shared and leader.host_shared
+    assert joiner.captured_step == leader.captured_step == joiner.requested_step
+    # The joiner copies nothing: its prediction is the per-save fixed cost, and the flush is
+    # the leader's stall alone, not counted again as the joiner's wait for a slot.
+    assert "flush" not in joiner.stall_by_phase_s
+    assert joiner.predicted_stall_s == joiner.stall_lower_bound_s < leader.predicted_stall_s
+    assert joiner.stall_s < leader.stall_by_phase_s["flush"] + joiner.predicted_stall_s
