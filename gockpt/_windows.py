@@ -241,7 +241,7 @@ class Windows:
         """Finish the copy windows of every pending save at step ``version``."""
         self.release_guards(wait=True)
         for s in list(self.saves):
-            tf = perf_counter()
+            tf, counted = perf_counter(), s.metrics.stall_s
             try:
                 if s.phase is Phase.COPYING:
                     s.tickets[s.window].wait()
@@ -260,7 +260,8 @@ class Windows:
                 continue
             # Its snapshot is now the state of this step: a request at this step may share it.
             s.pinned = (version, state_versions(s.layout))
-            s.metrics.add_stall("flush", perf_counter() - tf)
+            # The capture inside it counts as its own phases ("capture", "static_copy").
+            s.metrics.add_stall("flush", perf_counter() - tf - (s.metrics.stall_s - counted))
             self.finalize(s)
 
     # ------------------------------------------------------------------ hand-off

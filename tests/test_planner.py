@@ -3,6 +3,8 @@ checkpoint exactly what a blocking save holds."""
 
 from __future__ import annotations
 
+import time
+from time import perf_counter
 from types import SimpleNamespace
 
 import pytest
@@ -193,13 +195,15 @@ def _every(tmp_path, monkeypatch, interval: int, copy_windows: float, saves: int
     monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(
         1000.0, state_bytes / 1000.0 / copy_windows))
     eng = Engine(model, opt, GoCkptConfig(mode="auto", max_overlap_steps=7))
-    live, handles = {}, []
+    live, handles, calls = {}, [], []
 
     def on_step_end(it: int) -> None:
         eng.step_end()
         live.setdefault(eng.version, snapshot(model, opt))
         if it >= 2 and (it - 2) % interval == 0 and len(handles) < saves:
+            t0 = perf_counter()
             handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+            calls.append(perf_counter() - t0)
 
     train(model, opt, sched, scaler, 2 + interval * saves + 8, on_step_end=on_step_end,
           skip_iter=-1)
@@ -212,13 +216,13 @@ def _every(tmp_path, monkeypatch, interval: int, copy_windows: float, saves: int
         assert_state_equal(state.model_state_dict, live[v]["model"], f"{m.path}:model@{v}")
         assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{m.path}:optim@{v}")
     assert [m.expected_interval_steps for m in ms] == [None] + [interval] * (saves - 1)
-    return ms
+    return ms, calls
 
 
 def test_a_save_ends_its_windows_a_step_before_the_next_request(tmp_path, monkeypatch):
     # Without the next request in view the plan takes K = 6; with a request every 6 steps its
     # windows would end right at it, and that request would wait for the slot to be written.
-    first, *rest = _every(tmp_path, monkeypatch, interval=6, copy_windows=8)
+    (first, *rest), _ = _every(tmp_path, monkeypatch, interval=6, copy_windows=8)
     assert first.num_overlap_steps == 6
     assert all(m.num_overlap_steps == 5 and not m.host_shared for m in rest)
     assert all(m.predicted_stall_s > first.predicted_stall_s - 1e-9 for m in rest[1:])
@@ -228,7 +232,7 @@ def test_a_save_cut_short_by_the_next_request_is_shared_with_it(tmp_path, monkey
     # A request every 2 steps, a copy spanning 3 windows (gradients aside): the plan keeps a
     # third window that the next request cuts short. That request copies the rest, captures
     # the state at its own step and shares the snapshot.
-    ms = _every(tmp_path, monkeypatch, interval=2, copy_windows=3, saves=4)
+    ms, calls = _every(tmp_path, monkeypatch, interval=2, copy_windows=3, saves=4)
     # The first save (no interval known: K = 7) is cut short the same way; the third is
     # planned with the request in view.
     assert ms[1].host_shared and ms[1].captured_step == ms[1].requested_step
@@ -240,4 +244,36 @@ def test_a_save_cut_short_by_the_next_request_is_shared_with_it(tmp_path, monkey
     # the leader's stall alone, not counted again as the joiner's wait for a slot.
     assert "flush" not in joiner.stall_by_phase_s
     assert joiner.predicted_stall_s == joiner.stall_lower_bound_s < leader.predicted_stall_s
-    assert joiner.stall_s < leader.stall_by_phase_s["flush"] + joiner.predicted_stall_s
+    # What both count for the joiner's request fits in the time that request took.
+    assert leader.stall_by_phase_s["flush"] + joiner.stall_s <= calls[3]
+
+
+def test_a_flush_counts_its_capture_once(tmp_path):
+    # A save cut short before its captured step: the flush copies the rest and takes the state
+    # now. Its phases add up to no more than the call that finished it.
+    model, opt, sched, scaler = _deep()
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=7,
+                                          min_overlap_steps=7))
+    handles, took = [], []
+
+    def slow_state() -> dict:
+        time.sleep(0.05)
+        return {"epoch": 0}
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 3:
+            # A slow state_fn: the capture inside the flush takes a while.
+            handles.append(eng.save(str(tmp_path / "ckpt"), state_fn=slow_state))
+        elif it == 5:
+            t0 = perf_counter()
+            eng.flush()
+            took.append(perf_counter() - t0)
+
+    train(model, opt, sched, scaler, 6, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    m = handles[0].result()
+    by = m.stall_by_phase_s
+    assert m.num_overlap_steps == 3 and by["flush"] > 0 and by["capture"] >= 0.05
+    at_flush = by["flush"] + by["capture"] + by.get("static_copy", 0.0)
+    assert at_flush <= took[0]
