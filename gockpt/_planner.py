@@ -178,8 +178,10 @@ class Planner:
                          max_overlap_steps=hi, replayable=replayable,
                          min_overlap_steps=min(self._config.min_overlap_steps, hi),
                          static_bytes=static_bytes, interval_steps=interval_steps,
-                         # Ranks that agree on K share a snapshot only at that same K.
-                         next_request_shares=self.agree is None)
+                         # Ranks that agree on K share a snapshot only at that same K; a request
+                         # that skips when no slot is free finishes no windows to share.
+                         next_request_shares=self.agree is None
+                         and self._config.when_full == "wait")
         plan = plan if self.agree is None else self.agree(plan, unit_bytes)
         if log.isEnabledFor(logging.DEBUG):  # describe() walks every unit: not on every save
             log.debug("gockpt: plan %s", plan.describe(unit_bytes))

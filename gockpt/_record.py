@@ -158,7 +158,7 @@ class SaveRecord:
     # pay first-touch costs no later save into the slot pays (_windows.CostSamples).
     cold: bool = False
     # Seconds of its request spent finishing other saves' windows (their "flush" stall): left
-    # out of its own "request" stall.
+    # out of its own stall ("slot_wait", and "request" or "copy").
     flushed_others_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -239,9 +239,12 @@ class Windows:
 
     def flush(self, version: int) -> None:
         """Finish the copy windows of every pending save at step ``version``."""
+        t_guards = perf_counter()
+        # The wait for gradient copies in flight (gockpt_o) is the first save's flush stall:
+        # its plan predicted those gradients at the flush.
         self.release_guards(wait=True)
-        for s in list(self.saves):
-            tf, counted = perf_counter(), s.metrics.stall_s
+        for i, s in enumerate(list(self.saves)):
+            tf, counted = (t_guards if i == 0 else perf_counter()), s.metrics.stall_s
             try:
                 if s.phase is Phase.COPYING:
                     s.tickets[s.window].wait()
@@ -314,10 +317,13 @@ class Windows:
 
     def _note_window_residual(self, s: SaveRecord) -> None:
         plan, by = s.plan, s.metrics.stall_by_phase_s
-        k = plan.num_overlap_steps
-        if (not plan.costed or plan.mode not in ("lazy", *MULTI_STEP_MODES) or "flush" in by
-                or s.metrics.num_overlap_steps != k):
-            return  # no model to compare with, or windows cut short (not what was planned)
+        # As planned: all K windows, or cut short by the next request where the plan expected
+        # it (a flushed plan's model counts that flush).
+        ran = (s.metrics.num_overlap_steps, "flush" in by)
+        planned = ((plan.num_overlap_steps, False) if plan.flushed_at is None
+                   else (plan.flushed_at + 1, True))
+        if not plan.costed or plan.mode not in ("lazy", *MULTI_STEP_MODES) or ran != planned:
+            return  # no model to compare with, or windows not run as planned
         windows = sum(v for name, v in by.items()
                       if name not in ("request", "capture", "setup", "slot_wait"))
         fitted = plan.fit_overhead(windows)

@@ -252,8 +252,9 @@ class Engine:
         self._all.append(s)
         try:
             if leader is not None:
-                # It copies nothing: what it waits for is the fixed cost (a flush of the
-                # leader's windows is the leader's stall, and the leader's plan predicted it).
+                # It copies nothing: what it waits for is the fixed cost of the leader's mode
+                # (a flush of the leader's windows is counted as the leader's stall).
+                fixed = self._windows.fixed_stall_s(leader.plan.mode)
                 metrics.predicted_stall_s = metrics.stall_lower_bound_s = fixed
                 return self._windows.join(leader, s, t0, self.version)
             return self._windows.start(s, t0, self.version)

@@ -53,7 +53,8 @@ class CheckpointMetrics:
             plus the same fixed cost, seconds.
         expected_interval_steps: the steps to the next checkpoint request the plan expected
             (the median gap of the latest requests; None before two requests at different steps,
-            and where the host pool holds more than one slot: ``host_buffer_bytes`` set).
+            and where the host pool may hold more than one slot: ``host_buffer_bytes`` set with
+            ``max_inflight`` > 1).
             K avoids ending its windows right before that request; a K beyond it has the next
             request copy the blocks left (``flush`` stall) and share the snapshot
             (:func:`gockpt.plan.make_plan`).

@@ -462,16 +462,18 @@ def make_plan(
     the paper's model, which assumes the copy ends before the next request):
 
     - ``K <= interval - DRAIN_MARGIN_STEPS``: the plan as above.
-    - ``interval - DRAIN_MARGIN_STEPS < K <= interval``: left out while another K remains. The
-      windows end right before the next request, which then waits for this save's persist to
-      write out the host slot its first window reuses, a wait the model does not count.
+    - ``interval - DRAIN_MARGIN_STEPS < K <= interval``: left out where a K of the first kind
+      exists. The windows end right before the next request, which then waits for this save's
+      persist to write out the host slot its first window reuses, a wait the model does not
+      count. (Where none exists, e.g. a request every step, they compete on their own stall.)
     - ``K > interval``: the next request finds windows still open. It copies their blocks at
       once (plus the gradients of the last update of the blocks already copied), while the
       training thread waits, and shares the snapshot, copying nothing of its own. The plan's
       prediction counts that copy (:attr:`CopyPlan.flushed_at`). Such a plan is chosen only
       where its own stall is the least: the two checkpoints then hold the same step, so it is
       not counted as a saving that halves the copy. Without ``next_request_shares`` the next
-      request would need a slot of its own, and these K are left out as the ones above.
+      request needs a slot of its own (it waits for it, or skips), and these K are left out as
+      the ones above.
 
     Args:
         mode: ``auto``, ``sync``, ``async``, ``lazy``, ``gockpt`` or ``gockpt_o``.
@@ -571,14 +573,15 @@ def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: 
                        grad_bytes: list[int], static_bytes: int, hide: float, shares: bool,
                        ) -> list[_Candidate]:
     """The candidates of :func:`make_plan` with the next request ``interval`` steps away: those
-    that make it wait for the slot left out while others remain (K in the drain margin; K >
-    interval unless that request ``shares`` the snapshot); K > interval charged its copy at
-    that request."""
+    that make it wait for the slot (K in the drain margin; K > interval unless that request
+    ``shares`` the snapshot) left out where a plan whose windows end in time exists; K >
+    interval charged its copy at that request."""
     def waits(k: int) -> bool:
         return interval - DRAIN_MARGIN_STEPS < k <= interval or (k > interval and not shares)
 
+    in_time = any(c[1] <= interval - DRAIN_MARGIN_STEPS for c in candidates)
     out: list[_Candidate] = []
-    for c in [c for c in candidates if not waits(c[1])] or candidates:
+    for c in [c for c in candidates if not (in_time and waits(c[1]))]:
         _, k, pref, m, blocks, _ = c
         if k > interval:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, interval)

@@ -394,44 +394,47 @@ def test_plan_describes_its_prediction_and_bound():
 
 # ---------------------------------------------------------------- the next request in view
 
-def _flushed_stall_by_hand(mode, units, grads, blocks, costs, at):
+def _flushed_stall_by_hand(mode, units, grads, blocks, costs, at, static=0):
     """Windows 0..at-1 as usual, then the rest copied at the next request with the training
-    thread waiting: the later blocks' state and the last update's gradients of the blocks
-    copied before."""
+    thread waiting: the later blocks' state, the last update's gradients of the blocks copied
+    before, and the static tensors."""
     before = predict_stall_s(mode, units, grads, blocks[:at], costs)
     rest = sum(units[i] for b in blocks[at:] for i in b) + sum(grads[i] for b in blocks[:at] for i in b)
-    return before + rest / costs.copy_bytes_per_s
+    return before + (rest + static) / costs.copy_bytes_per_s
 
 
 @settings(max_examples=300, deadline=None)
 @given(workloads(grads_at_most_state=False), st.integers(1, 8), st.integers(1, 10),
-       st.sampled_from(["auto", "gockpt", "gockpt_o"]), st.booleans())
-def test_windows_never_end_right_before_the_next_request(work, k_max, interval, mode, shares):
+       st.sampled_from(["auto", "gockpt", "gockpt_o"]), st.booleans(),
+       st.sampled_from([0, 0, 50, 300]))
+def test_windows_never_end_right_before_the_next_request(work, k_max, interval, mode, shares,
+                                                          static):
     units, grads, costs = work
     plan = make_plan(mode, units, grads, costs, max_overlap_steps=k_max, replayable=True,
-                     interval_steps=interval, next_request_shares=shares)
-    far = make_plan(mode, units, grads, costs, max_overlap_steps=k_max, replayable=True)
+                     interval_steps=interval, next_request_shares=shares, static_bytes=static)
+    far = make_plan(mode, units, grads, costs, max_overlap_steps=k_max, replayable=True,
+                    static_bytes=static)
     k, possible = plan.num_overlap_steps, range(1, min(k_max, max(len(units), 1)) + 1)
 
     def waits(x):  # the next request would wait for this save's slot
         return interval - DRAIN_MARGIN_STEPS < x <= interval or (x > interval and not shares)
 
-    if waits(k):  # only where every K the plan could take would
-        assert all(waits(x) for x in possible)
+    if waits(k):  # only where no plan's windows end in time
+        assert all(x > interval - DRAIN_MARGIN_STEPS for x in possible)
     if interval > k_max:  # the next request is past every window: nothing changes
         assert plan == far
     assert (plan.flushed_at is not None) == (k > interval)
     if plan.flushed_at is not None:
         assert plan.flushed_at == interval
-        assert plan.predicted_stall_s == pytest.approx(
-            _flushed_stall_by_hand(plan.mode, units, grads, plan.blocks, costs, interval), abs=1e-9)
+        assert plan.predicted_stall_s == pytest.approx(_flushed_stall_by_hand(
+            plan.mode, units, grads, plan.blocks, costs, interval, static), abs=1e-9)
         # Cut short, the later windows hide nothing.
         assert plan.predicted_stall_s >= predict_stall_s(plan.mode, units, grads, plan.blocks,
-                                                         costs) - 1e-9
+                                                         costs, static_bytes=static) - 1e-9
         assert plan.predicted_stall_s >= plan.lower_bound_s - 1e-9
     # No worse than the best plan whose windows end before the margin.
     if interval - DRAIN_MARGIN_STEPS >= 1:
-        short = make_plan(mode, units, grads, costs, replayable=True,
+        short = make_plan(mode, units, grads, costs, replayable=True, static_bytes=static,
                           max_overlap_steps=min(k_max, interval - DRAIN_MARGIN_STEPS))
         slack = MIN_GAIN_WINDOWS * costs.window_s
         assert plan.predicted_stall_s <= short.predicted_stall_s + slack + 1e-9
@@ -477,6 +480,12 @@ def test_a_link_too_slow_for_the_interval_copies_the_rest_at_the_next_request():
     alone = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=7, replayable=True,
                       interval_steps=2, next_request_shares=False)
     assert alone.blocks == one.blocks and alone.predicted_stall_s == one.predicted_stall_s
+    # A request every step: no plan's windows end before it; the single window competes with
+    # the plans the next request cuts short on its own stall (a copy that fits one window).
+    fits = Costs(copy_bytes_per_s=100.0, window_s=100.0)
+    every = make_plan("auto", units, grads, fits, max_overlap_steps=7, replayable=True,
+                      interval_steps=1)
+    assert every.mode == "lazy" and every.predicted_stall_s == 0.0
     with pytest.raises(ValueError, match="interval_steps"):
         make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True,
                   interval_steps=0)
