@@ -391,16 +391,16 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     if leader is not None:
         record = join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,
                              t_request=t_request, writer=writer, files=files)
-        record.flushed_others_s = flushed_s
-        return record, leader
-    if slot is None:
+    elif slot is None:
         return None, None
-    record = new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets, state_fn,
-                        grad_bytes=grad_bytes, target=version + plan.num_overlap_steps - 1,
-                        t_request=t_request, pinned=pinned, writer=writer, files=files)
-    record.borrowed = drain
+    else:
+        record = new_record(seq, path, handle, plan, layout, slot, slot_layout, grad_offsets,
+                            state_fn, grad_bytes=grad_bytes,
+                            target=version + plan.num_overlap_steps - 1, t_request=t_request,
+                            pinned=pinned, writer=writer, files=files)
+        record.borrowed = drain
     record.flushed_others_s = flushed_s
-    return record, None
+    return record, leader
 
 
 def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,

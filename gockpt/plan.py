@@ -523,7 +523,7 @@ def make_plan(
             paid, loads = _window_terms(m, unit_bytes, grad_bytes, blocks, static_bytes)
         else:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, flushed_at)
-        if stall_s is None or flushed_at is not None:
+        if stall_s is None:
             stall_s = _model_stall(paid, loads, _hidden_bytes(costs)) / bw
         return CopyPlan(m, blocks, stall_s, bound, max(costs.window_overhead_s, 0.0), costed=True,
                         window_s=costs.window_s, paid_s=paid / bw,

@@ -64,8 +64,11 @@ def test_sigkill_never_leaves_latest_incomplete(tmp_path, mode):
         last_step = max(last_step, state.captured_step)
 
 
-def _delete_in_a_child(path: str, delay_s: float) -> None:
-    """Fork a child that deletes ``path``; SIGKILL it ``delay_s`` after it starts."""
+def _delete_in_a_child(path: str, delay_s: float | None) -> float:
+    """Fork a child that deletes ``path``; SIGKILL it ``delay_s`` after it starts, or (None) let
+    it finish. Returns the seconds from its start to its end (a child of a large process also
+    pays copy-on-write faults that an in-process deletion does not: the test below draws its
+    kill delays against this)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: only storage calls, then _exit (no pytest teardown in the child)
@@ -78,34 +81,14 @@ def _delete_in_a_child(path: str, delay_s: float) -> None:
     os.close(w)
     try:
         assert os.read(r, 2) == b"go"
-        time.sleep(delay_s)
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-
-
-def _child_delete_s(path: str) -> float:
-    """Seconds a forked child takes to delete ``path``, from its "go" to its exit: what the
-    kill delays of the test below are drawn against (a child of a large process also pays
-    copy-on-write faults that an in-process deletion does not)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.write(w, b"go")
-            remove_checkpoint(path)
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        assert os.read(r, 2) == b"go"
         t0 = time.perf_counter()
-        os.waitpid(pid, 0)
-        return time.perf_counter() - t0
+        if delay_s is not None:
+            time.sleep(delay_s)
+            os.kill(pid, signal.SIGKILL)
     finally:
+        os.waitpid(pid, 0)
         os.close(r)
+    return time.perf_counter() - t0
 
 
 def test_sigkill_during_deletion_never_leaves_a_torn_checkpoint(tmp_path, make_request):
@@ -117,7 +100,7 @@ def test_sigkill_during_deletion_never_leaves_a_torn_checkpoint(tmp_path, make_r
     assert len(os.listdir(template / "new")) == 202
     probe = tmp_path / "probe"
     shutil.copytree(template, probe, copy_function=os.link)
-    duration = _child_delete_s(str(probe / "new"))
+    duration = _delete_in_a_child(str(probe / "new"), None)
     assert not (probe / "new").exists()
 
     rng = random.Random(20240610)
