@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[lightning,accelerate,examples,test]"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two workers: most of the suite's time is spent in subprocesses (training ranks, killed jobs)
+# whose parent only waits, so a second worker uses the core it leaves idle. GOCKPT_TEST_WORKERS=0
+# runs the tests in one process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${GOCKPT_TEST_WORKERS:-2}" "$@"
