@@ -225,15 +225,38 @@ def new_record(
         views = {e.key: host_view(slot.data, slot_layout.offsets[e.key], e.tensor)
                  for e in layout.entries}
         slot.views = (layout, slot_layout, views)
-    grad_views = [
-        {i: host_view(g, off, layout.units[i].param_entry.tensor) for i, off in grad_offsets.items()
-         if off + layout.units[i].grad_bytes <= need}
-        for g, need in zip(slot.grads, grad_bytes, strict=True)
-    ]
+    grad_views = _grad_views(slot, layout, grad_offsets, grad_bytes)
     shards, segments = _files(layout, slot_layout, files)
     return SaveRecord(seq, path, handle, plan, layout, slot, views, grad_views, shards,
                       slot_layout.bases, state_fn, target=target, t_request=t_request,
                       writer=writer, shard_segments=segments, pinned=pinned, cold=cold)
+
+
+def _grad_views(slot: Slot, layout: StateLayout, grad_offsets: dict[int, int],
+                grad_bytes: tuple[int, int]) -> list[dict[int, torch.Tensor]]:
+    """Per gradient buffer of ``slot``: unit index -> its gradient's view at ``grad_offsets``,
+    for the units whose gradient fits in the ``grad_bytes`` that buffer needs. Views are kept on
+    the slot per (unit, offset) for its latest layout: making one costs two ``Tensor.view``
+    calls (about 10 us), on the training thread, for every unit of every save."""
+    cached = slot.grad_view_cache
+    # A lent slot may get larger gradient buffers (SlotPool): views of the old ones are dropped.
+    if cached is None or cached[0] is not layout or any(
+            a is not b for a, b in zip(cached[1], slot.grads, strict=True)):
+        cached = slot.grad_view_cache = (layout, tuple(slot.grads), [{} for _ in slot.grads])
+    units = layout.units
+    out: list[dict[int, torch.Tensor]] = []
+    for g, need, memo in zip(slot.grads, grad_bytes, cached[2], strict=True):
+        if len(memo) > 8 * len(units):  # offsets of many plans: start over
+            memo.clear()
+        views = {}
+        for i, off in grad_offsets.items():
+            if off + units[i].grad_bytes <= need:
+                v = memo.get((i, off))
+                if v is None:
+                    v = memo[(i, off)] = host_view(g, off, units[i].param_entry.tensor)
+                views[i] = v
+        out.append(views)
+    return out
 
 
 def _files(layout: StateLayout, slot_layout: SlotLayout, files: list[TensorFile] | None,

@@ -26,7 +26,7 @@ from ._record import Phase, SaveRecord, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
 from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
-from .layout import Unit, local, localize
+from .layout import StateLayout, Unit, local, localize
 from .partition import prune_model, prune_optimizer
 from .plan import MULTI_STEP_MODES
 from .replay import snapshot_hparams
@@ -94,6 +94,7 @@ class Windows:
         # seconds, of the latest saves per mode (a multi-step request also lays out gradient
         # buffers and sizes blocks per window): added to the plan's predicted stall.
         self._fixed_stalls: dict[str, CostSamples] = {}
+        self._keys_cache: tuple[StateLayout, dict[tuple, str], list] | None = None  # _tracked_keys
         # Per window, the stall of the latest saves' copy windows beyond the plan's window model
         # (seconds; may be negative): what the planner charges each window (Costs).
         self._window_residuals = CostSamples()
@@ -618,13 +619,13 @@ class Windows:
         part = s.layout.partition  # a shared write: other ranks' tensors are in their parts
         if part is not None:
             current = prune_model(current, part)
-        live: dict[tuple, str] = {}
-        for u in s.layout.units:
-            if self._dirty(u):
-                continue
-            live[storage_key(u.param_entry.tensor)] = u.param_entry.key
-            for e in u.state_entries.values():
-                live[storage_key(e.tensor)] = e.key
+        live, stored = self._tracked_keys(s.layout)
+        live = dict(live)
+        for u, keys in zip(s.layout.units, stored):
+            if self._dirty(u, keys):  # rare: state replaced during the windows
+                live.pop(keys[0], None)
+                for k in keys[1].values():
+                    live.pop(k, None)
         pairs = []
         if s.layout.static:
             # Re-read: a forward may rebind a buffer (``self.count = self.count + 1``).
@@ -660,8 +661,34 @@ class Windows:
         part = s.layout.partition
         return sd if part is None else prune_optimizer(sd, i, part)
 
-    def _dirty(self, u: Unit) -> bool:
-        """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from."""
-        st = self._optimizers[u.optimizer_index].state.get(u.param, {})
-        now = {n: storage_key(local(t)) for n, t in st.items() if isinstance(t, torch.Tensor)}
-        return now != {n: storage_key(e.tensor) for n, e in u.state_entries.items()}
+    def _tracked_keys(self, layout: StateLayout) -> tuple[dict[tuple, str], list]:
+        """The :func:`gockpt.snapshot.storage_key` of every unit's tensors in ``layout``: (key ->
+        entry key over all units, per unit (its parameter's key, state name -> key)). Made once
+        per layout: an entry's tensor is an alias only the layout holds, so its key cannot
+        change (a parameter given new storage makes a new layout), and taking 3 keys per
+        parameter at every capture cost more than the rest of ``_live``."""
+        cached = self._keys_cache
+        if cached is None or cached[0] is not layout:
+            live: dict[tuple, str] = {}
+            stored = []
+            for u in layout.units:
+                pk = storage_key(u.param_entry.tensor)
+                sk = {n: storage_key(e.tensor) for n, e in u.state_entries.items()}
+                live[pk] = u.param_entry.key
+                for n, e in u.state_entries.items():
+                    live[sk[n]] = e.key
+                stored.append((pk, sk))
+            cached = self._keys_cache = (layout, live, stored)
+        return cached[1], cached[2]
+
+    def _dirty(self, u: Unit, keys: tuple[tuple, dict[str, tuple]]) -> bool:
+        """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from
+        (``keys``: its entry from :meth:`_tracked_keys`)."""
+        stored = keys[1]
+        n = 0
+        for name, t in self._optimizers[u.optimizer_index].state.get(u.param, {}).items():
+            if isinstance(t, torch.Tensor):
+                n += 1
+                if stored.get(name) != storage_key(t if type(t) is torch.Tensor else local(t)):
+                    return True
+        return n != len(stored)

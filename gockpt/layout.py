@@ -320,16 +320,35 @@ def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
 
     It covers the identity and storage of every tensor, so that ``optimizer.load_state_dict``
     (new state tensors) or ``module.to()`` (new parameter storage) makes the engine re-enumerate.
+    A flat tuple: it is taken at every request, on the training thread, and the per-tensor
+    tuples and sorts of a nested one cost more than the state_dict traversal. (A state dict
+    whose names come in another order reads as changed: a rebuild, never a missed change.)
     """
+    plain = (torch.Tensor, nn.Parameter)  # the common case: no DTensor check needed
 
-    def ident(t: object) -> object:
-        return (id(t), local(t).data_ptr()) if isinstance(t, torch.Tensor) else None
+    def ptr(t: torch.Tensor) -> int:
+        return (t if type(t) in plain else local(t)).data_ptr()
 
-    sig: list = [tuple((k, ident(v)) for k, v in model.state_dict(keep_vars=True).items())]
+    sig: list = []
+    add = sig.append
+    for k, v in model.state_dict(keep_vars=True).items():
+        add(k)
+        if isinstance(v, torch.Tensor):
+            add(id(v))
+            add(ptr(v))
     for opt in optimizers:
-        sig.append(tuple(
-            (ident(p), tuple(sorted((k, ident(v)) for k, v in opt.state.get(p, {}).items()
-                                    if isinstance(v, torch.Tensor))))
-            for g in opt.param_groups for p in g["params"]
-        ))
+        add(None)  # where one optimizer ends
+        state = opt.state
+        for g in opt.param_groups:
+            for p in g["params"]:
+                add(id(p))
+                add(ptr(p))
+                st = state.get(p)
+                if st:
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor):
+                            add(k)
+                            add(id(v))
+                            add(ptr(v))
+                add(len(st) if st else 0)  # where one parameter's state ends
     return tuple(sig)

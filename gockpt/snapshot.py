@@ -61,6 +61,10 @@ def _deep_copy(x: Any) -> Any:
         return copy.deepcopy(x)
 
 
+#: Leaf types that are immutable and never containers.
+_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
 def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = lambda x: False) -> Any:
     """A copy of ``tree`` with ``fn`` applied to every leaf, containers rebuilt with their types.
 
@@ -70,7 +74,9 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
     """
 
     def conv(x: Any) -> Any:
-        if is_leaf(x):
+        # Tensors and scalars are leaves whatever ``is_leaf`` says: checked first, since a
+        # capture maps every tensor and step count of the state, on the training thread.
+        if type(x) in _ATOMIC or isinstance(x, torch.Tensor) or is_leaf(x):
             return fn(x)
         if isinstance(x, dict):
             d = copy.copy(x)
@@ -106,6 +112,8 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
     memo: dict[int, Any] = {}
 
     def leaf(x: Any) -> Any:
+        if type(x) in _ATOMIC:  # immutable: deepcopy would return it as is
+            return x
         if not isinstance(x, torch.Tensor):
             return copy.deepcopy(x)
         if id(x) not in memo:

@@ -310,6 +310,8 @@ class Slot:
             (``frozen_copy="when_changed"``; training thread only).
         views: the views of ``data`` per tensor key of the latest state layout planned into it
             (training thread only).
+        grad_view_cache: the views of ``grads`` made for that layout, per buffer by (unit
+            index, offset) (training thread only; see :func:`gockpt._record.new_record`).
         drain: while a persist reads the slot and it may be lent: what it has yet to read
             (``drain.lent``: a save borrowed it, :meth:`SlotPool.acquire` with ``lend``).
         fresh: a buffer was allocated and no save has copied into the slot since.
@@ -329,6 +331,9 @@ class Slot:
         self.held = held if held is not None else HeldTensors()
         # (layout, slot layout, key -> view of ``data``): the last layout's views, reused
         self.views: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
+        # (layout, the gradient buffers, per buffer (unit index, offset) -> view): reused likewise
+        self.grad_view_cache: tuple[Any, tuple[torch.Tensor, ...],
+                                    list[dict[tuple[int, int], torch.Tensor]]] | None = None
         self.drain: Drain | None = None
         # No save has copied into it since one of its buffers was allocated (their pages are
         # faulted in by the first copies): its first save's costs are not the steady state's.

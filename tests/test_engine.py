@@ -747,3 +747,46 @@ def test_remove_checkpoint_hands_the_renamed_tree_to_discard(tmp_path):
     gockpt.remove_checkpoint(str(tmp_path / "a"), discard=discard)
     assert len(seen) == 1 and seen[0][0].startswith(".a.gockpt-tmp-") and seen[0][1] == files
     assert sorted(os.listdir(tmp_path)) == ["latest"] or sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_optimizer_state_that_appears_during_the_windows_is_taken_live(tmp_path, mode):
+    """A parameter unfrozen while a save's windows are open gets its optimizer state only then:
+    that state is not among the tensors the layout tracked, so the capture copies it live. The
+    checkpoint equals the live state at its captured step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    x = torch.randn(16, 8)
+    live = {}
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    for _ in range(3):
+        step()
+    eng.save(str(tmp_path / "warm")).result()  # the layout is built with no state for model[1]
+    for _ in range(2):
+        step()
+    handle = eng.save(str(tmp_path / "a"))
+    step()
+    unfrozen_at = eng.version
+    for p in model[1].parameters():
+        p.requires_grad_(True)
+    for _ in range(4):
+        step()
+    eng.close()
+    m = handle.result()
+    state = gockpt.load_checkpoint(m.path)
+    v = state.captured_step
+    assert v > unfrozen_at and m.num_overlap_steps == 3
+    assert set(state.optimizer_state_dicts[0]["state"]) == set(live[v]["optim"]["state"])
+    assert_state_equal(state.model_state_dict, live[v]["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"])
