@@ -60,6 +60,10 @@ class CostSamples:
         """The median of the values held, None while there are none."""
         return statistics.median(self._values) if self._values else None
 
+    def mean(self) -> float | None:
+        """The mean of the values held, None while there are none."""
+        return statistics.fmean(self._values) if self._values else None
+
     @property
     def cold(self) -> bool:
         """Whether every value held is a cold save's (False while empty)."""
@@ -295,14 +299,16 @@ class Windows:
 
     def fixed_stall_s(self, mode: str) -> float:
         """The per-save fixed cost of a save in ``mode`` (its request and capture on the training
-        thread), seconds: the median over the latest saves in that mode, else the median of
-        the other modes' medians; warm saves' before cold ones' (:class:`CostSamples`: a cold
-        save pays more than a mode's difference); 0.0 before any save."""
+        thread), seconds: the mean over the latest saves in that mode, else the median of the
+        other modes' means; warm saves' before cold ones' (:class:`CostSamples`: a cold save
+        pays more than a mode's difference); 0.0 before any save. A mean, not a median: this
+        cost is skewed (a save whose request meets a busy second core takes twice the usual),
+        and the prediction it enters is of the mean stall."""
         own = self._fixed_stalls.get(mode)
         for cold in (False, True):
             if own is not None and len(own) and own.cold == cold:
-                return own.median() or 0.0
-            others = [x.median() for x in self._fixed_stalls.values() if len(x) and x.cold == cold]
+                return own.mean() or 0.0
+            others = [x.mean() for x in self._fixed_stalls.values() if len(x) and x.cold == cold]
             if others:
                 return statistics.median(others)
         return 0.0

@@ -172,6 +172,18 @@ def test_cost_samples_hold_cold_values_only_until_a_warm_one():
     s.add(2.0, cold=False)
     s.add(4.0, cold=False)  # the oldest warm value leaves
     assert s.median() == 3.0 and len(s) == 3
+    s.add(12.0, cold=False)  # skewed: the mean, which predictions use, moves; the median less
+    assert s.median() == 4.0 and s.mean() == pytest.approx(6.0)
+
+
+def test_the_fixed_cost_predicted_is_the_mean_of_the_warm_saves(tmp_path, monkeypatch):
+    # The prediction is of the mean stall, and the fixed cost is skewed (a request that meets a
+    # busy second core takes longer): a median of three warm saves would under-predict it.
+    ms = _saves_with_equal_plans(tmp_path, monkeypatch, {s: "gockpt_o" for s in (2, 8, 14, 20, 26)})
+    assert len({m.num_overlap_steps for m in ms}) == 1
+    f = [_fixed(m) for m in ms]
+    assert ms[4].predicted_stall_s - ms[0].predicted_stall_s == pytest.approx(
+        (f[1] + f[2] + f[3]) / 3, abs=1e-12)
 
 
 def _deep(width: int = 8):
