@@ -98,7 +98,7 @@ class Windows:
         # seconds, of the latest saves per mode (a multi-step request also lays out gradient
         # buffers and sizes blocks per window): added to the plan's predicted stall.
         self._fixed_stalls: dict[str, CostSamples] = {}
-        self._keys_cache: tuple[StateLayout, dict[tuple, str], list] | None = None  # _tracked_keys
+        self._keys_cache: tuple[weakref.ref, dict[tuple, str], list] | None = None  # _tracked_keys
         # Per window, the stall of the latest saves' copy windows beyond the plan's window model
         # (seconds; may be negative): what the planner charges each window (Costs).
         self._window_residuals = CostSamples()
@@ -670,11 +670,13 @@ class Windows:
     def _tracked_keys(self, layout: StateLayout) -> tuple[dict[tuple, str], list]:
         """The :func:`gockpt.snapshot.storage_key` of every unit's tensors in ``layout``: (key ->
         entry key over all units, per unit (its parameter's key, state name -> key)). Made once
-        per layout: an entry's tensor is an alias only the layout holds, so its key cannot
-        change (a parameter given new storage makes a new layout), and taking 3 keys per
-        parameter at every capture cost more than the rest of ``_live``."""
+        per layout, since taking 3 keys per parameter at every capture cost more than the rest
+        of ``_live``. An entry's tensor is an alias only the layout holds, so its shape and
+        strides cannot change; its address changes only if its storage is resized in place
+        (``untyped_storage().resize_()``), which tracked tensors must not be between two step
+        boundaries (the layout check at the next request sees it and builds a new layout)."""
         cached = self._keys_cache
-        if cached is None or cached[0] is not layout:
+        if cached is None or cached[0]() is not layout:
             live: dict[tuple, str] = {}
             stored = []
             for u in layout.units:
@@ -684,7 +686,9 @@ class Windows:
                 for n, e in u.state_entries.items():
                     live[sk[n]] = e.key
                 stored.append((pk, sk))
-            cached = self._keys_cache = (layout, live, stored)
+            # A weak reference: the keys hold no tensor, and a replaced layout's tensors (old
+            # optimizer state after load_state_dict) must not outlive it here.
+            cached = self._keys_cache = (weakref.ref(layout), live, stored)
         return cached[1], cached[2]
 
     def _dirty(self, u: Unit, keys: tuple[tuple, dict[str, tuple]]) -> bool:

@@ -476,6 +476,7 @@ class SlotPool:
                     self._bytes += n - s.grads[t].numel()
                     s.grads[t] = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
                     s.fresh = True
+                    s.grad_view_cache = None  # its views would keep the old buffer alive
             self._peak = max(self._peak, self._bytes)
             d.lent = True
             s.refs += 1

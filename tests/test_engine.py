@@ -750,14 +750,17 @@ def test_remove_checkpoint_hands_the_renamed_tree_to_discard(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
-def test_optimizer_state_that_appears_during_the_windows_is_taken_live(tmp_path, mode):
-    """A parameter unfrozen while a save's windows are open gets its optimizer state only then:
-    that state is not among the tensors the layout tracked, so the capture copies it live. The
-    checkpoint equals the live state at its captured step."""
+@pytest.mark.parametrize("change", ["appears", "replaced"])
+def test_optimizer_state_that_changes_during_the_windows_is_taken_live(tmp_path, mode, change):
+    """Optimizer state that is not among the tensors the layout tracked when the save was
+    requested, because it appeared (a parameter unfrozen during the windows) or was replaced
+    by a new tensor (not updated in place), is copied live at the capture, with its parameter.
+    The checkpoint equals the live state at its captured step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    for p in model[1].parameters():
-        p.requires_grad_(False)
+    if change == "appears":
+        for p in model[1].parameters():
+            p.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
     x = torch.randn(16, 8)
@@ -772,21 +775,25 @@ def test_optimizer_state_that_appears_during_the_windows_is_taken_live(tmp_path,
 
     for _ in range(3):
         step()
-    eng.save(str(tmp_path / "warm")).result()  # the layout is built with no state for model[1]
+    eng.save(str(tmp_path / "warm")).result()  # the layout is built before the change
     for _ in range(2):
         step()
     handle = eng.save(str(tmp_path / "a"))
     step()
-    unfrozen_at = eng.version
-    for p in model[1].parameters():
-        p.requires_grad_(True)
+    changed_at = eng.version
+    if change == "appears":
+        for p in model[1].parameters():
+            p.requires_grad_(True)
+    else:  # the block of model[0] was copied in the first window: its host copy is stale now
+        st = opt.state[model[0].weight]
+        st["exp_avg"] = st["exp_avg"] * 2 + 1
     for _ in range(4):
         step()
     eng.close()
     m = handle.result()
     state = gockpt.load_checkpoint(m.path)
     v = state.captured_step
-    assert v > unfrozen_at and m.num_overlap_steps == 3
+    assert v > changed_at and m.num_overlap_steps == 3
     assert set(state.optimizer_state_dicts[0]["state"]) == set(live[v]["optim"]["state"])
     assert_state_equal(state.model_state_dict, live[v]["model"])
     assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"])
