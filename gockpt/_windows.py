@@ -60,10 +60,6 @@ class CostSamples:
         """The median of the values held, None while there are none."""
         return statistics.median(self._values) if self._values else None
 
-    def values(self) -> tuple[float, ...]:
-        """The values held, oldest first."""
-        return tuple(self._values)
-
     def mean(self) -> float | None:
         """The mean of the values held, None while there are none."""
         return statistics.fmean(self._values) if self._values else None
@@ -325,13 +321,6 @@ class Windows:
         (:attr:`gockpt.plan.Costs.window_overhead_s`); cold saves count only until a warm one
         (:class:`CostSamples`)."""
         return max(0.0, self._window_residuals.median() or 0.0)
-
-    @property
-    def window_overhead_samples_s(self) -> tuple[float, ...]:
-        """The per-window overhead each of the latest saves implies, seconds, at least 0
-        (:attr:`gockpt.plan.Costs.window_overhead_samples_s`; :attr:`window_overhead_s` is
-        their median)."""
-        return tuple(max(0.0, x) for x in self._window_residuals.values())
 
     def _note_window_residual(self, s: SaveRecord) -> None:
         plan, by = s.plan, s.metrics.stall_by_phase_s

@@ -33,7 +33,7 @@ and reports a lower bound no plan can beat (:func:`stall_lower_bound_s`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,18 +63,11 @@ class Costs:
         window_overhead_s: seconds each window's copy runs beyond its bytes at
             ``copy_bytes_per_s`` (waking the training thread, chunks queued behind other work),
             measured on earlier saves: a window hides ``window_s - window_overhead_s`` of copy.
-        window_overhead_samples_s: the per-window overhead each of the latest saves implies,
-            seconds (``window_overhead_s`` is their median). Plans are chosen at the median;
-            their predicted stall and lower bound are the means over these values, since the
-            overhead varies from save to save (a copy thread that shares a core with replay and
-            persist falls behind now and then) and a window with little room to spare stalls
-            only in the saves where it is large. Empty: the median alone.
     """
 
     copy_bytes_per_s: float
     window_s: float
     window_overhead_s: float = 0.0
-    window_overhead_samples_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,13 +107,6 @@ class CopyPlan:
     paid_s: float = 0.0
     window_loads_s: tuple[float, ...] = ()
     flushed_at: int | None = None
-
-    def stall_at_overhead_s(self, overhead_s: float) -> float:
-        """The stall this plan's model predicts, seconds, at a per-window overhead of
-        ``overhead_s`` seconds instead of :attr:`window_overhead_s` (the same window length,
-        copy rate and loads)."""
-        hide = max(0.0, self.window_s - max(overhead_s, 0.0))
-        return self.paid_s + sum(max(0.0, x - hide) for x in self.window_loads_s)
 
     def fit_overhead(self, stall_s: float) -> float | None:
         """The per-window overhead, seconds, under which this plan's model predicts ``stall_s``
@@ -504,9 +490,6 @@ def make_plan(
         next_request_shares: whether a request that cuts this plan's windows short takes its
             snapshot (False where ranks must agree on K: :mod:`gockpt.sharded`).
 
-    With :attr:`Costs.window_overhead_samples_s` the plan is chosen as above at the median
-    overhead, and its predicted stall and lower bound are the means over those overheads.
-
     Returns:
         The plan, with its predicted stall and the lower bound over plans of at most
         ``max_overlap_steps`` windows (:func:`stall_lower_bound_s`).
@@ -515,45 +498,6 @@ def make_plan(
         ValueError: unknown mode, ``max_overlap_steps < 1``, ``interval_steps < 1``, or the
             lists differ in length.
     """
-    plan = _make_plan(mode, unit_bytes, grad_bytes, costs, max_overlap_steps=max_overlap_steps,
-                      replayable=replayable, min_overlap_steps=min_overlap_steps,
-                      static_bytes=static_bytes, interval_steps=interval_steps,
-                      next_request_shares=next_request_shares)
-    if costs is None or not plan.costed or len(costs.window_overhead_samples_s) < 2:
-        return plan
-    samples = [max(0.0, oh) for oh in costs.window_overhead_samples_s]
-    bound = float(np.mean([
-        stall_lower_bound_s(unit_bytes, grad_bytes, replace(costs, window_overhead_s=oh),
-                            max_overlap_steps=max_overlap_steps, static_bytes=static_bytes)
-        for oh in samples]))
-
-    def expected(p: CopyPlan) -> CopyPlan:
-        return replace(p, predicted_stall_s=float(np.mean([p.stall_at_overhead_s(oh) for oh in samples])),
-                       lower_bound_s=bound)
-
-    plan = expected(plan)
-    if mode == "auto" and plan.mode != "lazy":  # auto never expects more stall than lazy
-        lazy = expected(_make_plan("lazy", unit_bytes, grad_bytes, costs, max_overlap_steps=1,
-                                   replayable=replayable, static_bytes=static_bytes))
-        if lazy.predicted_stall_s <= plan.predicted_stall_s:
-            return lazy
-    return plan
-
-
-def _make_plan(
-    mode: str,
-    unit_bytes: list[int],
-    grad_bytes: list[int],
-    costs: Costs | None,
-    *,
-    max_overlap_steps: int,
-    replayable: bool,
-    min_overlap_steps: int = 1,
-    static_bytes: int = 0,
-    interval_steps: int | None = None,
-    next_request_shares: bool = True,
-) -> CopyPlan:
-    """:func:`make_plan` at the median per-window overhead."""
     if max_overlap_steps < 1:
         raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
     if interval_steps is not None and interval_steps < 1:

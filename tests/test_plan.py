@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -490,44 +489,3 @@ def test_a_link_too_slow_for_the_interval_copies_the_rest_at_the_next_request():
     with pytest.raises(ValueError, match="interval_steps"):
         make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True,
                   interval_steps=0)
-
-
-@settings(max_examples=200, deadline=None)
-@given(workloads(grads_at_most_state=False), st.integers(1, 7), st.integers(0, 300),
-       st.sampled_from(["lazy", "gockpt", "gockpt_o", "auto"]),
-       st.lists(st.floats(0.0, 1.0), min_size=2, max_size=15))
-def test_the_prediction_averages_over_the_measured_overheads(work, k_max, static, mode, fracs):
-    """The per-window overhead varies from save to save: the plan is chosen at the median
-    overhead, and its prediction and bound are the means over the latest saves' overheads."""
-    units, grads, costs = work
-    samples = tuple(f * costs.window_s for f in fracs)
-    median = float(np.median(samples))
-    at_median = Costs(costs.copy_bytes_per_s, costs.window_s, median)
-    spread = Costs(costs.copy_bytes_per_s, costs.window_s, median, samples)
-    a = make_plan(mode, units, grads, at_median, max_overlap_steps=k_max, replayable=True,
-                  static_bytes=static)
-    b = make_plan(mode, units, grads, spread, max_overlap_steps=k_max, replayable=True,
-                  static_bytes=static)
-    per_sample = [Costs(costs.copy_bytes_per_s, costs.window_s, oh) for oh in samples]
-    expected = np.mean([predict_stall_s(b.mode, units, grads, b.blocks, c, static_bytes=static)
-                        for c in per_sample])
-    assert b.predicted_stall_s == pytest.approx(expected, rel=1e-9, abs=1e-9)
-    assert b.lower_bound_s <= b.predicted_stall_s + 1e-9
-    if mode != "auto":
-        assert (b.mode, b.blocks) == (a.mode, a.blocks)
-    else:  # never more expected stall than lazy's
-        lazy = make_plan("lazy", units, grads, spread, max_overlap_steps=k_max, replayable=True,
-                         static_bytes=static)
-        assert b.predicted_stall_s <= lazy.predicted_stall_s + 1e-9
-        assert (b.mode, b.blocks) in ((a.mode, a.blocks), (lazy.mode, lazy.blocks))
-    if len(set(samples)) == 1:
-        assert b.predicted_stall_s == pytest.approx(a.predicted_stall_s, rel=1e-9, abs=1e-9)
-
-
-def test_a_window_with_little_room_predicts_the_stall_of_the_saves_whose_overhead_is_large():
-    # One window of 0.2 s, copy 0.15 s of it: at the median overhead (0.01 s) it hides the copy,
-    # but one save in four took 0.1 s more and stalled 0.05 s; the mean expects 0.0125 s.
-    costs = Costs(1000.0, 0.2, 0.01, (0.01, 0.01, 0.01, 0.1))
-    plan = make_plan("lazy", [150], [0], costs, max_overlap_steps=1, replayable=True)
-    assert plan.stall_at_overhead_s(0.01) == 0.0
-    assert plan.predicted_stall_s == pytest.approx(0.05 / 4)

@@ -57,7 +57,7 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     # window; the frozen parameter is copied in its block and never replayed.
     model, opt, sched, scaler = _frozen_model()
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0, **_: Costs(1000.0, state_bytes / 3000.0))
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
     config = GoCkptConfig(mode=mode, max_overlap_steps=4, host_buffer_bytes=1 << 20,
                           max_shard_bytes=2048)
     eng = Engine(model, opt, config)
@@ -101,7 +101,7 @@ def _saves_with_equal_plans(tmp_path, monkeypatch, modes: dict[int, str]) -> lis
     same host slot back."""
     model, opt, sched, scaler = make("adamw")
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0, **_: Costs(1000.0, state_bytes / 3000.0))
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=4,
                                           host_buffer_bytes=1 << 20, max_shard_bytes=2048))
     handles = []
@@ -206,7 +206,7 @@ def _every(tmp_path, monkeypatch, interval: int, copy_windows: float, saves: int
     for bit against the live state at its captured step. Also the seconds each request took."""
     model, opt, sched, scaler = _deep(width)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0, **_: Costs(
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(
         1000.0, state_bytes / 1000.0 / copy_windows))
     eng = Engine(model, opt, GoCkptConfig(mode="auto", max_overlap_steps=7,
                                           host_link_bytes_per_s=link))
