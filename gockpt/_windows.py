@@ -681,9 +681,10 @@ class Windows:
             stored = []
             for u in layout.units:
                 pk = storage_key(u.param_entry.tensor)
-                sk = {n: storage_key(e.tensor) for n, e in u.state_entries.items()}
                 live[pk] = u.param_entry.key
+                sk = {}
                 for n, e in u.state_entries.items():
+                    sk[n] = storage_key(e.tensor)
                     live[sk[n]] = e.key
                 stored.append((pk, sk))
             # A weak reference: the keys hold no tensor, and a replaced layout's tensors (old
@@ -699,6 +700,6 @@ class Windows:
         for name, t in self._optimizers[u.optimizer_index].state.get(u.param, {}).items():
             if isinstance(t, torch.Tensor):
                 n += 1
-                if stored.get(name) != storage_key(t if type(t) is torch.Tensor else local(t)):
+                if stored.get(name) != storage_key(local(t)):
                     return True
         return n != len(stored)

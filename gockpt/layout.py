@@ -51,6 +51,8 @@ def is_dtensor(t: object) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a ``DTensor`` (a view of its memory, detached); other tensors as they are."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the common case, checked per tensor
+        return t
     if is_dtensor(t):
         with torch.no_grad():
             return t.to_local().detach()  # type: ignore[attr-defined]
@@ -324,31 +326,26 @@ def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
     tuples and sorts of a nested one cost more than the state_dict traversal. (A state dict
     whose names come in another order reads as changed: a rebuild, never a missed change.)
     """
-    plain = (torch.Tensor, nn.Parameter)  # the common case: no DTensor check needed
-
-    def ptr(t: torch.Tensor) -> int:
-        return (t if type(t) in plain else local(t)).data_ptr()
-
     sig: list = []
     add = sig.append
     for k, v in model.state_dict(keep_vars=True).items():
         add(k)
         if isinstance(v, torch.Tensor):
             add(id(v))
-            add(ptr(v))
+            add(local(v).data_ptr())
     for opt in optimizers:
         add(None)  # where one optimizer ends
         state = opt.state
         for g in opt.param_groups:
             for p in g["params"]:
                 add(id(p))
-                add(ptr(p))
+                add(local(p).data_ptr())
                 st = state.get(p)
                 if st:
                     for k, v in st.items():
                         if isinstance(v, torch.Tensor):
                             add(k)
                             add(id(v))
-                            add(ptr(v))
+                            add(local(v).data_ptr())
                 add(len(st) if st else 0)  # where one parameter's state ends
     return tuple(sig)
