@@ -135,6 +135,10 @@ class SaveRecord:
     extra: Any = None  # the state tree taken at the captured step (gockpt.snapshot.to_skeleton)
     grad_turn: int = 0
     grad_tickets: list[CopyTicket] = field(default_factory=list)
+    # The gradient copies that overlap the open window (gockpt_o), and how many of
+    # grad_tickets were there when it opened (Windows._open_window).
+    window_grads: list[CopyTicket] = field(default_factory=list)
+    grads_seen: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     # Written by the training thread and the replay thread, in any phase: data, not a phase.
     failed: BaseException | None = None

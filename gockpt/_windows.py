@@ -33,6 +33,15 @@ from .replay import snapshot_hparams
 from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
 
+#: Stall phases the planner's model predicts per plan (the copy windows, the gradient and static
+#: copies it charges, a planned flush, ``sync``/``async``'s copy); the rest of a save's stall
+#: (but ``setup``) is its fixed cost (:meth:`Windows.fixed_stall_s`).
+MODELLED_PHASES = ("window_end", "grad_copy", "static_copy", "flush", "guard", "copy")
+
+#: Per-window overhead samples the planner works from: about fifteen saves of six windows, the
+#: memory of the per-save fixed cost (a copy that runs slow for a whole save is rare).
+OVERHEAD_SAMPLES = 90
+
 
 class CostSamples:
     """The latest ``maxlen`` values of one per-save cost, in seconds, warm saves first.
@@ -64,6 +73,10 @@ class CostSamples:
         """The mean of the values held, None while there are none."""
         return statistics.fmean(self._values) if self._values else None
 
+    def values(self) -> tuple[float, ...]:
+        """The values held, oldest first."""
+        return tuple(self._values)
+
     @property
     def cold(self) -> bool:
         """Whether every value held is a cold save's (False while empty)."""
@@ -94,14 +107,16 @@ class Windows:
         # windows for many steps after it, as a moving average would.
         self.window_s: float | None = None
         self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
-        # Per-save costs no plan changes (the request's bookkeeping, taking the state tree), in
-        # seconds, of the latest saves per mode (a multi-step request also lays out gradient
-        # buffers and sizes blocks per window): added to the plan's predicted stall.
+        # Per-save costs no plan changes (the request's bookkeeping, taking the state tree, the
+        # waits the model leaves out), in seconds, of the latest saves per mode (a multi-step
+        # request also lays out gradient buffers and sizes blocks per window): added to the
+        # plan's predicted stall.
         self._fixed_stalls: dict[str, CostSamples] = {}
         self._keys_cache: tuple[weakref.ref, dict[tuple, str], list] | None = None  # _tracked_keys
-        # Per window, the stall of the latest saves' copy windows beyond the plan's window model
-        # (seconds; may be negative): what the planner charges each window (Costs).
-        self._window_residuals = CostSamples()
+        # Per window, how much longer than its bytes at the planned copy rate its copy ran,
+        # measured against the median window (seconds; may be negative), the latest windows of
+        # the latest saves: what the planner charges each window (Costs.overhead_samples_s).
+        self._overheads = CostSamples(maxlen=OVERHEAD_SAMPLES)
         self._t_update_end: float | None = None
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -224,12 +239,15 @@ class Windows:
             t0 = perf_counter()
             try:
                 s.tickets[s.window].fence_compute()
+                t1 = perf_counter()
                 self._check_versions(s)
             except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
                 self.fail(s, e)
                 continue
             s.phase = Phase.COPIED
-            s.metrics.add_stall("window_end", perf_counter() - t0)
+            s.metrics.add_stall("window_end", t1 - t0)
+            s.metrics.add_stall("window_check", perf_counter() - t1)
+            self._note_window(s, t0)
             if not s.captured and s.target == version:
                 if not self._fallback_warned and s.num_blocks > 1:
                     # stacklevel: this, Engine.before_update (or the step pre-hook), its caller.
@@ -283,9 +301,8 @@ class Windows:
             self.saves.remove(s)
         if s is s.share.leader and s.failed is None:
             by = s.metrics.stall_by_phase_s
-            self._fixed_stalls.setdefault(s.plan.mode, CostSamples()).add(
-                by.get("request", 0.0) + by.get("capture", 0.0), cold=s.cold)
-            self._note_window_residual(s)
+            fixed = s.metrics.stall_s - sum(by.get(name, 0.0) for name in ("setup", *MODELLED_PHASES))
+            self._fixed_stalls.setdefault(s.plan.mode, CostSamples()).add(fixed, cold=s.cold)
         self._hand_off(s)
         if s is not s.share.leader:
             return
@@ -298,12 +315,15 @@ class Windows:
             self._hand_off(r)
 
     def fixed_stall_s(self, mode: str) -> float:
-        """The per-save fixed cost of a save in ``mode`` (its request and capture on the training
-        thread), seconds: the mean over the latest saves in that mode, else the median of the
-        other modes' means; warm saves' before cold ones' (:class:`CostSamples`: a cold save
-        pays more than a mode's difference); 0.0 before any save. A mean, not a median: this
-        cost is skewed (a save whose request meets a busy second core takes twice the usual),
-        and the prediction it enters is of the mean stall."""
+        """The per-save fixed cost of a save in ``mode``, seconds: its stall less what the stall
+        model predicts per plan (the phases in :data:`MODELLED_PHASES`) and less one-time setup,
+        i.e. the request and capture on the training thread and the short waits the model
+        leaves out (version checks, a borrowed slot, a gradient buffer), the mean over the
+        latest saves in that mode, else the median of the other modes' means; warm saves'
+        before cold ones' (:class:`CostSamples`: a cold save pays more than a mode's difference);
+        0.0 before any save. A mean, not a median: this cost is skewed (a save whose request
+        meets a busy second core takes twice the usual), and the prediction it enters is of the
+        mean stall."""
         own = self._fixed_stalls.get(mode)
         for cold in (False, True):
             if own is not None and len(own) and own.cold == cold:
@@ -315,27 +335,39 @@ class Windows:
 
     @property
     def window_overhead_s(self) -> float:
-        """How much longer than its bytes at the copy rate a window's copy runs, seconds: the
-        value each of the latest saves' measured window stall implies
-        (:meth:`gockpt.plan.CopyPlan.fit_overhead`), their median, at least 0
-        (:attr:`gockpt.plan.Costs.window_overhead_s`); cold saves count only until a warm one
-        (:class:`CostSamples`)."""
-        return max(0.0, self._window_residuals.median() or 0.0)
+        """The median of :attr:`overhead_samples_s`, seconds; 0.0 before any
+        (:attr:`gockpt.plan.Costs.window_overhead_s`)."""
+        return self._overheads.median() or 0.0
 
-    def _note_window_residual(self, s: SaveRecord) -> None:
-        plan, by = s.plan, s.metrics.stall_by_phase_s
-        # As planned: all K windows, or cut short by the next request where the plan expected
-        # it (a flushed plan's model counts that flush).
-        ran = (s.metrics.num_overlap_steps, "flush" in by)
-        planned = ((plan.num_overlap_steps, False) if plan.flushed_at is None
-                   else (plan.flushed_at + 1, True))
-        if not plan.costed or plan.mode not in ("lazy", *MULTI_STEP_MODES) or ran != planned:
-            return  # no model to compare with, or windows not run as planned
-        windows = sum(v for name, v in by.items()
-                      if name not in ("request", "capture", "setup", "slot_wait"))
-        fitted = plan.fit_overhead(windows)
-        if fitted is not None:  # None: nothing copied in the windows
-            self._window_residuals.add(fitted, cold=s.cold)
+    @property
+    def overhead_samples_s(self) -> tuple[float, ...]:
+        """How much longer than its bytes at the planned copy rate each of the latest windows'
+        copy ran, counted against the median window, seconds (:meth:`_note_window`; empty
+        before any, and where the host cannot see when a copy ended: CUDA); cold saves count
+        only until a warm one (:class:`CostSamples`) (:attr:`gockpt.plan.Costs.overhead_samples_s`)."""
+        return self._overheads.values()
+
+    def _note_window(self, s: SaveRecord, t_fence: float) -> None:
+        """Record the margin and the overhead of ``s``'s window that ends at ``t_fence``.
+
+        The window's copy (its state block and, for ``gockpt_o``, the gradients queued as it
+        opened) ended ``margin = t_fence - done`` before the window end (negative: the training
+        thread waited). Its copy at the planned rate takes ``load`` seconds, so the window
+        could have carried ``load + margin`` seconds of copy; against the median window
+        ``window_s`` that is an overhead of ``window_s - load - margin``. Measured this way, not
+        inverted from the stall, a window with room to spare still says how much room it had.
+        """
+        tickets = [s.tickets[s.window], *(s.window_grads if s.plan.mode == "gockpt_o" else ())]
+        done = [t.done_at for t in tickets]
+        nbytes = sum(t.nbytes for t in tickets)
+        if None in done:  # CUDA: the host did not see the copy end
+            return
+        margin = t_fence - max(done)  # type: ignore[type-var]
+        s.metrics.window_margins_s.append(margin)
+        bw, w = s.plan.copy_bytes_per_s, self.window_s
+        if not s.plan.costed or bw <= 0 or nbytes == 0 or w is None:
+            return  # no rate to count the copy at, or nothing copied: no overhead seen
+        self._overheads.add(w - nbytes / bw - margin, cold=s.cold)
 
     def _hand_off(self, s: SaveRecord) -> None:
         s.phase = Phase.FINALIZED
@@ -365,6 +397,8 @@ class Windows:
     # ------------------------------------------------------------------ copies
 
     def _open_window(self, s: SaveRecord) -> None:
+        # The gradient copies queued since the last window opened overlap this one (gockpt_o).
+        s.window_grads, s.grads_seen = s.grad_tickets[s.grads_seen:], len(s.grad_tickets)
         self._copy_blocks(s, [s.window], wait=False)
         s.phase = Phase.COPYING
 

@@ -228,6 +228,7 @@ class Engine:
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s,
                                   window_overhead_s=self._windows.window_overhead_s,
+                                  overhead_samples_s=self._windows.overhead_samples_s,
                                   unchanged=self._held_estimate(layout), interval_steps=interval)
         seq = next(self._seq)
         fixed = self._windows.fixed_stall_s(plan.mode)

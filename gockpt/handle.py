@@ -22,7 +22,8 @@ class CheckpointMetrics:
         requested_step / captured_step: optimizer updates applied at the request / in the data.
         stall_s: training-thread stall in seconds (sum of ``stall_by_phase_s``).
         stall_by_phase_s: seconds by phase (setup (one-time work of a save: a directory claimed,
-            the layout enumerated, the replay self-check), slot_wait, copy, window_end, grad_copy, capture,
+            the layout enumerated, the replay self-check), slot_wait, copy, window_end (the wait
+            for a window's copy), window_check (the version check after it), grad_copy, capture,
             static_copy (buffers and tensors outside the optimizer, copied at the capture),
             guard, flush, persist for ``sync``).
         state_bytes / grad_bytes: bytes copied to the host (state, gradients); 0 for a save that
@@ -46,8 +47,9 @@ class CheckpointMetrics:
         replay_backend: backend used for replay (empty when nothing was replayed).
         predicted_stall_s: the predicted stall of this save, seconds: the planner's stall model
             per window for its copy plan (GoCkpt §4.2.3; 0.0 before costs were measured), plus
-            the per-save fixed cost, the median ``request`` + ``capture`` stall of the latest
-            saves.
+            the per-save fixed cost: the mean over the latest saves of their stall outside the
+            phases the model predicts (``request``, ``capture``, ``window_check`` and short
+            waits such as ``slot_wait``), setup left out.
         stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
             could have for the same measured costs (:func:`gockpt.plan.stall_lower_bound_s`),
             plus the same fixed cost, seconds.
@@ -60,6 +62,9 @@ class CheckpointMetrics:
             (:func:`gockpt.plan.make_plan`).
         skipped: the request found no free slot with ``when_full="skip"``.
         superseded: a newer save of the same path was published first; this one was dropped.
+        window_margins_s: per copy window that ran to its end, seconds from its copy finishing
+            to the window end (negative: the training thread waited that long at the
+            ``window_end``); empty where the host cannot see when a copy ended (CUDA).
     """
 
     path: str
@@ -86,6 +91,7 @@ class CheckpointMetrics:
     expected_interval_steps: int | None = None
     skipped: bool = False
     superseded: bool = False
+    window_margins_s: list[float] = field(default_factory=list)
 
     def add_stall(self, phase: str, seconds: float) -> None:
         self.stall_by_phase_s[phase] = self.stall_by_phase_s.get(phase, 0.0) + seconds

@@ -15,10 +15,13 @@ gradient bytes of blocks ``0..j-1``, window j carries ``s_j + G_j``:
 - ``gockpt`` (gradients copied while the training thread waits): ``G_j / bw + max(0, s_j - C) / bw``;
 - ``lazy``: one window, ``max(0, S - C) / bw``; ``sync``/``async``: everything, ``S / bw``.
 
-Each window's copy is taken to run ``window_overhead_s`` longer than its bytes at the copy rate
-(measured on earlier saves: waking the training thread, chunks that queue behind other work), so
-a window hides ``C' = max(0, C - overhead * bw)``: a window its copy fills pays the overhead, one
-with room for it pays nothing.
+Each window's copy is taken to run an overhead ``o`` longer than its bytes at the copy rate
+(waking the copy thread, chunks that queue behind other work, a window shorter than the median),
+so a window hides ``C' = max(0, C - o * bw)``: a window its copy fills pays the overhead, one with
+room for it pays nothing. The overhead varies from window to window (a second core shared with
+replay and persist), so the prediction is the mean of the model over the overheads measured on
+the latest windows (:attr:`Costs.overhead_samples_s`), and plans are chosen by that mean: a plan
+that fills every window to the median capacity stalls in every window that runs slow.
 
 Tensors outside the blocks (buffers, parameters without an optimizer) are copied while the
 training thread waits when the non-tensor state is taken, adding ``static_bytes / bw`` to every
@@ -63,11 +66,18 @@ class Costs:
         window_overhead_s: seconds each window's copy runs beyond its bytes at
             ``copy_bytes_per_s`` (waking the training thread, chunks queued behind other work),
             measured on earlier saves: a window hides ``window_s - window_overhead_s`` of copy.
+            Used where ``overhead_samples_s`` is empty.
+        overhead_samples_s: the same overhead as measured on each of the latest windows,
+            seconds (negative: the copy ran faster than ``copy_bytes_per_s``, or the window was
+            longer than ``window_s``). With them the model predicts the mean stall over the
+            samples, each window hiding ``window_s - o`` for a sample ``o``: a window its copy
+            nearly fills stalls in the share of windows that ran slow.
     """
 
     copy_bytes_per_s: float
     window_s: float
     window_overhead_s: float = 0.0
+    overhead_samples_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,15 +92,16 @@ class CopyPlan:
         lower_bound_s: the least stall, in seconds, any plan of at most ``max_overlap_steps``
             windows could have under the same model and costs (:func:`stall_lower_bound_s`);
             0.0 when no costs were measured yet.
-        window_overhead_s: the per-window overhead (:attr:`Costs.window_overhead_s`) the
-            prediction used, seconds.
+        window_overhead_s: the per-window overhead (:attr:`Costs.window_overhead_s`, the median
+            of the samples where there are any) the costs gave, seconds.
+        copy_bytes_per_s: the copy rate (bytes/s) the prediction used (0.0 when not costed).
         costed: whether the plan was made from measured costs (its prediction means something).
         window_s: the copy window the prediction used, seconds (:attr:`Costs.window_s`).
         paid_s: the part of the prediction no window hides (static tensors, gradients copied
             while the training thread waits), seconds.
         window_loads_s: each window's copy that must fit in it, in seconds at the copy rate:
-            ``predicted_stall_s = paid_s + sum(max(0, l - max(0, window_s - window_overhead_s)))``
-            over these (empty when not costed).
+            ``predicted_stall_s`` is ``paid_s + sum(max(0, l - max(0, window_s - o)))`` over
+            these, averaged over the overhead samples ``o`` (empty when not costed).
         flushed_at: None, or the number of windows that run before the next checkpoint request
             is expected (K > the request interval): the blocks of the later windows are copied
             at that request, with the training thread waiting (counted in ``paid_s``), and that
@@ -107,38 +118,7 @@ class CopyPlan:
     paid_s: float = 0.0
     window_loads_s: tuple[float, ...] = ()
     flushed_at: int | None = None
-
-    def fit_overhead(self, stall_s: float) -> float | None:
-        """The per-window overhead, seconds, under which this plan's model predicts ``stall_s``
-        of window stall (a save's measured stall, request and capture left out): the value
-        :attr:`Costs.window_overhead_s` is estimated from.
-
-        Where no window stalled, the overhead was at most ``window_s - max(load)``: that bound
-        where it is below the plan's own overhead (the fullest window shows the plan asked too
-        much), else the plan's overhead (a window with room to spare says nothing new; recording
-        nothing there instead would keep only the saves that stalled, and drift upward). A stall
-        beyond every window's whole copy gives ``window_s`` (windows hide nothing). None: the
-        plan was not costed or copies nothing in its windows. Raises nothing. The model inverted
-        is the module's per-window stall model (after GoCkpt §4.2.3), nondecreasing in the
-        overhead, so a bisection finds it.
-        """
-        loads = [x for x in self.window_loads_s if x > 0]
-        if not self.costed or not loads:
-            return None
-        w, top = self.window_s, max(loads)
-
-        def model(oh: float) -> float:
-            return _model_stall(self.paid_s, loads, max(0.0, w - oh))
-
-        if stall_s <= model(w - top) + 1e-9:
-            return min(w - top, self.window_overhead_s)
-        lo, hi = w - top, w
-        if model(hi) < stall_s:
-            return hi
-        for _ in range(60):  # model() is nondecreasing in oh: bisect
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if model(mid) < stall_s else (lo, mid)
-        return hi
+    copy_bytes_per_s: float = 0.0
 
     @property
     def num_overlap_steps(self) -> int:
@@ -209,18 +189,28 @@ def predict_stall_s(
     """
     bw = max(costs.copy_bytes_per_s, 1.0)
     paid, loads = _window_terms(mode, unit_bytes, grad_bytes, blocks, static_bytes)
-    return _model_stall(paid, loads, _hidden_bytes(costs)) / bw
+    return _model_stall(paid, loads, _hides(costs)) / bw
 
 
-def _model_stall(paid: float, loads: list[float], hide: float) -> float:
-    """The stall model in one line: what is paid anyway plus each window's overflow beyond what
-    it hides (any one unit: bytes, or seconds at the copy rate)."""
-    return paid + sum(max(0.0, x - hide) for x in loads)
+def _model_stall(paid: float, loads: list[float], hides: np.ndarray | float) -> float:
+    """The stall model: what is paid anyway plus each window's overflow beyond what it hides,
+    the mean over ``hides`` (what one window hides, one value per overhead sample; any one unit:
+    bytes, or seconds at the copy rate)."""
+    if not loads:
+        return paid
+    over = np.asarray(loads, dtype=np.float64)[:, None] - np.atleast_1d(hides)[None, :]
+    return paid + float(np.maximum(over, 0.0).sum(axis=0).mean())
 
 
-def _hidden_bytes(costs: Costs) -> float:
-    """Bytes one window hides: its length less the per-window overhead, at the copy rate."""
-    return max(0.0, costs.window_s - max(costs.window_overhead_s, 0.0)) * max(costs.copy_bytes_per_s, 1.0)
+def _overheads(costs: Costs) -> np.ndarray:
+    """The per-window overheads of ``costs``, seconds: its samples, else its one value."""
+    return np.asarray(costs.overhead_samples_s or (costs.window_overhead_s,), dtype=np.float64)
+
+
+def _hides(costs: Costs) -> np.ndarray:
+    """Bytes one window hides under each overhead sample: its length less the overhead, at the
+    copy rate."""
+    return np.maximum(0.0, costs.window_s - _overheads(costs)) * max(costs.copy_bytes_per_s, 1.0)
 
 
 def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
@@ -258,6 +248,10 @@ def stall_lower_bound_s(
     ``L = sum_j l_j``. For a constant ratio r <= 1 this is ``S - C (1 - (1-r)^K) / r``: the
     stall of filling each window up to C and leaving the rest to the last, which is optimal.
 
+    With overhead samples the prediction is a mean over them; each window's overflow is convex
+    in the overhead ``o`` clipped at ``window_s`` (where a window hides nothing), so by Jensen's
+    inequality the bound at the mean clipped overhead bounds that mean too.
+
     Args:
         unit_bytes: bytes of state per unit.
         grad_bytes: gradient bytes per unit.
@@ -273,7 +267,7 @@ def stall_lower_bound_s(
     if len(unit_bytes) != len(grad_bytes):
         raise ValueError("unit_bytes and grad_bytes differ in length")
     bw = max(costs.copy_bytes_per_s, 1.0)
-    cap = _hidden_bytes(costs)
+    cap = max(0.0, costs.window_s - float(np.minimum(_overheads(costs), costs.window_s).mean())) * bw
     total = float(sum(unit_bytes))
     r, c = _support_lines(unit_bytes, grad_bytes)
     q = 1.0 - r
@@ -448,13 +442,15 @@ def make_plan(
 
     With measured costs the multi-step modes size each block for its window (window j also
     carries the gradients of blocks ``0..j-1``), exactly under the module's stall model over
-    contiguous splits, and take the K in ``[min_overlap_steps, max_overlap_steps]`` of least
+    contiguous splits for a window of the median overhead and for a slow one (the 90th
+    percentile of the overhead samples), score every such split by the mean predicted stall
+    over the samples, and take the K in ``[min_overlap_steps, max_overlap_steps]`` of least
     predicted stall: K grows only while a window more lowers it by more than
     :data:`MIN_GAIN_WINDOWS` of a window (GoCkpt §4.2.3 caps K near 7 for the same reason:
     gradient traffic grows with K). ``auto`` takes the least predicted stall of ``lazy`` and
     ``gockpt_o`` (whose model never predicts more than ``gockpt``'s), ``lazy`` on ties, so it
-    never predicts more stall than ``lazy``; without measured costs it picks ``lazy``. Without costs the multi-step modes split
-    into ``max_overlap_steps`` blocks of equal bytes. Modes that need replay fall back to
+    never predicts more stall than ``lazy``; without measured costs it picks ``lazy``. Without
+    costs the multi-step modes split into ``max_overlap_steps`` blocks of equal bytes. Modes that need replay fall back to
     ``lazy`` when ``replayable`` is False (the caller warns).
 
     With ``interval_steps`` (the steps until the next checkpoint request, as the caller
@@ -524,12 +520,14 @@ def make_plan(
         else:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, flushed_at)
         if stall_s is None:
-            stall_s = _model_stall(paid, loads, _hidden_bytes(costs)) / bw
-        return CopyPlan(m, blocks, stall_s, bound, max(costs.window_overhead_s, 0.0), costed=True,
+            stall_s = _model_stall(paid, loads, hides) / bw
+        return CopyPlan(m, blocks, stall_s, bound, float(np.median(_overheads(costs))), costed=True,
                         window_s=costs.window_s, paid_s=paid / bw,
-                        window_loads_s=tuple(x / bw for x in loads), flushed_at=flushed_at)
+                        window_loads_s=tuple(x / bw for x in loads), flushed_at=flushed_at,
+                        copy_bytes_per_s=bw)
 
     bw = max(costs.copy_bytes_per_s, 1.0)
+    hides = _hides(costs)  # what one window hides, its overhead taken off, per sample
     if mode in ("sync", "async", "lazy"):
         return costed(mode, split_blocks(unit_bytes, 1))
     # (stall bytes, K, preference, mode, blocks, flushed_at); auto's K = 1 is lazy, preferred
@@ -537,28 +535,38 @@ def make_plan(
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).
     modes = ("gockpt_o",) if mode == "auto" else (mode,)
     k_lo = min(min_overlap_steps, max_overlap_steps)
-    hide = _hidden_bytes(costs)  # what one window hides, its overhead taken off
+    # Splits sized for the median window and for a slow one (the tenth percentile of what a
+    # window hides), each scored by the mean stall over every sample: where windows vary, a
+    # split with room to spare can stall less on average than one that fills the median.
+    caps = sorted({float(np.quantile(hides, q)) for q in (0.5, 0.1)}, reverse=True)
     candidates: list[_Candidate] = []
+    seen: set[tuple[str, tuple[tuple[int, ...], ...]]] = set()
     for rank, m in enumerate(modes):
-        found = _window_dp(unit_bytes, grad_bytes, hide, max_overlap_steps, m == "gockpt_o",
-                           overlap_last=not static_bytes)
-        for k, best in enumerate(found, start=1):
-            if best is None:
-                continue
-            if k >= k_lo:
-                candidates.append((best[0], k, rank + 1, m, best[1], None))
-            elif k == 1 and mode == "auto":
-                candidates.append((best[0], 1, 0, "lazy", best[1], None))
+        for cap in caps:
+            found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
+                               overlap_last=not static_bytes)
+            for k, best in enumerate(found, start=1):
+                if best is None or (k < k_lo and not (k == 1 and mode == "auto")):
+                    continue
+                m_k = m if k >= k_lo else "lazy"
+                if (m_k, best[1]) in seen:
+                    continue
+                seen.add((m_k, best[1]))
+                stall = best[0]
+                if len(hides) > 1:  # the DP's value is the stall at ``cap`` alone
+                    paid, loads = _window_terms(m, unit_bytes, grad_bytes, best[1], static_bytes)
+                    stall = _model_stall(paid, loads, hides) - static_bytes
+                candidates.append((stall, k, rank + 1 if k >= k_lo else 0, m_k, best[1], None))
     if not candidates:  # no units, or fewer than min_overlap_steps: at most one block each
         m = "lazy" if mode == "auto" else mode
         return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))
     if interval_steps is not None:
         candidates = _with_next_request(candidates, interval_steps, unit_bytes, grad_bytes,
-                                        static_bytes, hide, next_request_shares)
+                                        static_bytes, hides, next_request_shares)
     least = min(c[0] for c in candidates)
     stall_bytes, k, _, m, blocks, flushed_at = min(
         (c for c in candidates if c[0] <= least + MIN_GAIN_WINDOWS * max(costs.window_s, 0.0) * bw),
-        key=lambda c: (c[1], c[2]))
+        key=lambda c: (c[1], c[2], c[0]))
     if k == 1 and mode == "auto":
         m = "lazy"
     return costed(m, blocks, (stall_bytes + static_bytes) / bw, flushed_at)
@@ -570,7 +578,7 @@ _Candidate = tuple[float, int, int, str, tuple[tuple[int, ...], ...], int | None
 
 
 def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: list[int],
-                       grad_bytes: list[int], static_bytes: int, hide: float, shares: bool,
+                       grad_bytes: list[int], static_bytes: int, hides: np.ndarray, shares: bool,
                        ) -> list[_Candidate]:
     """The candidates of :func:`make_plan` with the next request ``interval`` steps away: those
     that make it wait for the slot (K in the drain margin; K > interval unless that request
@@ -585,7 +593,7 @@ def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: 
         _, k, pref, m, blocks, _ = c
         if k > interval:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, interval)
-            c = (_model_stall(paid, loads, hide) - static_bytes, k, pref, m, blocks, interval)
+            c = (_model_stall(paid, loads, hides) - static_bytes, k, pref, m, blocks, interval)
         out.append(c)
     return out
 

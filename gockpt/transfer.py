@@ -34,10 +34,18 @@ PRIORITY_STATE = 1
 
 
 class CopyTicket:
-    """Completion of one copy job. ``wait()`` blocks until done and re-raises its error."""
+    """Completion of one copy job. ``wait()`` blocks until done and re-raises its error.
+
+    Attributes:
+        nbytes: bytes the job copies.
+        done_at: ``time.perf_counter()`` seconds at which the background copy finished (CPU
+            path); None while running, and on the CUDA path (the host does not see when an
+            event completes without waiting on it).
+    """
 
     def __init__(self, nbytes: int, event: object | None = None) -> None:
         self.nbytes = nbytes
+        self.done_at: float | None = None
         self._versions: list[tuple[torch.Tensor, int]] = []
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -45,6 +53,7 @@ class CopyTicket:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        self.done_at = perf_counter()
         self._done.set()
 
     def done(self) -> bool:

@@ -14,6 +14,7 @@ from _loop import assert_state_equal, make, snapshot, train
 import gockpt
 from gockpt import Engine, GoCkptConfig
 from gockpt._planner import Planner
+from gockpt._windows import MODELLED_PHASES
 from gockpt.layout import build_layout
 from gockpt.plan import Costs, make_plan, predict_stall_s
 
@@ -57,7 +58,7 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     # window; the frozen parameter is copied in its block and never replayed.
     model, opt, sched, scaler = _frozen_model()
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, *_: Costs(1000.0, state_bytes / 3000.0))
     config = GoCkptConfig(mode=mode, max_overlap_steps=4, host_buffer_bytes=1 << 20,
                           max_shard_bytes=2048)
     eng = Engine(model, opt, config)
@@ -86,11 +87,14 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     fixed = second.predicted_stall_s - first.predicted_stall_s
     assert fixed > 0.0
     assert second.stall_lower_bound_s - first.stall_lower_bound_s == pytest.approx(fixed, abs=1e-12)
-    # That fixed cost is the first save's request and capture, not its one-time setup (the
-    # directory claim, the layout, the replay self-check), which the second save had none of.
+    # That fixed cost is the first save's stall outside the modelled phases (its request and
+    # capture, its version checks), not its one-time setup (the directory claim, the layout,
+    # the replay self-check), which the second save had none of.
     by = first.stall_by_phase_s
     assert by["setup"] > 0.0 and "setup" not in second.stall_by_phase_s
-    assert fixed == pytest.approx(by["request"] + by.get("capture", 0.0), abs=1e-12)
+    assert by["request"] > 0.0 and by["window_check"] > 0.0
+    assert fixed == pytest.approx(_fixed(first), abs=1e-12)
+    assert fixed < first.stall_s - by["setup"] + 1e-12
     assert torch.equal(model.hidden.weight, live[max(live)]["model"]["hidden.weight"])
 
 
@@ -101,7 +105,7 @@ def _saves_with_equal_plans(tmp_path, monkeypatch, modes: dict[int, str]) -> lis
     same host slot back."""
     model, opt, sched, scaler = make("adamw")
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(1000.0, state_bytes / 3000.0))
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, *_: Costs(1000.0, state_bytes / 3000.0))
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=4,
                                           host_buffer_bytes=1 << 20, max_shard_bytes=2048))
     handles = []
@@ -121,7 +125,9 @@ def _saves_with_equal_plans(tmp_path, monkeypatch, modes: dict[int, str]) -> lis
 
 
 def _fixed(m) -> float:
-    return m.stall_by_phase_s["request"] + m.stall_by_phase_s.get("capture", 0.0)
+    """A save's fixed cost as the engine counts it: its stall outside setup and the phases the
+    stall model predicts."""
+    return m.stall_s - sum(m.stall_by_phase_s.get(p, 0.0) for p in ("setup", *MODELLED_PHASES))
 
 
 def test_a_save_into_a_fresh_slot_stops_counting_once_a_warm_one_is_measured(tmp_path, monkeypatch):
@@ -206,7 +212,7 @@ def _every(tmp_path, monkeypatch, interval: int, copy_windows: float, saves: int
     for bit against the live state at its captured step. Also the seconds each request took."""
     model, opt, sched, scaler = _deep(width)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    monkeypatch.setattr(Planner, "_costs", lambda self, w, oh=0.0: Costs(
+    monkeypatch.setattr(Planner, "_costs", lambda self, w, *_: Costs(
         1000.0, state_bytes / 1000.0 / copy_windows))
     eng = Engine(model, opt, GoCkptConfig(mode="auto", max_overlap_steps=7,
                                           host_link_bytes_per_s=link))
@@ -298,3 +304,35 @@ def test_a_flush_counts_its_capture_once(tmp_path):
     assert m.num_overlap_steps == 3 and by["flush"] > 0 and by["capture"] >= 0.05
     at_flush = by["flush"] + by["capture"] + by.get("static_copy", 0.0)
     assert at_flush <= took[0]
+
+
+@pytest.mark.parametrize("slow_link", [True, False])
+def test_each_window_reports_how_early_its_copy_ended(tmp_path, slow_link):
+    # The planner learns each window's overhead from when its copy ended against the window
+    # end (metrics.window_margins_s). A link far slower than the steps: the window
+    # that copies much ends late (the planner puts most of the copy in the last window), and
+    # the training thread waited at least that long at its window end. A fast link and long
+    # steps: every copy ends well inside its window.
+    model, opt, sched, scaler = _deep(width=64)  # about 1.2 MB of state
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=4,
+                                          min_overlap_steps=4,
+                                          host_link_bytes_per_s=4e6 if slow_link else None))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if not slow_link:
+            time.sleep(0.05)  # inside the next window: the copy has 50 ms at least
+        if it in (2, 9):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 16, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    for m in (h.result() for h in handles):
+        assert m.num_overlap_steps == 4 and len(m.window_margins_s) == 4
+        waited = sum(max(0.0, -x) for x in m.window_margins_s)
+        assert m.stall_by_phase_s["window_end"] >= waited
+        if slow_link:  # 1.2 MB at 4 MB/s, in windows of a few ms: the last window waits
+            assert m.window_margins_s[-1] < -0.1 and waited > 0.1
+        else:
+            assert all(x > 0 for x in m.window_margins_s)
