@@ -343,8 +343,8 @@ class Windows:
     def overhead_samples_s(self) -> tuple[float, ...]:
         """How much longer than its bytes at the planned copy rate each of the latest windows'
         copy ran, counted against the median window, seconds (:meth:`_note_window`; empty
-        before any, and where the host cannot see when a copy ended: CUDA); cold saves count
-        only until a warm one (:class:`CostSamples`) (:attr:`gockpt.plan.Costs.overhead_samples_s`)."""
+        before any warm save, and where the host cannot see when a copy ended: CUDA)
+        (:attr:`gockpt.plan.Costs.overhead_samples_s`)."""
         return self._overheads.values()
 
     def _note_window(self, s: SaveRecord, t_fence: float) -> None:
@@ -365,9 +365,12 @@ class Windows:
         margin = t_fence - max(done)  # type: ignore[type-var]
         s.metrics.window_margins_s.append(margin)
         bw, w = s.plan.copy_bytes_per_s, self.window_s
-        if not s.plan.costed or bw <= 0 or nbytes == 0 or w is None:
-            return  # no rate to count the copy at, or nothing copied: no overhead seen
-        self._overheads.add(w - nbytes / bw - margin, cold=s.cold)
+        if not s.plan.costed or bw <= 0 or nbytes == 0 or w is None or s.cold:
+            # No rate to count the copy at, or nothing copied: no overhead seen. A cold save's
+            # copies also fault in the pages of its new host buffers, which no later save into
+            # them pays (the LoRA benchmark's first warm save was predicted 3x its stall).
+            return
+        self._overheads.add(w - nbytes / bw - margin, cold=False)
 
     def _hand_off(self, s: SaveRecord) -> None:
         s.phase = Phase.FINALIZED

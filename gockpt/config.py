@@ -71,7 +71,9 @@ class GoCkptConfig:
     shard of its own). >= 1."""
 
     chunk_bytes: int = 4 << 20
-    """Granularity of D2H copies and file writes in bytes (GoCkpt §4.4.2: 4 MB). >= 4096."""
+    """Granularity of D2H copies and file writes in bytes (GoCkpt §4.4.2: 4 MB): a larger
+    tensor is copied in slices of this size, consecutive smaller ones together up to it (CPU
+    path). >= 4096."""
 
     replay_backend: str = "auto"
     """CPU replay backend: ``"torch"`` (the optimizer's own torch implementation on CPU

@@ -136,13 +136,31 @@ class CpuCopier:
         return ticket
 
     def _chunks(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        """Yield ``(srcs, dsts)``, flat byte views of at most ``chunk_bytes`` together: a slice
+        of one large tensor, or consecutive small tensors copied in one call. Each call
+        releases the GIL and must take it back; one per small tensor (a model's norms, biases,
+        adapters: hundreds of them) made the copy thread wait for the GIL that often behind a
+        training thread running Python, and slowed its copy by a varying amount."""
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        held = 0
         for src, dst in pairs:
             s = src.detach().reshape(-1).view(torch.uint8)
             d = dst.reshape(-1).view(torch.uint8)
             n = d.numel()
-            for a in range(0, n, self._chunk):
-                b = min(n, a + self._chunk)
-                yield s[a:b], d[a:b]
+            if srcs and held + n > self._chunk:
+                yield srcs, dsts
+                srcs, dsts, held = [], [], 0
+            if n >= self._chunk:
+                for a in range(0, n, self._chunk):
+                    b = min(n, a + self._chunk)
+                    yield [s[a:b]], [d[a:b]]
+                continue
+            srcs.append(s)
+            dsts.append(d)
+            held += n
+        if srcs:
+            yield srcs, dsts
 
     def _run(self) -> None:
         # busy_s counts wall time while work is queued, the gaps between chunks included (the
@@ -171,9 +189,13 @@ class CpuCopier:
                         if torn else None)
                     continue
                 t0 = perf_counter()
-                n = item[1].numel()
+                srcs, dsts = item
+                n = sum(d.numel() for d in dsts)
                 with _trace.phase("copy", n):
-                    item[1].copy_(item[0])
+                    if len(dsts) == 1:
+                        dsts[0].copy_(srcs[0])
+                    else:  # one call, one GIL release, for the lot
+                        torch._foreach_copy_(dsts, srcs)
                 if self._rate is not None:
                     rest = n / self._rate - (perf_counter() - t0)
                     if rest > 0:

@@ -18,6 +18,28 @@ def test_copies_are_exact_and_chunked():
     c.close()
 
 
+def test_small_tensors_are_copied_together_and_large_ones_in_slices():
+    # Chunks of at most 4096 bytes: runs of small tensors share one copy call, a tensor of a
+    # chunk or more is sliced, and every byte lands where it belongs (mixed dtypes, an empty
+    # tensor, a non-contiguous source, sizes across each boundary).
+    c = CpuCopier(chunk_bytes=4096)
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(n, generator=g) for n in (1, 7, 300, 723, 1023, 1024, 1025, 0, 5000, 3)]
+    src += [torch.randint(0, 255, (4095,), dtype=torch.uint8, generator=g),
+            torch.randn(64, 64, generator=g).t(), torch.randn(2, generator=g).to(torch.bfloat16)]
+    dst = [torch.full(s.shape, 7, dtype=s.dtype) for s in src]
+    pairs = list(zip(src, dst, strict=True))
+    chunks = list(c._chunks(pairs))
+    assert all(sum(d.numel() for d in ds) <= 4096 for _, ds in chunks)
+    one_per_tensor = sum(max(1, -(-s.numel() * s.element_size() // 4096)) for s in src)
+    assert any(len(ds) > 1 for _, ds in chunks) and len(chunks) < one_per_tensor
+    ticket = c.copy(pairs, PRIORITY_STATE)
+    ticket.wait()
+    assert ticket.done_at is not None
+    assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+    c.close()
+
+
 def test_gradient_job_overtakes_queued_state_job():
     # The emulated slow link makes the state job many chunks long; the gradient job queued
     # after it must finish first (GoCkpt §4.2.2).
