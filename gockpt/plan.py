@@ -36,6 +36,7 @@ and reports a lower bound no plan can beat (:func:`stall_lower_bound_s`).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,23 +215,40 @@ def _hides(costs: Costs) -> np.ndarray:
 
 
 def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
-                  blocks: tuple[tuple[int, ...], ...], static_bytes: int) -> tuple[float, list[float]]:
+                  blocks: tuple[tuple[int, ...], ...], static_bytes: int,
+                  prefix: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, list[float]]:
     """(paid, loads) in bytes: what the training thread waits for whatever the window, and each
-    window's copy that hides up to one window's worth (the module's stall model)."""
+    window's copy that hides up to one window's worth (the module's stall model). ``prefix``:
+    the prefix sums of ``unit_bytes`` and ``grad_bytes`` (:func:`_prefix_sums`), for callers
+    that score many splits of the same units (a contiguous block then costs O(1))."""
     if mode in ("sync", "async"):
         return float(sum(unit_bytes) + static_bytes), []
+    s_pre, g_pre = prefix if prefix is not None else _prefix_sums(unit_bytes, grad_bytes)
     paid, loads = float(static_bytes), []
     grads_copied = 0  # gradient bytes of the blocks copied before the current window
     for j, block in enumerate(blocks):
-        state = sum(unit_bytes[i] for i in block)
+        if block and block[-1] - block[0] + 1 == len(block):  # contiguous, as the planner's
+            state = int(s_pre[block[-1] + 1] - s_pre[block[0]])
+            grads = int(g_pre[block[-1] + 1] - g_pre[block[0]])
+        else:
+            state, grads = sum(unit_bytes[i] for i in block), sum(grad_bytes[i] for i in block)
         if mode == "gockpt" or (static_bytes and j == len(blocks) - 1):
             # The static copy, taken as the last window opens, queues behind its gradients.
             paid += grads_copied
             loads.append(float(state))
         else:  # gockpt_o, and lazy (one window, no gradients)
             loads.append(float(state + grads_copied))
-        grads_copied += sum(grad_bytes[i] for i in block)
+        grads_copied += grads
     return paid, loads
+
+
+def _prefix_sums(unit_bytes: list[int], grad_bytes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix sums (int64, one longer than the lists) of the state and gradient bytes."""
+    s_pre = np.zeros(len(unit_bytes) + 1, dtype=np.int64)
+    g_pre = np.zeros(len(grad_bytes) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(unit_bytes, dtype=np.int64), out=s_pre[1:])
+    np.cumsum(np.asarray(grad_bytes, dtype=np.int64), out=g_pre[1:])
+    return s_pre, g_pre
 
 
 def stall_lower_bound_s(
@@ -521,13 +539,14 @@ def make_plan(
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, flushed_at)
         if stall_s is None:
             stall_s = _model_stall(paid, loads, hides) / bw
-        return CopyPlan(m, blocks, stall_s, bound, float(np.median(_overheads(costs))), costed=True,
+        return CopyPlan(m, blocks, stall_s, bound, median_overhead, costed=True,
                         window_s=costs.window_s, paid_s=paid / bw,
                         window_loads_s=tuple(x / bw for x in loads), flushed_at=flushed_at,
                         copy_bytes_per_s=bw)
 
     bw = max(costs.copy_bytes_per_s, 1.0)
     hides = _hides(costs)  # what one window hides, its overhead taken off, per sample
+    median_overhead = statistics.median(costs.overhead_samples_s or (costs.window_overhead_s,))
     if mode in ("sync", "async", "lazy"):
         return costed(mode, split_blocks(unit_bytes, 1))
     # (stall bytes, K, preference, mode, blocks, flushed_at); auto's K = 1 is lazy, preferred
@@ -535,16 +554,23 @@ def make_plan(
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).
     modes = ("gockpt_o",) if mode == "auto" else (mode,)
     k_lo = min(min_overlap_steps, max_overlap_steps)
-    # Splits sized for the median window and for a slow one (the tenth percentile of what a
-    # window hides), each scored by the mean stall over every sample: where windows vary, a
-    # split with room to spare can stall less on average than one that fills the median.
-    caps = sorted({float(np.quantile(hides, q)) for q in (0.5, 0.1)}, reverse=True)
+    # Splits sized for the median window, each scored by the mean stall over every sample;
+    # where that mean is more than the median's stall (windows vary, and the splits fill
+    # them), also splits sized for a slow window (the tenth percentile of what one hides),
+    # which may stall less on average.
+    gain = MIN_GAIN_WINDOWS * max(costs.window_s, 0.0) * bw
+    ranked = np.sort(hides)  # nearest ranks: np.quantile costs a millisecond a call
+    median_cap, slow_cap = (float(ranked[int(q * (len(ranked) - 1))]) for q in (0.5, 0.1))
+    prefix = _prefix_sums(unit_bytes, grad_bytes)
     candidates: list[_Candidate] = []
     seen: set[tuple[str, tuple[tuple[int, ...], ...]]] = set()
     for rank, m in enumerate(modes):
-        for cap in caps:
+        caps = [median_cap]
+        while caps:
+            cap = caps.pop()
             found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
                                overlap_last=not static_bytes)
+            spread = 0.0  # the least stall's rise from the median's to the mean over samples
             for k, best in enumerate(found, start=1):
                 if best is None or (k < k_lo and not (k == 1 and mode == "auto")):
                     continue
@@ -554,9 +580,13 @@ def make_plan(
                 seen.add((m_k, best[1]))
                 stall = best[0]
                 if len(hides) > 1:  # the DP's value is the stall at ``cap`` alone
-                    paid, loads = _window_terms(m, unit_bytes, grad_bytes, best[1], static_bytes)
+                    paid, loads = _window_terms(m, unit_bytes, grad_bytes, best[1], static_bytes,
+                                                prefix)
                     stall = _model_stall(paid, loads, hides) - static_bytes
+                    spread = max(spread, stall - best[0])
                 candidates.append((stall, k, rank + 1 if k >= k_lo else 0, m_k, best[1], None))
+            if cap == median_cap and slow_cap < median_cap and spread > gain:
+                caps.append(slow_cap)
     if not candidates:  # no units, or fewer than min_overlap_steps: at most one block each
         m = "lazy" if mode == "auto" else mode
         return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))
@@ -565,7 +595,7 @@ def make_plan(
                                         static_bytes, hides, next_request_shares)
     least = min(c[0] for c in candidates)
     stall_bytes, k, _, m, blocks, flushed_at = min(
-        (c for c in candidates if c[0] <= least + MIN_GAIN_WINDOWS * max(costs.window_s, 0.0) * bw),
+        (c for c in candidates if c[0] <= least + gain),
         key=lambda c: (c[1], c[2], c[0]))
     if k == 1 and mode == "auto":
         m = "lazy"
