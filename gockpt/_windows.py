@@ -233,6 +233,7 @@ class Windows:
         if self._t_update_end is not None:
             self._recent_windows.append(now - self._t_update_end)
             self.window_s = statistics.median(self._recent_windows)
+        t_fence = perf_counter()  # the window end of every save: their margins count from it
         for s in list(self.saves):
             if s.phase is not Phase.COPYING:
                 continue
@@ -247,7 +248,7 @@ class Windows:
             s.phase = Phase.COPIED
             s.metrics.add_stall("window_end", t1 - t0)
             s.metrics.add_stall("window_check", perf_counter() - t1)
-            self._note_window(s, t0)
+            self._note_window(s, t_fence)
             if not s.captured and s.target == version:
                 if not self._fallback_warned and s.num_blocks > 1:
                     # stacklevel: this, Engine.before_update (or the step pre-hook), its caller.
@@ -351,13 +352,18 @@ class Windows:
         """Record the margin and the overhead of ``s``'s window that ends at ``t_fence``.
 
         The window's copy (its state block and, for ``gockpt_o``, the gradients queued as it
-        opened) ended ``margin = t_fence - done`` before the window end (negative: the training
+        opened, where the model counts them in the window) ended ``margin = t_fence - done`` before the window end (negative: the training
         thread waited). Its copy at the planned rate takes ``load`` seconds, so the window
         could have carried ``load + margin`` seconds of copy; against the median window
         ``window_s`` that is an overhead of ``window_s - load - margin``. Measured this way, not
         inverted from the stall, a window with room to spare still says how much room it had.
         """
-        tickets = [s.tickets[s.window], *(s.window_grads if s.plan.mode == "gockpt_o" else ())]
+        # The gradients queued as the window opened ride in it under gockpt_o, except in the
+        # last window of a plan that pays them (static tensors, copied behind them when the
+        # state is taken as that window opens: the model's paid part, plan.paid_s).
+        last_paid = s.window == s.num_blocks - 1 and s.plan.paid_s > 0
+        carried = s.plan.mode == "gockpt_o" and not last_paid
+        tickets = [s.tickets[s.window], *(s.window_grads if carried else ())]
         done = [t.done_at for t in tickets]
         nbytes = sum(t.nbytes for t in tickets)
         if None in done:  # CUDA: the host did not see the copy end

@@ -220,14 +220,15 @@ def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
     """(paid, loads) in bytes: what the training thread waits for whatever the window, and each
     window's copy that hides up to one window's worth (the module's stall model). ``prefix``:
     the prefix sums of ``unit_bytes`` and ``grad_bytes`` (:func:`_prefix_sums`), for callers
-    that score many splits of the same units (a contiguous block then costs O(1))."""
+    that score many splits of the same units into contiguous ranges of ascending indices (a
+    block then costs O(1)); without it any blocks are summed unit by unit."""
     if mode in ("sync", "async"):
         return float(sum(unit_bytes) + static_bytes), []
-    s_pre, g_pre = prefix if prefix is not None else _prefix_sums(unit_bytes, grad_bytes)
     paid, loads = float(static_bytes), []
     grads_copied = 0  # gradient bytes of the blocks copied before the current window
     for j, block in enumerate(blocks):
-        if block and block[-1] - block[0] + 1 == len(block):  # contiguous, as the planner's
+        if prefix is not None and block:  # the planner's blocks: sorted, contiguous ranges
+            s_pre, g_pre = prefix
             state = int(s_pre[block[-1] + 1] - s_pre[block[0]])
             grads = int(g_pre[block[-1] + 1] - g_pre[block[0]])
         else:
@@ -459,10 +460,12 @@ def make_plan(
     """Choose the mode, K and the block of each window for one checkpoint.
 
     With measured costs the multi-step modes size each block for its window (window j also
-    carries the gradients of blocks ``0..j-1``), exactly under the module's stall model over
-    contiguous splits for a window of the median overhead and for a slow one (the 90th
-    percentile of the overhead samples), score every such split by the mean predicted stall
-    over the samples, and take the K in ``[min_overlap_steps, max_overlap_steps]`` of least
+    carries the gradients of blocks ``0..j-1``): the least stall under the module's stall model
+    over contiguous splits for a window of the median overhead, and, where the overhead
+    samples' spread raises that least stall by more than the gain below, also for a slow
+    window (the 90th percentile of the samples). Every such split is scored by the mean
+    predicted stall over the samples (the best split for that mean is not searched for
+    exhaustively), and the K taken is the one in ``[min_overlap_steps, max_overlap_steps]`` of least
     predicted stall: K grows only while a window more lowers it by more than
     :data:`MIN_GAIN_WINDOWS` of a window (GoCkpt §4.2.3 caps K near 7 for the same reason:
     gradient traffic grows with K). ``auto`` takes the least predicted stall of ``lazy`` and
@@ -570,7 +573,7 @@ def make_plan(
             cap = caps.pop()
             found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
                                overlap_last=not static_bytes)
-            spread = 0.0  # the least stall's rise from the median's to the mean over samples
+            spread = 0.0  # the most any split's stall rises from the median's to the mean
             for k, best in enumerate(found, start=1):
                 if best is None or (k < k_lo and not (k == 1 and mode == "auto")):
                     continue

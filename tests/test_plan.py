@@ -318,14 +318,21 @@ def test_windows_that_sometimes_run_slow_get_blocks_with_room():
 
 
 @settings(max_examples=200, deadline=None)
-@given(workloads(grads_at_most_state=False), st.integers(1, 8), st.integers(1, 8))
-def test_auto_never_predicts_more_stall_than_lazy(work, k_max, k_min):
+@given(workloads(grads_at_most_state=False), st.integers(1, 8), st.integers(1, 8), sampled_costs,
+       st.booleans(), st.sampled_from([None, 1, 2, 5]))
+def test_auto_never_predicts_more_stall_than_lazy(work, k_max, k_min, samples, use_samples,
+                                                  interval):
     units, grads, costs = work
+    if use_samples:  # windows that vary: splits for a slow window, scored by the mean stall
+        costs = samples
     k_min = min(k_min, k_max)
     auto = make_plan("auto", units, grads, costs, max_overlap_steps=k_max,
                      min_overlap_steps=k_min, replayable=True)
     lazy = make_plan("lazy", units, grads, costs, max_overlap_steps=k_max, replayable=True)
     assert auto.predicted_stall_s <= lazy.predicted_stall_s + 1e-9
+    with_next = make_plan("auto", units, grads, costs, max_overlap_steps=k_max,
+                          min_overlap_steps=k_min, replayable=True, interval_steps=interval)
+    assert with_next.predicted_stall_s <= lazy.predicted_stall_s + 1e-9
     assert auto.mode in ("lazy", "gockpt_o")
     assert (auto.mode == "lazy") == (auto.num_overlap_steps == 1)
 
