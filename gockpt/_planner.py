@@ -136,15 +136,13 @@ class Planner:
         return mode in MULTI_STEP_MODES + ("auto",) and self._replayable(layout, version)
 
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
-             version: int, window_s: float | None, window_overhead_s: float = 0.0,
-             overhead_samples_s: tuple[float, ...] = (),
+             version: int, window_s: float | None, overhead_samples_s: tuple[float, ...] = (),
              unchanged: Callable[[Entry], bool] | None = None,
              interval_steps: int | None = None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
-        unknown; ``window_overhead_s``: how much longer than its bytes at the copy rate a
-        window's copy runs, seconds; ``overhead_samples_s``: that overhead per recent window,
-        :attr:`gockpt.plan.Costs.overhead_samples_s`), with its predicted stall and lower bound (:func:`gockpt.plan.make_plan`);
-        logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
+        unknown; ``overhead_samples_s``: how much longer than its bytes at the copy rate each
+        recent window's copy ran, seconds, :attr:`gockpt.plan.Costs.overhead_samples_s`), with
+        its predicted stall and lower bound (:func:`gockpt.plan.make_plan`); logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
         (``frozen_copy="when_changed"``), so its copy costs nothing. ``interval_steps``: the
         steps to the next request (:meth:`note_request`), None if unknown."""
         replayable = self._replayable(layout, version)
@@ -176,7 +174,7 @@ class Planner:
         static_bytes = sum(e.spec.nbytes for e in layout.static
                            if unchanged is None or not unchanged(e))  # buffers: never held
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
-        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, window_overhead_s, overhead_samples_s),
+        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, overhead_samples_s),
                          max_overlap_steps=hi, replayable=replayable,
                          min_overlap_steps=min(self._config.min_overlap_steps, hi),
                          static_bytes=static_bytes, interval_steps=interval_steps,
@@ -196,7 +194,7 @@ class Planner:
                 and all(is_replayable(o) for o in self._optimizers)
                 and not _state_missing(layout))
 
-    def _costs(self, window_s: float | None, window_overhead_s: float = 0.0,
+    def _costs(self, window_s: float | None,
                overhead_samples_s: tuple[float, ...] = ()) -> Costs | None:
         if window_s is None:
             return None
@@ -204,8 +202,7 @@ class Planner:
         bw = self._copy_bw
         if getattr(copier, "busy_s", 0.0) > 0.05:
             bw = copier.bytes_copied / copier.busy_s
-        return Costs(copy_bytes_per_s=bw, window_s=window_s, window_overhead_s=window_overhead_s,
-                     overhead_samples_s=overhead_samples_s)
+        return Costs(copy_bytes_per_s=bw, window_s=window_s, overhead_samples_s=overhead_samples_s)
 
     def slot_layout(self, layout: StateLayout) -> SlotLayout:
         """Where each tensor of ``layout`` lives in a host slot and in the shard files."""

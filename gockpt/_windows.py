@@ -335,12 +335,6 @@ class Windows:
         return 0.0
 
     @property
-    def window_overhead_s(self) -> float:
-        """The median of :attr:`overhead_samples_s`, seconds; 0.0 before any
-        (:attr:`gockpt.plan.Costs.window_overhead_s`)."""
-        return self._overheads.median() or 0.0
-
-    @property
     def overhead_samples_s(self) -> tuple[float, ...]:
         """How much longer than its bytes at the planned copy rate each of the latest windows'
         copy ran, counted against the median window, seconds (:meth:`_note_window`; empty
@@ -352,8 +346,8 @@ class Windows:
         """Record the margin and the overhead of ``s``'s window that ends at ``t_fence``.
 
         The window's copy (its state block and, for ``gockpt_o``, the gradients queued as it
-        opened, where the model counts them in the window) ended ``margin = t_fence - done`` before the window end (negative: the training
-        thread waited). Its copy at the planned rate takes ``load`` seconds, so the window
+        opened, where the model counts them in the window) ended ``margin = t_fence - done``
+        before the window end (negative: the training thread waited). Its copy at the planned rate takes ``load`` seconds, so the window
         could have carried ``load + margin`` seconds of copy; against the median window
         ``window_s`` that is an overhead of ``window_s - load - margin``. Measured this way, not
         inverted from the stall, a window with room to spare still says how much room it had.

@@ -227,7 +227,6 @@ class Engine:
             interval = None  # the next request takes a slot of its own: no wait, no flush
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s,
-                                  window_overhead_s=self._windows.window_overhead_s,
                                   overhead_samples_s=self._windows.overhead_samples_s,
                                   unchanged=self._held_estimate(layout), interval_steps=interval)
         seq = next(self._seq)

@@ -465,14 +465,14 @@ def make_plan(
     samples' spread raises that least stall by more than the gain below, also for a slow
     window (the 90th percentile of the samples). Every such split is scored by the mean
     predicted stall over the samples (the best split for that mean is not searched for
-    exhaustively), and the K taken is the one in ``[min_overlap_steps, max_overlap_steps]`` of least
-    predicted stall: K grows only while a window more lowers it by more than
+    exhaustively), and the K taken is the one in ``[min_overlap_steps, max_overlap_steps]`` of
+    least predicted stall: K grows only while a window more lowers it by more than
     :data:`MIN_GAIN_WINDOWS` of a window (GoCkpt §4.2.3 caps K near 7 for the same reason:
     gradient traffic grows with K). ``auto`` takes the least predicted stall of ``lazy`` and
     ``gockpt_o`` (whose model never predicts more than ``gockpt``'s), ``lazy`` on ties, so it
     never predicts more stall than ``lazy``; without measured costs it picks ``lazy``. Without
-    costs the multi-step modes split into ``max_overlap_steps`` blocks of equal bytes. Modes that need replay fall back to
-    ``lazy`` when ``replayable`` is False (the caller warns).
+    costs the multi-step modes split into ``max_overlap_steps`` blocks of equal bytes. Modes
+    that need replay fall back to ``lazy`` when ``replayable`` is False (the caller warns).
 
     With ``interval_steps`` (the steps until the next checkpoint request, as the caller
     expects them from earlier requests) K is chosen with that request in view (an extension of
@@ -567,29 +567,31 @@ def make_plan(
     prefix = _prefix_sums(unit_bytes, grad_bytes)
     candidates: list[_Candidate] = []
     seen: set[tuple[str, tuple[tuple[int, ...], ...]]] = set()
+
+    def add_splits(rank: int, m: str, cap: float) -> float:
+        """Add the least-stall split of each K for windows hiding ``cap`` bytes; return the most
+        any split's mean stall over the samples exceeds its stall at ``cap``."""
+        spread = 0.0
+        found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
+                           overlap_last=not static_bytes)
+        for k, best in enumerate(found, start=1):
+            if best is None or (k < k_lo and not (k == 1 and mode == "auto")):
+                continue
+            m_k = m if k >= k_lo else "lazy"
+            if (m_k, best[1]) in seen:
+                continue
+            seen.add((m_k, best[1]))
+            stall = best[0]
+            if len(hides) > 1:  # the DP's value is the stall at ``cap`` alone
+                paid, loads = _window_terms(m, unit_bytes, grad_bytes, best[1], static_bytes, prefix)
+                stall = _model_stall(paid, loads, hides) - static_bytes
+                spread = max(spread, stall - best[0])
+            candidates.append((stall, k, rank + 1 if k >= k_lo else 0, m_k, best[1], None))
+        return spread
+
     for rank, m in enumerate(modes):
-        caps = [median_cap]
-        while caps:
-            cap = caps.pop()
-            found = _window_dp(unit_bytes, grad_bytes, cap, max_overlap_steps, m == "gockpt_o",
-                               overlap_last=not static_bytes)
-            spread = 0.0  # the most any split's stall rises from the median's to the mean
-            for k, best in enumerate(found, start=1):
-                if best is None or (k < k_lo and not (k == 1 and mode == "auto")):
-                    continue
-                m_k = m if k >= k_lo else "lazy"
-                if (m_k, best[1]) in seen:
-                    continue
-                seen.add((m_k, best[1]))
-                stall = best[0]
-                if len(hides) > 1:  # the DP's value is the stall at ``cap`` alone
-                    paid, loads = _window_terms(m, unit_bytes, grad_bytes, best[1], static_bytes,
-                                                prefix)
-                    stall = _model_stall(paid, loads, hides) - static_bytes
-                    spread = max(spread, stall - best[0])
-                candidates.append((stall, k, rank + 1 if k >= k_lo else 0, m_k, best[1], None))
-            if cap == median_cap and slow_cap < median_cap and spread > gain:
-                caps.append(slow_cap)
+        if add_splits(rank, m, median_cap) > gain and slow_cap < median_cap:
+            add_splits(rank, m, slow_cap)
     if not candidates:  # no units, or fewer than min_overlap_steps: at most one block each
         m = "lazy" if mode == "auto" else mode
         return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))

@@ -324,10 +324,10 @@ def test_each_window_reports_how_early_its_copy_ended(tmp_path, slow_link):
 
     def on_step_end(it: int) -> None:
         eng.step_end()
-        if not slow_link:
-            time.sleep(0.05)  # inside the next window: the copy has 50 ms at least
         if it in (2, 9):
             handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+        if not slow_link:
+            time.sleep(0.05)  # inside every window, the first's too: 50 ms for a copy of < 1 MB
 
     train(model, opt, sched, scaler, 16, on_step_end=on_step_end, skip_iter=-1)
     eng.close()
@@ -347,9 +347,9 @@ def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch)
     seen = []
     costs = Planner._costs
 
-    def spy(self, window_s, overhead_s=0.0, samples=()):
+    def spy(self, window_s, samples=()):
         seen.append(samples)
-        return costs(self, window_s, overhead_s, samples)
+        return costs(self, window_s, samples)
 
     monkeypatch.setattr(Planner, "_costs", spy)
     model, opt, sched, scaler = _deep(width=64)
