@@ -345,11 +345,12 @@ def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch)
     # Each window a warm save ran gives the planner one overhead sample; a save into a fresh
     # host slot (the first) gives none, though its margins are reported.
     seen = []
-    costs = Planner._costs
 
     def spy(self, window_s, samples=()):
+        # Fixed rate and window, the samples passed through: the first two saves get the same
+        # plan and so the same gradient buffers (a save whose plan needs larger ones is cold).
         seen.append(samples)
-        return costs(self, window_s, samples)
+        return Costs(1e9, 1.0, overhead_samples_s=samples)
 
     monkeypatch.setattr(Planner, "_costs", spy)
     model, opt, sched, scaler = _deep(width=64)
