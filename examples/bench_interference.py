@@ -10,12 +10,19 @@ a shared machine hits every condition alike:
 - ``thread writer``: the same, from a thread of the training process (the GIL released in
   every write, as GoCkpt's io threads do);
 - ``gockpt <mode>``: :class:`gockpt.Engine` saves the real state, the next save requested at the
-  first step after the previous one is durable (copy, checksum, write and fsync back to back).
+  first step after the previous one is durable (copy, checksum, write and fsync back to back);
+- ``thread writer at <f>`` (``--paced f ...``): the thread writer held to ``f`` times the rate
+  the unpaced one reached in the same round, so that the cost of each byte written can be
+  compared at a full and a throttled rate (is the slowdown per GB the same when the same
+  bytes are spread over more steps?).
 
 Printed: per round, each condition's median step over that round's ``none``; then the median
 of those ratios over the rounds and their spread (min to max), which is the noise to read the
-ratios against. Writers write for the whole measured block, so these are upper bounds on a
-checkpoint's slowdown per step while it is written. Usage::
+ratios against; for the writers also the extra step time per GB written (the measured steps'
+time over the round's ``none`` median, divided by the GB the writer wrote meanwhile).
+Writers write for the whole measured block, so these are upper bounds on a checkpoint's
+slowdown per step while it is written. Denormal floats are flushed to zero unless
+``--keep-denormals`` (as in ``bench_floor.py``). Usage::
 
     python examples/bench_interference.py --rounds 5
 """
@@ -45,10 +52,12 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return buf
 
 
-def write_file(path: str, view: memoryview, stop: threading.Event | None = None) -> None:
+def write_file(path: str, view: memoryview, stop: threading.Event | None = None,
+               bytes_per_s: float | None = None, written: list[int] | None = None) -> None:
     """Write ``view`` (a multiple of 4096 bytes) to ``path`` in ``CHUNK`` writes, with
     ``O_DIRECT`` where the file system takes it (else through the page cache, as on tmpfs),
-    then fsync; stops early once ``stop`` is set.
+    then fsync; stops early once ``stop`` is set. ``bytes_per_s``: sleep between writes to
+    hold that rate; ``written[0]`` counts the bytes written.
 
     Raises:
         OSError: the file could not be opened, written or fsynced (a full disk: ENOSPC).
@@ -61,10 +70,17 @@ def write_file(path: str, view: memoryview, stop: threading.Event | None = None)
     except OSError:
         fd = os.open(path, flags)
     try:
+        t0 = time.perf_counter()
         for i in range(0, len(view), CHUNK):
             if stop is not None and stop.is_set():
                 break
-            os.write(fd, view[i:i + CHUNK])
+            n = os.write(fd, view[i:i + CHUNK])
+            if written is not None:
+                written[0] += n
+            if bytes_per_s:
+                ahead = (i + n) / bytes_per_s - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -101,10 +117,11 @@ def _feed(proc: subprocess.Popen, path: str, nbytes: int, stop: threading.Event)
         return
 
 
-def _thread_writer(nbytes: int, path: str, stop: threading.Event) -> None:
+def _thread_writer(nbytes: int, path: str, stop: threading.Event, bytes_per_s: float | None,
+                   written: list[int]) -> None:
     view = memoryview(aligned_buffer(nbytes))
     while not stop.is_set():
-        write_file(path, view, stop)
+        write_file(path, view, stop, bytes_per_s, written)
 
 
 def main() -> None:
@@ -115,6 +132,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=["lazy"], help="GoCkpt modes to add as conditions")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under .)")
     parser.add_argument("--nice", type=int, default=None, help="niceness of this process (root for < 0)")
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (see bench_floor.py: the steps "
+                             "then slow down as training goes on)")
+    parser.add_argument("--paced", nargs="*", type=float, default=[],
+                        help="add the thread writer held to these fractions of its unpaced rate")
     parser.add_argument("--serve-writes", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_writes:
@@ -130,6 +152,8 @@ def main() -> None:
     if args.nice is not None:
         os.nice(args.nice - os.nice(0))
     torch.set_num_threads(1)
+    if not args.keep_denormals:
+        torch.set_flush_denormal(True)
     preset = PRESETS[args.preset]
     model, opt, train_step = build_training("fp32", args.preset, seed=0)
     train, _ = text_datasets(seq_len=preset.seq_len)
@@ -146,19 +170,23 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix=".bench-interference-", dir=args.dir or ".")
     target = os.path.join(root, "bytes")
 
-    def measure(kind: str) -> float:
+    def measure(kind: str, bytes_per_s: float | None = None) -> tuple[float, float, float]:
+        """Median step (s), sum of the steps (s) and bytes/s the writer reached under ``kind``."""
         stop, helper, proc, engine, handles = threading.Event(), None, None, None, []
+        written = [0]
         if kind == "process writer":
             proc = start_writer_process()
             helper = threading.Thread(target=_feed, args=(proc, target, nbytes, stop))
             helper.start()
-        elif kind == "thread writer":
-            helper = threading.Thread(target=_thread_writer, args=(nbytes, target, stop))
+        elif kind.startswith("thread writer"):
+            helper = threading.Thread(target=_thread_writer,
+                                      args=(nbytes, target, stop, bytes_per_s, written))
             helper.start()
         elif kind.startswith("gockpt "):
             engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=kind.split()[1]))
         time.sleep(0.3)  # the writer under way
         times = []
+        w0, t_start = written[0], time.perf_counter()
         for i in range(args.steps):
             t = time.perf_counter()
             train_step(model, opt, next(data))
@@ -167,6 +195,7 @@ def main() -> None:
                 if not handles or handles[-1].done():
                     handles.append(engine.save(os.path.join(root, f"ckpt-{len(handles)}")))
             times.append(time.perf_counter() - t)
+        rate = (written[0] - w0) / (time.perf_counter() - t_start)
         stop.set()
         if proc is not None:
             proc.kill()
@@ -180,18 +209,27 @@ def main() -> None:
         for name in os.listdir(root):
             p = os.path.join(root, name)
             shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-        return statistics.median(times)
+        return statistics.median(times), sum(times), rate
 
-    kinds = ["none", "process writer", "thread writer", *(f"gockpt {m}" for m in args.modes)]
+    paced = [f"thread writer at {f:g}" for f in args.paced]
+    kinds = ["none", "process writer", "thread writer", *paced, *(f"gockpt {m}" for m in args.modes)]
     ratios: dict[str, list[float]] = {k: [] for k in kinds}
+    per_gb: dict[str, list[float]] = {k: [] for k in ["thread writer", *paced]}
     print(f"{nbytes / 1e6:.0f} MB per write, {args.steps} steps per condition, "
           f"{args.rounds} rounds; median step over the round's 'none'")
     try:
         for r in range(args.rounds):
-            base = measure("none")
+            base = measure("none")[0]
             row = {"none": 1.0}
-            for k in kinds[1:]:
-                row[k] = measure(k) / base
+            full_rate = None
+            for k, f in zip(kinds[1:], [None, None, *args.paced, *([None] * len(args.modes))]):
+                median, total, rate = measure(k, None if f is None else f * full_rate)
+                row[k] = median / base
+                if k == "thread writer":
+                    full_rate = rate
+                if k in per_gb and rate > 0:
+                    # Extra seconds of the measured steps per GB the writer wrote meanwhile.
+                    per_gb[k].append((total - args.steps * base) / (rate * total / 1e9))
             for k, v in row.items():
                 ratios[k].append(v)
             print(f"round {r}: none {base:.3f} s; " + ", ".join(f"{k} {row[k]:.3f}" for k in kinds[1:]),
@@ -203,6 +241,11 @@ def main() -> None:
     for k in kinds:
         v = ratios[k]
         print(f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} | {max(v):.3f} |")
+    if args.paced:
+        print("\n| writer | extra step time per GB written (s/GB, median over rounds) | min | max |")
+        print("|---|---:|---:|---:|")
+        for k, v in per_gb.items():
+            print(f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} | {max(v):.3f} |")
 
 
 if __name__ == "__main__":

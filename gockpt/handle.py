@@ -62,6 +62,11 @@ class CheckpointMetrics:
             (:func:`gockpt.plan.make_plan`).
         skipped: the request found no free slot with ``when_full="skip"``.
         superseded: a newer save of the same path was published first; this one was dropped.
+        planned_window_s: the copy window, in seconds, the plan sized its blocks for (the
+            median of the latest windows, :attr:`gockpt.plan.CopyPlan.window_s`); None when
+            the plan was not costed (no window measured yet). Read beside
+            ``window_margins_s``: a save whose steps ran shorter than planned ends its windows
+            late.
         window_margins_s: per copy window that ran to its end, seconds from its copy finishing
             to the window end (negative: the training thread waited that long at the
             ``window_end``); empty where the host cannot see when a copy ended (CUDA).
@@ -91,6 +96,7 @@ class CheckpointMetrics:
     expected_interval_steps: int | None = None
     skipped: bool = False
     superseded: bool = False
+    planned_window_s: float | None = None
     window_margins_s: list[float] = field(default_factory=list)
 
     def add_stall(self, phase: str, seconds: float) -> None:

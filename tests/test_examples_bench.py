@@ -1,9 +1,10 @@
-"""The example benchmarks (bench_scale.py, bench_interference.py, bench_planner.py,
-benchmark.py) run end to end at a tiny size and report every scheme they were asked for."""
+"""The example benchmarks (bench_scale.py, bench_interference.py, bench_floor.py,
+bench_planner.py, benchmark.py) run end to end at a tiny size and report every scheme they were asked for."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,53 @@ def test_bench_interference_measures_every_condition_and_leaves_nothing(tmp_path
     assert [float(x) for x in rows["none"]] == [1.0, 1.0, 1.0]
     assert all(float(x) > 0 for r in rows.values() for x in r)
     assert list(tmp_path.iterdir()) == []  # the writes and checkpoints are removed
+
+
+def test_bench_interference_paced_writer_reports_its_cost_per_gb(tmp_path):
+    script = _SCRIPT.parent / "bench_interference.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "--steps", "6", "--preset", "tiny",
+         "--paced", "0.5", "--modes", "--dir", str(tmp_path)],
+        check=True, capture_output=True, text=True, timeout=300).stdout
+    lines = out.splitlines()
+    steps = [ln.split("|")[1].strip() for ln in lines[:lines.index(next(
+        ln for ln in lines if ln.startswith("| writer")))] if ln.startswith("| ")
+        and not ln.startswith("| condition")]
+    assert steps == ["none", "process writer", "thread writer", "thread writer at 0.5"]
+    per_gb = lines[lines.index(next(ln for ln in lines if ln.startswith("| writer"))) + 2:]
+    rows = {ln.split("|")[1].strip(): [float(x) for x in ln.split("|")[2:5]]
+            for ln in per_gb if ln.startswith("| ")}
+    assert list(rows) == ["thread writer", "thread writer at 0.5"]
+    assert all(lo <= med <= hi for med, lo, hi in rows.values())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_floor_reports_the_floor_beside_gockpt_and_leaves_nothing(tmp_path):
+    script = _SCRIPT.parent / "bench_floor.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--rounds", "2", "--steps", "4", "--interval", "2",
+         "--preset", "tiny", "--mode", "lazy", "--dir", str(tmp_path)],
+        check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = {ln.split("|")[1].strip(): ln.split("|")[2:5] for ln in out.splitlines()
+            if ln.startswith("| ") and not ln.startswith("| condition")}
+    assert list(rows) == ["none (again) (the floor)", "disk only", "gockpt lazy"]
+    assert rows["none (again) (the floor)"][2].strip() == rows["disk only"][2].strip() == "-"
+    assert float(rows["gockpt lazy"][2]) > 0  # the engine's own stall: the request at least
+    for median, interval, _ in rows.values():
+        lo, hi = (float(x) for x in interval.split("[")[1].rstrip("] ").split(","))
+        assert lo <= float(interval.split("[")[0]) <= hi and math.isfinite(float(median))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bootstrap_interval_holds_the_mean_and_narrows_with_more_values():
+    sys.path.insert(0, str(_SCRIPT.parent))
+    from bench_floor import bootstrap_interval
+
+    few = [1.0, 3.0, 2.0, 6.0]
+    lo, hi = bootstrap_interval(few)
+    assert lo <= sum(few) / len(few) <= hi and min(few) <= lo < hi <= max(few)
+    lo2, hi2 = bootstrap_interval(few * 25)
+    assert hi2 - lo2 < hi - lo
 
 
 def test_benchmark_quick_run_reports_the_disk_floor_beside_gockpt(tmp_path):

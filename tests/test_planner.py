@@ -339,6 +339,8 @@ def test_each_window_reports_how_early_its_copy_ended(tmp_path, slow_link):
             assert m.window_margins_s[-1] < -0.1 and waited > 0.1
         else:
             assert all(x > 0 for x in m.window_margins_s)
+            # The window the plan sized its blocks for holds the 50 ms each step sleeps.
+            assert m.planned_window_s is not None and m.planned_window_s >= 0.05
 
 
 def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch):
@@ -369,6 +371,7 @@ def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch)
     eng.close()
     first, second, third = (h.result() for h in handles)
     assert [m.num_overlap_steps for m in (first, second, third)] == [3, 3, 3]
+    assert [m.planned_window_s for m in (first, second, third)] == [1.0, 1.0, 1.0]  # the spy's
     assert len(first.window_margins_s) == 3 and len(second.window_margins_s) == 3
     assert len(seen) == 3 and seen[0] == () and seen[1] == ()  # the cold save gave none
     assert len(seen[2]) == 3 and all(math.isfinite(x) for x in seen[2])

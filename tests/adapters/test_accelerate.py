@@ -508,11 +508,13 @@ def test_sigkill_during_save_leaves_a_checkpoint_that_load_state_resumes(tmp_pat
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     digests: dict[int, str] = {}
     blocked = None
+    seen: list[str] = []  # the child's output, for the failure message
     timer = threading.Timer(180, proc.kill)  # a hung child fails the test instead of hanging it
     timer.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
+            seen.append(line)
             parts = line.split()
             if parts[:1] == ["state"]:
                 digests[int(parts[1])] = parts[2]
@@ -523,7 +525,8 @@ def test_sigkill_during_save_leaves_a_checkpoint_that_load_state_resumes(tmp_pat
         proc.wait(60)
     finally:
         timer.cancel()
-    assert blocked is not None and "checkpoint_3" in blocked, "the child never reached the save"
+    assert blocked is not None and "checkpoint_3" in blocked, (
+        f"the child never reached the save (exit {proc.returncode}):\n" + "".join(seen[-60:]))
     root = tmp_path / "checkpoints"
     # checkpoint_3 was being written when the process died; total_limit=2 kept the last two
     # complete ones, which Accelerate's delete-first rotation would not have.

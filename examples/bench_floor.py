@@ -1,0 +1,168 @@
+"""Is a checkpoint's extra wall time within the noise of training without one?
+
+One process trains the example model (one training thread, ``examples/workload.py``) in rounds.
+Each round runs, in a shuffled order, one block of ``--steps`` steps per condition:
+
+- ``none`` and ``none (again)``: no checkpoint. Their difference is the noise floor: what two
+  blocks of the same work differ by on this machine at this time;
+- ``disk only``: at each checkpoint step another process writes as many bytes as the state
+  holds, ``O_DIRECT`` and fsync (``bench_interference.serve_writes``), copying and checksumming
+  nothing; a write not done by the next checkpoint step is waited for, and the block's time
+  includes the wait for the last one. What GoCkpt's persist cannot avoid on this disk;
+- ``gockpt <mode>``: a :class:`gockpt.Engine`, built and warmed up before the first round (so
+  every measured save reuses its host buffers), saves the real state every ``--interval``
+  steps, to local disk with fsync. The block's time includes the wait, after its last step,
+  for its last checkpoint to be durable, so no background work is left uncounted. The engine
+  stays attached in the ``none`` blocks: what they measure with it is its per-step hooks with
+  no save in flight (a few microseconds a step), so the difference is the cost of the saves.
+
+Per round and condition: extra wall time per checkpoint = (block time - the round's ``none``
+block time) / checkpoints in the block. Printed: the median over rounds and a bootstrap 90 %
+interval of the mean, for each condition and for the floor (``none (again)``, divided by the
+same number of checkpoints), and GoCkpt's own count of the training thread's waits
+(``CheckpointMetrics.stall_s``). Blocks of one round run back to back and in a new order each
+round, so a slow drift of a shared machine hits every condition alike. Denormal floats are
+flushed to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``: after some 500 steps
+the example model's CPU training reaches denormal values and its steps slow down by half over
+the next few hundred steps (with or without GoCkpt), a drift far larger than what is measured
+here. Usage::
+
+    python examples/bench_floor.py --rounds 10 --nice -20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def bootstrap_interval(values: list[float], *, level: float = 0.9, draws: int = 4000,
+                       seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap ``level`` interval of the mean of ``values`` (same unit)."""
+    rng = np.random.default_rng(seed)
+    x = np.asarray(values, dtype=float)
+    means = rng.choice(x, size=(draws, len(x)), replace=True).mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40, help="steps per block (a multiple of --interval)")
+    parser.add_argument("--interval", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--preset", default="bench", help="examples/workload.py preset")
+    parser.add_argument("--workload", default="fp32", help="examples/workload.py workload")
+    parser.add_argument("--mode", default="auto", help="GoCkpt mode (GoCkptConfig.mode)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under .)")
+    parser.add_argument("--nice", type=int, default=None, help="niceness of this process (root for < 0)")
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (the steps then slow down as training goes on)")
+    args = parser.parse_args()
+    if args.steps % args.interval:
+        parser.error("--steps must be a multiple of --interval")
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from bench_interference import start_writer_process
+    from workload import PRESETS, build_training, make_dataloader, state_nbytes, text_datasets
+
+    import gockpt
+
+    if args.nice is not None:
+        os.nice(args.nice - os.nice(0))
+    torch.set_num_threads(1)
+    if not args.keep_denormals:
+        torch.set_flush_denormal(True)
+    preset = PRESETS[args.preset]
+    model, opt, train_step = build_training(args.workload, args.preset, seed=0)
+    train, _ = text_datasets(seq_len=preset.seq_len)
+    loader = make_dataloader(train, preset.batch_size, seed=0)
+
+    def batches():
+        while True:
+            yield from loader
+
+    data = batches()
+    nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
+    writer = start_writer_process()
+    root = tempfile.mkdtemp(prefix=".bench-floor-", dir=args.dir or ".")
+    # One engine: two engines on one optimizer would both run their hooks at every step.
+    engines = {f"gockpt {args.mode}": gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))}
+    saves = args.steps // args.interval
+    stalls: dict[str, list[float]] = {k: [] for k in engines}
+
+    def block(kind: str, tag: str) -> float:
+        """Seconds for ``args.steps`` steps under ``kind``, the last save's wait included."""
+        engine, handles, pending = engines.get(kind), [], False
+        start = time.perf_counter()
+        for i in range(args.steps):
+            train_step(model, opt, next(data))
+            if kind == "disk only" and i % args.interval == 0:
+                if pending and not writer.stdout.readline():
+                    raise RuntimeError("the writer process ended")
+                writer.stdin.write(f"{os.path.join(root, 'bytes')} {nbytes}\n")
+                writer.stdin.flush()
+                pending = True
+            if engine is not None:
+                engine.step_end()
+                if i % args.interval == 0:
+                    handles.append(engine.save(os.path.join(root, f"{tag}-{i}")))
+        if engine is not None:
+            engine.wait()
+        if pending and not writer.stdout.readline():
+            raise RuntimeError("the writer process ended")
+        took = time.perf_counter() - start
+        for h in handles:
+            m = h.result()
+            if not tag.startswith("warm"):
+                stalls[kind].append(m.stall_s)
+        for name in os.listdir(root):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        return took
+
+    for _ in range(3):
+        train_step(model, opt, next(data))
+    for kind in engines:  # host buffers allocated, plans costed, the replay self-check run
+        block(kind, "warm")
+    kinds = ["none", "none (again)", "disk only", *engines]
+    extra: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    order_rng = random.Random(0)
+    print(f"{state_nbytes(model, opt) / 1e6:.0f} MB of state, {args.steps} steps per block, "
+          f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, mode "
+          f"{args.mode}, denormals {'kept' if args.keep_denormals else 'flushed to zero'}")
+    try:
+        for r in range(args.rounds):
+            order = kinds[:]
+            order_rng.shuffle(order)
+            took = {k: block(k, f"r{r}-{k.replace(' ', '_')}") for k in order}
+            for k in kinds[1:]:
+                extra[k].append((took[k] - took["none"]) / saves)
+            print(f"round {r}: none {took['none'] / args.steps:.3f} s/step; extra per checkpoint "
+                  + ", ".join(f"{k} {extra[k][-1]:+.3f} s" for k in kinds[1:]), flush=True)
+    finally:
+        writer.stdin.close()
+        writer.wait()
+        for e in engines.values():
+            e.close()
+        shutil.rmtree(root, ignore_errors=True)
+    print("\n| condition | extra wall per checkpoint, median (s) | mean, 90 % interval (s) | engine stall, median (s) |")
+    print("|---|---:|---|---:|")
+    for k in kinds[1:]:
+        lo, hi = bootstrap_interval(extra[k])
+        engine = f"{statistics.median(stalls[k]):.4f}" if k in stalls else "-"
+        name = f"{k} (the floor)" if k == "none (again)" else k
+        print(f"| {name} | {statistics.median(extra[k]):+.3f} | {statistics.mean(extra[k]):+.3f} "
+              f"[{lo:+.3f}, {hi:+.3f}] | {engine} |")
+
+
+if __name__ == "__main__":
+    main()
