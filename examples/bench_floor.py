@@ -71,34 +71,20 @@ def main() -> None:
         parser.error("--steps must be a multiple of --interval")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torch
     from bench_interference import start_writer_process
-    from workload import PRESETS, build_training, make_dataloader, state_nbytes, text_datasets
+    from workload import bench_training, state_nbytes
 
     import gockpt
 
-    if args.nice is not None:
-        os.nice(args.nice - os.nice(0))
-    torch.set_num_threads(1)
-    if not args.keep_denormals:
-        torch.set_flush_denormal(True)
-    preset = PRESETS[args.preset]
-    model, opt, train_step = build_training(args.workload, args.preset, seed=0)
-    train, _ = text_datasets(seq_len=preset.seq_len)
-    loader = make_dataloader(train, preset.batch_size, seed=0)
-
-    def batches():
-        while True:
-            yield from loader
-
-    data = batches()
+    model, opt, train_step, data = bench_training(args.workload, args.preset, nice=args.nice,
+                                                  keep_denormals=args.keep_denormals)
     nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
     writer = start_writer_process()
     root = tempfile.mkdtemp(prefix=".bench-floor-", dir=args.dir or ".")
-    # One engine: two engines on one optimizer would both run their hooks at every step.
-    engines = {f"gockpt {args.mode}": gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))}
+    engine_kind = f"gockpt {args.mode}"
+    engines: dict[str, gockpt.Engine] = {}
     saves = args.steps // args.interval
-    stalls: dict[str, list[float]] = {k: [] for k in engines}
+    stalls: dict[str, list[float]] = {engine_kind: []}
 
     def block(kind: str, tag: str) -> float:
         """Seconds for ``args.steps`` steps under ``kind``, the last save's wait included."""
@@ -125,21 +111,23 @@ def main() -> None:
             m = h.result()
             if not tag.startswith("warm"):
                 stalls[kind].append(m.stall_s)
-        for name in os.listdir(root):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for name in os.listdir(root):  # untimed: no block pays for the one before it
+            p = os.path.join(root, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
         return took
 
-    for _ in range(3):
-        train_step(model, opt, next(data))
-    for kind in engines:  # host buffers allocated, plans costed, the replay self-check run
-        block(kind, "warm")
-    kinds = ["none", "none (again)", "disk only", *engines]
+    kinds = ["none", "none (again)", "disk only", engine_kind]
     extra: dict[str, list[float]] = {k: [] for k in kinds[1:]}
     order_rng = random.Random(0)
     print(f"{state_nbytes(model, opt) / 1e6:.0f} MB of state, {args.steps} steps per block, "
           f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, mode "
           f"{args.mode}, denormals {'kept' if args.keep_denormals else 'flushed to zero'}")
     try:
+        # One engine: two engines on one optimizer would both run their hooks at every step.
+        engines[engine_kind] = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))
+        for _ in range(3):
+            train_step(model, opt, next(data))
+        block(engine_kind, "warm")  # host buffers allocated, plans costed, the replay self-check run
         for r in range(args.rounds):
             order = kinds[:]
             order_rng.shuffle(order)

@@ -18,8 +18,9 @@ a shared machine hits every condition alike:
 
 Printed: per round, each condition's median step over that round's ``none``; then the median
 of those ratios over the rounds and their spread (min to max), which is the noise to read the
-ratios against; for the writers also the extra step time per GB written (the measured steps'
-time over the round's ``none`` median, divided by the GB the writer wrote meanwhile).
+ratios against; with ``--paced``, for the thread writers also the extra step time per GB
+written (the measured steps' time less the round's ``none`` block's, divided by the GB the
+writer wrote meanwhile) and the rate each reached.
 Writers write for the whole measured block, so these are upper bounds on a checkpoint's
 slowdown per step while it is written. Denormal floats are flushed to zero unless
 ``--keep-denormals`` (as in ``bench_floor.py``). Usage::
@@ -52,12 +53,30 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return buf
 
 
+class Pacer:
+    """Holds a writer to ``bytes_per_s`` over all its writes, across files (sleeps only)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        self.bytes_per_s = bytes_per_s
+        self.t0 = time.perf_counter()
+        self.nbytes = 0
+
+    def wrote(self, n: int) -> None:
+        """``n`` more bytes were written: sleep until the rate allows them."""
+        self.nbytes += n
+        ahead = self.nbytes / self.bytes_per_s - (time.perf_counter() - self.t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
 def write_file(path: str, view: memoryview, stop: threading.Event | None = None,
-               bytes_per_s: float | None = None, written: list[int] | None = None) -> None:
+               pacer: Pacer | None = None, written: list[int] | None = None) -> None:
     """Write ``view`` (a multiple of 4096 bytes) to ``path`` in ``CHUNK`` writes, with
     ``O_DIRECT`` where the file system takes it (else through the page cache, as on tmpfs),
-    then fsync; stops early once ``stop`` is set. ``bytes_per_s``: sleep between writes to
-    hold that rate; ``written[0]`` counts the bytes written.
+    then fsync; stops early once ``stop`` is set. ``pacer``: holds the writes to its rate;
+    ``written[0]`` counts the bytes written.
 
     Raises:
         OSError: the file could not be opened, written or fsynced (a full disk: ENOSPC).
@@ -70,17 +89,14 @@ def write_file(path: str, view: memoryview, stop: threading.Event | None = None,
     except OSError:
         fd = os.open(path, flags)
     try:
-        t0 = time.perf_counter()
         for i in range(0, len(view), CHUNK):
             if stop is not None and stop.is_set():
                 break
             n = os.write(fd, view[i:i + CHUNK])
             if written is not None:
                 written[0] += n
-            if bytes_per_s:
-                ahead = (i + n) / bytes_per_s - (time.perf_counter() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
+            if pacer is not None:
+                pacer.wrote(n)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -120,8 +136,9 @@ def _feed(proc: subprocess.Popen, path: str, nbytes: int, stop: threading.Event)
 def _thread_writer(nbytes: int, path: str, stop: threading.Event, bytes_per_s: float | None,
                    written: list[int]) -> None:
     view = memoryview(aligned_buffer(nbytes))
+    pacer = None if bytes_per_s is None else Pacer(bytes_per_s)
     while not stop.is_set():
-        write_file(path, view, stop, bytes_per_s, written)
+        write_file(path, view, stop, pacer, written)
 
 
 def main() -> None:
@@ -139,39 +156,28 @@ def main() -> None:
                         help="add the thread writer held to these fractions of its unpaced rate")
     parser.add_argument("--serve-writes", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if any(not f > 0 for f in args.paced):
+        parser.error("--paced fractions must be > 0")
     if args.serve_writes:
         serve_writes()
         return
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torch
-    from workload import PRESETS, build_training, make_dataloader, state_nbytes, text_datasets
+    from workload import bench_training, state_nbytes
 
     import gockpt
 
-    if args.nice is not None:
-        os.nice(args.nice - os.nice(0))
-    torch.set_num_threads(1)
-    if not args.keep_denormals:
-        torch.set_flush_denormal(True)
-    preset = PRESETS[args.preset]
-    model, opt, train_step = build_training("fp32", args.preset, seed=0)
-    train, _ = text_datasets(seq_len=preset.seq_len)
-    loader = make_dataloader(train, preset.batch_size, seed=0)
-
-    def batches():
-        while True:
-            yield from loader
-
-    data = batches()
+    model, opt, train_step, data = bench_training("fp32", args.preset, nice=args.nice,
+                                                  keep_denormals=args.keep_denormals)
     for _ in range(3):
         train_step(model, opt, next(data))
     nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
     root = tempfile.mkdtemp(prefix=".bench-interference-", dir=args.dir or ".")
     target = os.path.join(root, "bytes")
 
-    def measure(kind: str, bytes_per_s: float | None = None) -> tuple[float, float, float]:
-        """Median step (s), sum of the steps (s) and bytes/s the writer reached under ``kind``."""
+    def measure(kind: str, bytes_per_s: float | None = None) -> tuple[float, float, int]:
+        """Median step (s), sum of the steps (s) and bytes the writer wrote meanwhile under
+        ``kind``."""
         stop, helper, proc, engine, handles = threading.Event(), None, None, None, []
         written = [0]
         if kind == "process writer":
@@ -186,7 +192,7 @@ def main() -> None:
             engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=kind.split()[1]))
         time.sleep(0.3)  # the writer under way
         times = []
-        w0, t_start = written[0], time.perf_counter()
+        w0 = written[0]
         for i in range(args.steps):
             t = time.perf_counter()
             train_step(model, opt, next(data))
@@ -195,7 +201,7 @@ def main() -> None:
                 if not handles or handles[-1].done():
                     handles.append(engine.save(os.path.join(root, f"ckpt-{len(handles)}")))
             times.append(time.perf_counter() - t)
-        rate = (written[0] - w0) / (time.perf_counter() - t_start)
+        wrote = written[0] - w0
         stop.set()
         if proc is not None:
             proc.kill()
@@ -209,43 +215,56 @@ def main() -> None:
         for name in os.listdir(root):
             p = os.path.join(root, name)
             shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-        return statistics.median(times), sum(times), rate
+        return statistics.median(times), sum(times), wrote
 
     paced = [f"thread writer at {f:g}" for f in args.paced]
     kinds = ["none", "process writer", "thread writer", *paced, *(f"gockpt {m}" for m in args.modes)]
     ratios: dict[str, list[float]] = {k: [] for k in kinds}
     per_gb: dict[str, list[float]] = {k: [] for k in ["thread writer", *paced]}
+    reached: dict[str, list[float]] = {k: [] for k in per_gb}  # bytes/s each writer reached
     print(f"{nbytes / 1e6:.0f} MB per write, {args.steps} steps per condition, "
           f"{args.rounds} rounds; median step over the round's 'none'")
     try:
         for r in range(args.rounds):
-            base = measure("none")[0]
+            base, base_total, _ = measure("none")
             row = {"none": 1.0}
-            full_rate = None
+            full_rate = 0.0
             for k, f in zip(kinds[1:], [None, None, *args.paced, *([None] * len(args.modes))]):
-                median, total, rate = measure(k, None if f is None else f * full_rate)
+                if f is not None and not full_rate:
+                    continue  # the unpaced writer finished no write this round: nothing to pace to
+                median, total, wrote = measure(k, None if f is None else f * full_rate)
                 row[k] = median / base
                 if k == "thread writer":
-                    full_rate = rate
-                if k in per_gb and rate > 0:
-                    # Extra seconds of the measured steps per GB the writer wrote meanwhile.
-                    per_gb[k].append((total - args.steps * base) / (rate * total / 1e9))
+                    full_rate = wrote / total
+                if k in per_gb and wrote > 0:
+                    # Extra seconds of the measured steps (against the round's 'none' block, whose
+                    # sum holds the same long tail of slow steps) per GB written meanwhile.
+                    per_gb[k].append((total - base_total) / (wrote / 1e9))
+                    reached[k].append(wrote / total)
             for k, v in row.items():
                 ratios[k].append(v)
-            print(f"round {r}: none {base:.3f} s; " + ", ".join(f"{k} {row[k]:.3f}" for k in kinds[1:]),
+            print(f"round {r}: none {base:.3f} s; " + ", ".join(f"{k} {row[k]:.3f}" for k in row if k != "none"),
                   flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("| condition | median step / none (over rounds) | min | max |")
     print("|---|---:|---:|---:|")
     for k in kinds:
-        v = ratios[k]
-        print(f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} | {max(v):.3f} |")
+        print(_row(k, ratios[k]))
     if args.paced:
-        print("\n| writer | extra step time per GB written (s/GB, median over rounds) | min | max |")
-        print("|---|---:|---:|---:|")
+        print("\n| writer | extra step time per GB written (s/GB, median over rounds) | min | max "
+              "| rate reached (MB/s, median) |")
+        print("|---|---:|---:|---:|---:|")
         for k, v in per_gb.items():
-            print(f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} | {max(v):.3f} |")
+            rate = f"{statistics.median(reached[k]) / 1e6:.0f}" if reached[k] else "-"
+            print(f"{_row(k, v)} {rate} |")
+
+
+def _row(name: str, values: list[float]) -> str:
+    """A table row: median, min and max of ``values``; ``-`` where a condition never ran."""
+    if not values:
+        return f"| {name} | - | - | - |"
+    return f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} |"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ Typical use::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -368,3 +369,38 @@ def build_training(
         return loss
 
     return model, optimizer, master_step
+
+
+def bench_training(
+    workload: str = "fp32", preset: str = "bench", *, nice: int | None = None,
+    keep_denormals: bool = False, seed: int = 0,
+) -> tuple[nn.Module, torch.optim.Optimizer, TrainStep, Iterator[torch.Tensor]]:
+    """The training process of a side-by-side benchmark: :func:`build_training`, one training
+    thread, and an endless stream of batches.
+
+    Args:
+        workload, preset, seed: as :func:`build_training`.
+        nice: this process's niceness (a value below the current one needs root), or None.
+        keep_denormals: False flushes denormal floats to zero (``torch.set_flush_denormal``):
+            after some 500 steps this model's CPU training reaches denormal values and its
+            steps slow down by half over the next few hundred, a drift larger than what the
+            benchmarks measure.
+
+    Returns:
+        ``(model, optimizer, step, batches)``; ``next(batches)`` is a (B, seq_len + 1) int64
+        batch, the loader started over at its end.
+    """
+    if nice is not None:
+        os.nice(nice - os.nice(0))
+    torch.set_num_threads(1)
+    if not keep_denormals:
+        torch.set_flush_denormal(True)
+    model, optimizer, step = build_training(workload, preset, seed=seed)
+    train, _ = text_datasets(seq_len=PRESETS[preset].seq_len)
+    loader = make_dataloader(train, PRESETS[preset].batch_size, seed=seed)
+
+    def batches() -> Iterator[torch.Tensor]:
+        while True:
+            yield from loader
+
+    return model, optimizer, step, batches()

@@ -11,7 +11,11 @@ through numpy, which releases the GIL) and waits for the device. Measured on thi
 
 ``O_DIRECT`` needs the buffer, the file offset and the length aligned to the device's logical
 block; the bounce buffer is page-aligned and written in whole pages, the last one padded with
-zeros and the file truncated back to its length. Where the filesystem refuses ``O_DIRECT``
+zeros and the file truncated back to its length. Where a piece's bytes lie on page boundaries
+at a page-aligned file offset, they are written straight from the caller's memory with no copy:
+the host slots are page-aligned (:func:`aligned_empty`) and each shard's data placed in its slot
+at the address its file offset needs (:func:`gockpt.snapshot.plan_slot`), so only the header and
+the page that joins it to the data pass through the bounce buffer. Where the filesystem refuses ``O_DIRECT``
 (tmpfs, some network filesystems: ``EINVAL`` at ``fcntl`` or at the first write) the rest of
 the file is written buffered, with the same bytes and the same checksum.
 
@@ -29,10 +33,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 from gockpt import _trace
 
-__all__ = ["ALIGN", "BOUNCE_BYTES", "write_file"]
+__all__ = ["ALIGN", "BOUNCE_BYTES", "aligned_empty", "write_file"]
 
 ALIGN = 4096  # bytes: the largest logical block size of common devices, and the page size
 BOUNCE_BYTES = 8 << 20  # bytes per writing thread; one device write each
@@ -47,6 +52,18 @@ def _bounce() -> np.ndarray:
         _tls.map = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous maps are page-aligned
         buf = _tls.buf = np.frombuffer(_tls.map, dtype=np.uint8)
     return buf
+
+
+def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialized ``(nbytes,)`` uint8 tensor whose first byte is ``ALIGN``-aligned (a view
+    of a buffer ``ALIGN`` bytes larger), so ``O_DIRECT`` can write from it without a copy.
+
+    Raises:
+        RuntimeError: from torch, when the memory cannot be allocated (or pinned).
+    """
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + nbytes]
 
 
 def _set_direct(fd: int, on: bool) -> bool:
@@ -83,15 +100,44 @@ class _Writer:
             _write_all(self.fd, src)
             return
         assert self.buf is not None
+        addr = src.__array_interface__["data"][0]
         pos = 0
         while pos < len(src):
-            n = min(len(src) - pos, len(self.buf) - self.fill)
+            left = len(src) - pos
+            # The file offset is aligned where the bounce buffer holds whole pages; bytes that
+            # start on a page there go to the device from ``src`` itself.
+            if self.fill % ALIGN == 0 and (addr + pos) % ALIGN == 0 and left >= ALIGN:
+                if self.fill:
+                    self._flush(self.fill)
+                pos += self._write_from(src[pos : pos + left // ALIGN * ALIGN])
+                continue
+            n = min(left, len(self.buf) - self.fill)
+            lag = -self.fill % ALIGN
+            if lag and (addr + pos + lag) % ALIGN == 0:
+                n = min(n, lag)  # these bytes line both up: the rest can go straight
             self.buf[self.fill : self.fill + n] = src[pos : pos + n]
             self.fill += n
             pos += n
             if self.fill == len(self.buf):
                 self._flush(self.fill)
-        return
+
+    def _write_from(self, view: np.ndarray) -> int:
+        """Write page-aligned ``view`` (whole pages) straight to the file; the bytes taken.
+        ``O_DIRECT`` writes return once the device has the bytes, so ``view`` may be reused."""
+        try:
+            n = os.write(self.fd, view.data)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct = False  # the device wants a larger alignment: the rest goes buffered
+            _set_direct(self.fd, False)
+            _write_all(self.fd, view)
+            return len(view)
+        if n != len(view):  # short: finish buffered, from an aligned position
+            self.direct = False
+            _set_direct(self.fd, False)
+            _write_all(self.fd, view[n:])
+        return len(view)
 
     def _flush(self, nbytes: int) -> None:
         """Write the bounce buffer's first ``nbytes`` (a multiple of ALIGN unless buffered)."""

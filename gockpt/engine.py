@@ -236,7 +236,8 @@ class Engine:
                                     predicted_stall_s=plan.predicted_stall_s + fixed,
                                     stall_lower_bound_s=plan.lower_bound_s + fixed,
                                     expected_interval_steps=interval,
-                                    planned_window_s=plan.window_s if plan.costed else None)
+                                    planned_window_s=plan.window_s if plan.costed
+                                    and plan.mode not in ("sync", "async") else None)
         if setup:
             metrics.add_stall("setup", t_setup - t0)
         handle = SaveHandle(path, metrics)

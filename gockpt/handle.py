@@ -64,7 +64,8 @@ class CheckpointMetrics:
         superseded: a newer save of the same path was published first; this one was dropped.
         planned_window_s: the copy window, in seconds, the plan sized its blocks for (the
             median of the latest windows, :attr:`gockpt.plan.CopyPlan.window_s`); None when
-            the plan was not costed (no window measured yet). Read beside
+            the plan was not costed (no window measured yet) and for ``sync``/``async``,
+            which copy at the request. Read beside
             ``window_margins_s``: a save whose steps ran shorter than planned ends its windows
             late.
         window_margins_s: per copy window that ran to its end, seconds from its copy finishing

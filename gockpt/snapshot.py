@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ._direct import ALIGN as PAGE
+from ._direct import aligned_empty
 from .format import CheckpointCorruptError, ShardLayout, TensorSpec, plan_shards
 
 REF = "__gockpt_tensor__"
@@ -184,7 +186,10 @@ class SlotLayout:
 
     Attributes:
         shards: shard layouts (file names with the prefix ``"shard"``).
-        bases: byte offset in the slot of each shard's data section (64-byte aligned).
+        bases: byte offset in the slot of each shard's data section: its header's length
+            past a page boundary, so the data lies on pages where its file offset does (the
+            persist writes it with ``O_DIRECT`` straight from the slot, :mod:`gockpt._direct`);
+            a multiple of 8 (headers are padded to 8 bytes).
         offsets: tensor key -> byte offset in the slot.
         nbytes: slot size in bytes (>= 64).
     """
@@ -210,11 +215,12 @@ def plan_slot(specs: list[TensorSpec], max_shard_bytes: int) -> SlotLayout:
     bases, off = [], 0
     offsets: dict[str, int] = {}
     for sh in shards:
+        off = -(-off // PAGE) * PAGE + len(sh.header) % PAGE
         bases.append(off)
         for k, (b, _) in sh.offsets.items():
             offsets[k] = off + b
-        off = (off + sh.data_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return SlotLayout(shards, bases, offsets, max(off, _ALIGN))
+        off += sh.data_bytes
+    return SlotLayout(shards, bases, offsets, max(-(-off // _ALIGN) * _ALIGN, _ALIGN))
 
 
 def host_view(buf: torch.Tensor, offset: int, like: torch.Tensor | TensorSpec) -> torch.Tensor:
@@ -318,7 +324,7 @@ def save_tree(
             tensors[k] = t.detach()
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
     slot_layout = plan_slot(specs, max_shard_bytes)
-    slot = torch.empty(slot_layout.nbytes, dtype=torch.uint8)
+    slot = aligned_empty(slot_layout.nbytes)
     for k, t in tensors.items():
         host_view(slot, slot_layout.offsets[k], t).copy_(t)
     buf = io.BytesIO()

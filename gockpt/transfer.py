@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from . import _trace
+from ._direct import aligned_empty
 from ._unchanged import HeldTensors
 from .errors import CheckpointTornError
 
@@ -353,7 +354,8 @@ class Slot:
         sizes = _grad_sizes(grad_bytes)
         # ``data``: a dropped slot's data buffer of ``slot_bytes`` bytes, kept (only its gradient
         # buffers were too small); ``held``: what that buffer still holds.
-        self.data = data if data is not None else torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        # Page-aligned: the persist writes shard data from it with O_DIRECT, no copy between.
+        self.data = data if data is not None else aligned_empty(slot_bytes, pin_memory=pin)
         self.grads = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
         self.grad_busy: list[threading.Event] = [threading.Event(), threading.Event()]
         for e in self.grad_busy:

@@ -343,6 +343,22 @@ def test_each_window_reports_how_early_its_copy_ended(tmp_path, slow_link):
             assert m.planned_window_s is not None and m.planned_window_s >= 0.05
 
 
+def test_sync_saves_report_no_planned_window(tmp_path):
+    # A sync save copies at its request: it has no copy window, even once windows are measured.
+    model, opt, sched, scaler = _deep(width=16)
+    eng = Engine(model, opt, GoCkptConfig(mode="sync"))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in (3, 6):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    assert [h.result().planned_window_s for h in handles] == [None, None]
+
+
 def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch):
     # Each window a warm save ran gives the planner one overhead sample; a save into a fresh
     # host slot (the first) gives none, though its margins are reported.
