@@ -71,7 +71,7 @@ def main() -> None:
         parser.error("--steps must be a multiple of --interval")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_interference import start_writer_process
+    from bench_interference import clear_dir, start_writer_process
     from workload import bench_training, state_nbytes
 
     import gockpt
@@ -82,13 +82,14 @@ def main() -> None:
     writer = start_writer_process()
     root = tempfile.mkdtemp(prefix=".bench-floor-", dir=args.dir or ".")
     engine_kind = f"gockpt {args.mode}"
-    engines: dict[str, gockpt.Engine] = {}
+    engine: gockpt.Engine | None = None  # one: two on one optimizer would both hook every step
     saves = args.steps // args.interval
-    stalls: dict[str, list[float]] = {engine_kind: []}
+    stalls: list[float] = []  # the engine's own stall per measured save
 
     def block(kind: str, tag: str) -> float:
         """Seconds for ``args.steps`` steps under ``kind``, the last save's wait included."""
-        engine, handles, pending = engines.get(kind), [], False
+        saving = engine if kind == engine_kind else None
+        handles, pending = [], False
         start = time.perf_counter()
         for i in range(args.steps):
             train_step(model, opt, next(data))
@@ -98,22 +99,20 @@ def main() -> None:
                 writer.stdin.write(f"{os.path.join(root, 'bytes')} {nbytes}\n")
                 writer.stdin.flush()
                 pending = True
-            if engine is not None:
-                engine.step_end()
+            if saving is not None:
+                saving.step_end()
                 if i % args.interval == 0:
-                    handles.append(engine.save(os.path.join(root, f"{tag}-{i}")))
-        if engine is not None:
-            engine.wait()
+                    handles.append(saving.save(os.path.join(root, f"{tag}-{i}")))
+        if saving is not None:
+            saving.wait()
         if pending and not writer.stdout.readline():
             raise RuntimeError("the writer process ended")
         took = time.perf_counter() - start
         for h in handles:
             m = h.result()
             if not tag.startswith("warm"):
-                stalls[kind].append(m.stall_s)
-        for name in os.listdir(root):  # untimed: no block pays for the one before it
-            p = os.path.join(root, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+                stalls.append(m.stall_s)
+        clear_dir(root)  # untimed: no block pays for the one before it
         return took
 
     kinds = ["none", "none (again)", "disk only", engine_kind]
@@ -123,8 +122,7 @@ def main() -> None:
           f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, mode "
           f"{args.mode}, denormals {'kept' if args.keep_denormals else 'flushed to zero'}")
     try:
-        # One engine: two engines on one optimizer would both run their hooks at every step.
-        engines[engine_kind] = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))
+        engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))
         for _ in range(3):
             train_step(model, opt, next(data))
         block(engine_kind, "warm")  # host buffers allocated, plans costed, the replay self-check run
@@ -139,17 +137,17 @@ def main() -> None:
     finally:
         writer.stdin.close()
         writer.wait()
-        for e in engines.values():
-            e.close()
+        if engine is not None:
+            engine.close()
         shutil.rmtree(root, ignore_errors=True)
     print("\n| condition | extra wall per checkpoint, median (s) | mean, 90 % interval (s) | engine stall, median (s) |")
     print("|---|---:|---|---:|")
     for k in kinds[1:]:
         lo, hi = bootstrap_interval(extra[k])
-        engine = f"{statistics.median(stalls[k]):.4f}" if k in stalls else "-"
+        own = f"{statistics.median(stalls):.4f}" if k == engine_kind else "-"
         name = f"{k} (the floor)" if k == "none (again)" else k
         print(f"| {name} | {statistics.median(extra[k]):+.3f} | {statistics.mean(extra[k]):+.3f} "
-              f"[{lo:+.3f}, {hi:+.3f}] | {engine} |")
+              f"[{lo:+.3f}, {hi:+.3f}] | {own} |")
 
 
 if __name__ == "__main__":

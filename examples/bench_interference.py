@@ -102,6 +102,13 @@ def write_file(path: str, view: memoryview, stop: threading.Event | None = None,
         os.close(fd)
 
 
+def clear_dir(root: str) -> None:
+    """Remove everything inside ``root`` (files and directories), keeping ``root``."""
+    for name in os.listdir(root):
+        p = os.path.join(root, name)
+        shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+
+
 def serve_writes() -> None:
     """The writer process: per line ``path nbytes`` on stdin (nbytes a multiple of 4096), write
     that many made-up bytes to ``path`` (:func:`write_file`) and answer the path on stdout; ends
@@ -212,9 +219,7 @@ def main() -> None:
             engine.close()
             for h in handles:
                 h.result()
-        for name in os.listdir(root):
-            p = os.path.join(root, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+        clear_dir(root)
         return statistics.median(times), sum(times), wrote
 
     paced = [f"thread writer at {f:g}" for f in args.paced]

@@ -15,9 +15,9 @@ zeros and the file truncated back to its length. Where a piece's bytes lie on pa
 at a page-aligned file offset, they are written straight from the caller's memory with no copy:
 the host slots are page-aligned (:func:`aligned_empty`) and each shard's data placed in its slot
 at the address its file offset needs (:func:`gockpt.snapshot.plan_slot`), so only the header and
-the page that joins it to the data pass through the bounce buffer. Where the filesystem refuses ``O_DIRECT``
-(tmpfs, some network filesystems: ``EINVAL`` at ``fcntl`` or at the first write) the rest of
-the file is written buffered, with the same bytes and the same checksum.
+the page that joins it to the data pass through the bounce buffer. Where the filesystem refuses
+``O_DIRECT`` (tmpfs, some network filesystems: ``EINVAL`` at ``fcntl`` or at the first write)
+the rest of the file is written buffered, with the same bytes and the same checksum.
 
 This is written by hand: neither fsspec nor the standard library offers aligned direct I/O.
 """
