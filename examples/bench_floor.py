@@ -20,7 +20,10 @@ Per round and condition: extra wall time per checkpoint = (block time - the roun
 block time) / checkpoints in the block. Printed: the median over rounds and a bootstrap 90 %
 interval of the mean, for each condition and for the floor (``none (again)``, divided by the
 same number of checkpoints), and GoCkpt's own count of the training thread's waits
-(``CheckpointMetrics.stall_s``). Blocks of one round run back to back and in a new order each
+(``CheckpointMetrics.stall_s``). The extra wall time is then split, per checkpoint, into the
+training thread's extra CPU time (``time.thread_time``: its own work, GoCkpt's requests
+included, and any slowdown of its kernels by the background work's memory traffic) and its
+extra time off the CPU (wall less CPU: waits for the GIL, for a lock, or for a core). Blocks of one round run back to back and in a new order each
 round, so a slow drift of a shared machine hits every condition alike. Denormal floats are
 flushed to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``: after some 500 steps
 the example model's CPU training reaches denormal values and its steps slow down by half over
@@ -78,19 +81,21 @@ def main() -> None:
 
     model, opt, train_step, data = bench_training(args.workload, args.preset, nice=args.nice,
                                                   keep_denormals=args.keep_denormals)
-    nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
+    nbytes = 0  # what ``disk only`` writes: set once the optimizer state exists
     writer = start_writer_process()
     root = tempfile.mkdtemp(prefix=".bench-floor-", dir=args.dir or ".")
     engine_kind = f"gockpt {args.mode}"
     engine: gockpt.Engine | None = None  # one: two on one optimizer would both hook every step
     saves = args.steps // args.interval
     stalls: list[float] = []  # the engine's own stall per measured save
+    persisted: list[int] = []  # bytes the engine wrote per measured save
 
-    def block(kind: str, tag: str) -> float:
-        """Seconds for ``args.steps`` steps under ``kind``, the last save's wait included."""
+    def block(kind: str, tag: str) -> tuple[float, float]:
+        """Wall and training-thread CPU seconds for ``args.steps`` steps under ``kind``, the
+        last save's wait included."""
         saving = engine if kind == engine_kind else None
         handles, pending = [], False
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         for i in range(args.steps):
             train_step(model, opt, next(data))
             if kind == "disk only" and i % args.interval == 0:
@@ -107,31 +112,42 @@ def main() -> None:
             saving.wait()
         if pending and not writer.stdout.readline():
             raise RuntimeError("the writer process ended")
-        took = time.perf_counter() - start
+        took, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
         for h in handles:
             m = h.result()
             if not tag.startswith("warm"):
                 stalls.append(m.stall_s)
+                persisted.append(m.persist_bytes)
         clear_dir(root)  # untimed: no block pays for the one before it
-        return took
+        return took, cpu
 
     kinds = ["none", "none (again)", "disk only", engine_kind]
     extra: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    extra_cpu: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # training thread's CPU
+    extra_off: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # wall less CPU
     order_rng = random.Random(0)
-    print(f"{state_nbytes(model, opt) / 1e6:.0f} MB of state, {args.steps} steps per block, "
-          f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, mode "
-          f"{args.mode}, denormals {'kept' if args.keep_denormals else 'flushed to zero'}")
     try:
         engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))
         for _ in range(3):
             train_step(model, opt, next(data))
+        # After the first steps: before them the optimizer holds no state, and the weights
+        # alone are a third of an AdamW checkpoint.
+        nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
+        print(f"{state_nbytes(model, opt) / 1e6:.0f} MB of state, {args.steps} steps per block, "
+              f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, "
+              f"mode {args.mode}, denormals "
+              f"{'kept' if args.keep_denormals else 'flushed to zero'}", flush=True)
         block(engine_kind, "warm")  # host buffers allocated, plans costed, the replay self-check run
         for r in range(args.rounds):
             order = kinds[:]
             order_rng.shuffle(order)
-            took = {k: block(k, f"r{r}-{k.replace(' ', '_')}") for k in order}
+            got = {k: block(k, f"r{r}-{k.replace(' ', '_')}") for k in order}
+            took = {k: wall for k, (wall, _) in got.items()}
             for k in kinds[1:]:
                 extra[k].append((took[k] - took["none"]) / saves)
+                extra_cpu[k].append((got[k][1] - got["none"][1]) / saves)
+                off = (got[k][0] - got[k][1]) - (got["none"][0] - got["none"][1])
+                extra_off[k].append(off / saves)
             print(f"round {r}: none {took['none'] / args.steps:.3f} s/step; extra per checkpoint "
                   + ", ".join(f"{k} {extra[k][-1]:+.3f} s" for k in kinds[1:]), flush=True)
     finally:
@@ -140,6 +156,8 @@ def main() -> None:
         if engine is not None:
             engine.close()
         shutil.rmtree(root, ignore_errors=True)
+    print(f"\nbytes per checkpoint: disk only {nbytes}, {engine_kind} "
+          f"{statistics.median(persisted):.0f} (median)")
     print("\n| condition | extra wall per checkpoint, median (s) | mean, 90 % interval (s) | engine stall, median (s) |")
     print("|---|---:|---|---:|")
     for k in kinds[1:]:
@@ -148,6 +166,17 @@ def main() -> None:
         name = f"{k} (the floor)" if k == "none (again)" else k
         print(f"| {name} | {statistics.median(extra[k]):+.3f} | {statistics.mean(extra[k]):+.3f} "
               f"[{lo:+.3f}, {hi:+.3f}] | {own} |")
+    print("\nThe training thread's share of it, per checkpoint: its extra CPU time and its extra "
+          "time off the CPU (wall less CPU), means over rounds with bootstrap 90 % intervals.\n")
+    print("| condition | training-thread CPU (s) | off the CPU (s) |")
+    print("|---|---|---|")
+    for k in kinds[1:]:
+        name = f"{k} (the floor)" if k == "none (again)" else k
+        cells = []
+        for values in (extra_cpu[k], extra_off[k]):
+            lo, hi = bootstrap_interval(values)
+            cells.append(f"{statistics.mean(values):+.4f} [{lo:+.4f}, {hi:+.4f}]")
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
