@@ -23,12 +23,13 @@ same number of checkpoints), and GoCkpt's own count of the training thread's wai
 (``CheckpointMetrics.stall_s``). The extra wall time is then split, per checkpoint, into the
 training thread's extra CPU time (``time.thread_time``: its own work, GoCkpt's requests
 included, and any slowdown of its kernels by the background work's memory traffic) and its
-extra time off the CPU (wall less CPU: waits for the GIL, for a lock, or for a core). Blocks of one round run back to back and in a new order each
-round, so a slow drift of a shared machine hits every condition alike. Denormal floats are
-flushed to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``: after some 500 steps
-the example model's CPU training reaches denormal values and its steps slow down by half over
-the next few hundred steps (with or without GoCkpt), a drift far larger than what is measured
-here. Usage::
+extra time off the CPU (wall less CPU: waits for the GIL, a lock or a core, and for the
+block's last save or write to finish). Blocks of one round run back to back and in a new
+order each round, so a slow drift of a shared machine hits every condition alike. Denormal
+floats are flushed to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``: after
+some 500 steps the example model's CPU training reaches denormal values and its steps slow
+down by half over the next few hundred steps (with or without GoCkpt), a drift far larger than
+what is measured here. Usage::
 
     python examples/bench_floor.py --rounds 10 --nice -20
 """
@@ -72,6 +73,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps % args.interval:
         parser.error("--steps must be a multiple of --interval")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_interference import clear_dir, start_writer_process
@@ -132,8 +135,9 @@ def main() -> None:
             train_step(model, opt, next(data))
         # After the first steps: before them the optimizer holds no state, and the weights
         # alone are a third of an AdamW checkpoint.
-        nbytes = -(-state_nbytes(model, opt) // 4096) * 4096  # O_DIRECT writes whole pages
-        print(f"{state_nbytes(model, opt) / 1e6:.0f} MB of state, {args.steps} steps per block, "
+        state_bytes = state_nbytes(model, opt)
+        nbytes = -(-state_bytes // 4096) * 4096  # O_DIRECT writes whole pages
+        print(f"{state_bytes / 1e6:.0f} MB of state, {args.steps} steps per block, "
               f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, "
               f"mode {args.mode}, denormals "
               f"{'kept' if args.keep_denormals else 'flushed to zero'}", flush=True)
@@ -156,8 +160,8 @@ def main() -> None:
         if engine is not None:
             engine.close()
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\nbytes per checkpoint: disk only {nbytes}, {engine_kind} "
-          f"{statistics.median(persisted):.0f} (median)")
+    print(f"\nbytes per checkpoint (the engine's: median): disk_only={nbytes} "
+          f"engine={statistics.median(persisted):.0f}")
     print("\n| condition | extra wall per checkpoint, median (s) | mean, 90 % interval (s) | engine stall, median (s) |")
     print("|---|---:|---|---:|")
     for k in kinds[1:]:
