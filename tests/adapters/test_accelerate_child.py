@@ -249,7 +249,7 @@ def _crash(project_dir: str) -> None:
             deadline = time.monotonic() + 60
             while os.path.exists(first) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            print("blocked", output_dir, flush=True)
+            _say(f"blocked {output_dir}")
             never.wait()
 
     run.acc.register_save_state_pre_hook(block)
@@ -258,10 +258,18 @@ def _crash(project_dir: str) -> None:
                                  host_buffer_bytes=1 << 26))
 
     def on_batch_end(r: Run) -> None:
-        print("state", r.progress.batches, digest(r), flush=True)
+        _say(f"state {r.progress.batches} {digest(r)}")
         r.acc.save_state()
 
     train(run, 10**9, on_batch_end=on_batch_end)
+
+
+def _say(line: str) -> None:
+    """One line to the parent in one write: ``print`` writes its words and the newline one
+    call at a time, so the hook's line (GoCkpt's writer thread) and the training loop's could
+    interleave ("blockedstate ...") and the parent miss both."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _exit_after_save(project_dir: str, mode: str) -> None:
