@@ -38,6 +38,7 @@ __all__ = [
     "dtype_code",
     "dtype_itemsize",
     "encode_header",
+    "encoded_entries",
     "plan_shards",
 ]
 
@@ -196,6 +197,26 @@ def encode_header(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def encoded_entries(prefix: bytes) -> dict[str, dict]:
+    """The tensor entries of a header this process made with :func:`encode_header`.
+
+    Its inverse for trusted bytes only: json's C decoder, no limits and no checks (a file read
+    from storage goes through :func:`decode_header`, whose per-object checks cost about 2 ms per
+    100 tensors of GIL-held Python on the persist thread of every save).
+
+    Args:
+        prefix: ``u64 length | JSON`` as :func:`encode_header` returns it.
+
+    Returns:
+        key -> ``{"dtype": code, "shape": [...], "data_offsets": [begin, end]}`` (bytes within
+        the data section); ``__metadata__`` left out.
+    """
+    (n,) = struct.unpack("<Q", prefix[:8])
+    entries = json.loads(prefix[8 : 8 + n])
+    entries.pop("__metadata__", None)
+    return entries
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int, prefix: str) -> list[ShardLayout]:

@@ -18,6 +18,7 @@ from gockpt.format import (
     decode_header,
     dtype_itemsize,
     encode_header,
+    encoded_entries,
     plan_shards,
 )
 
@@ -94,6 +95,7 @@ def test_planned_shards_load_with_official_safetensors(tmp_path, raw, max_shard_
         entries, data_start = decode_header(shard.header, shard.file_bytes, shard.file)
         assert data_start == len(shard.header)
         assert {k: tuple(e["data_offsets"]) for k, e in entries.items()} == shard.offsets
+        assert encoded_entries(shard.header) == entries  # the persist's fast reader agrees
     assert sorted(seen) == sorted(tensors)
 
 
