@@ -212,6 +212,10 @@ def encoded_entries(prefix: bytes) -> dict[str, dict]:
     Returns:
         key -> ``{"dtype": code, "shape": [...], "data_offsets": [begin, end]}`` (bytes within
         the data section); ``__metadata__`` left out.
+
+    Raises:
+        struct.error, ValueError: ``prefix`` is not what :func:`encode_header` made (never for
+            its output; untrusted bytes belong to :func:`decode_header`).
     """
     (n,) = struct.unpack("<Q", prefix[:8])
     entries = json.loads(prefix[8 : 8 + n])
