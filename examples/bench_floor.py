@@ -58,6 +58,16 @@ def bootstrap_interval(values: list[float], *, level: float = 0.9, draws: int = 
     return float(lo), float(hi)
 
 
+def run_queue_s() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a core (Linux
+    ``/proc/thread-self/schedstat``, second field, in ns); 0.0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -66,6 +76,8 @@ def main() -> None:
     parser.add_argument("--preset", default="bench", help="examples/workload.py preset")
     parser.add_argument("--workload", default="fp32", help="examples/workload.py workload")
     parser.add_argument("--mode", default="auto", help="GoCkpt mode (GoCkptConfig.mode)")
+    parser.add_argument("--chunk-bytes", type=int, default=None,
+                        help="GoCkptConfig.chunk_bytes (default: the config's default)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under .)")
     parser.add_argument("--nice", type=int, default=None, help="niceness of this process (root for < 0)")
     parser.add_argument("--keep-denormals", action="store_true",
@@ -93,11 +105,13 @@ def main() -> None:
     stalls: list[float] = []  # the engine's own stall per measured save
     persisted: list[int] = []  # bytes the engine wrote per measured save
 
-    def block(kind: str, tag: str) -> tuple[float, float]:
+    def block(kind: str, tag: str) -> tuple[float, float, float, float]:
         """Wall and training-thread CPU seconds for ``args.steps`` steps under ``kind``, the
-        last save's wait included."""
+        last save's wait included; the seconds of that wait; and the training thread's
+        seconds runnable but waiting for a core (``run_queue_s``)."""
         saving = engine if kind == engine_kind else None
-        handles, pending = [], False
+        handles, pending, tail = [], False, 0.0
+        queued = run_queue_s()
         start, cpu_start = time.perf_counter(), time.thread_time()
         for i in range(args.steps):
             train_step(model, opt, next(data))
@@ -111,25 +125,31 @@ def main() -> None:
                 saving.step_end()
                 if i % args.interval == 0:
                     handles.append(saving.save(os.path.join(root, f"{tag}-{i}")))
+        tail = time.perf_counter()
         if saving is not None:
             saving.wait()
         if pending and not writer.stdout.readline():
             raise RuntimeError("the writer process ended")
         took, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+        tail = time.perf_counter() - tail
+        queued = run_queue_s() - queued
         for h in handles:
             m = h.result()
             if not tag.startswith("warm"):
                 stalls.append(m.stall_s)
                 persisted.append(m.persist_bytes)
         clear_dir(root)  # untimed: no block pays for the one before it
-        return took, cpu
+        return took, cpu, tail, queued
 
     kinds = ["none", "none (again)", "disk only", engine_kind]
     extra: dict[str, list[float]] = {k: [] for k in kinds[1:]}
     extra_cpu: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # training thread's CPU
+    extra_tail: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # the last save's wait
+    extra_queue: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # waiting for a core
     order_rng = random.Random(0)
     try:
-        engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.mode))
+        engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(
+            mode=args.mode, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})))
         for _ in range(3):
             train_step(model, opt, next(data))
         # After the first steps: before them the optimizer holds no state, and the weights
@@ -145,10 +165,12 @@ def main() -> None:
             order = kinds[:]
             order_rng.shuffle(order)
             got = {k: block(k, f"r{r}-{k.replace(' ', '_')}") for k in order}
-            took = {k: wall for k, (wall, _) in got.items()}
+            took = {k: wall for k, (wall, *_) in got.items()}
             for k in kinds[1:]:
                 extra[k].append((took[k] - took["none"]) / saves)
                 extra_cpu[k].append((got[k][1] - got["none"][1]) / saves)
+                extra_tail[k].append((got[k][2] - got["none"][2]) / saves)
+                extra_queue[k].append((got[k][3] - got["none"][3]) / saves)
             print(f"round {r}: none {took['none'] / args.steps:.3f} s/step; extra per checkpoint "
                   + ", ".join(f"{k} {extra[k][-1]:+.3f} s" for k in kinds[1:]), flush=True)
     finally:
@@ -168,17 +190,23 @@ def main() -> None:
         print(f"| {name} | {statistics.median(extra[k]):+.3f} | {statistics.mean(extra[k]):+.3f} "
               f"[{lo:+.3f}, {hi:+.3f}] | {own} |")
     print("\nThe training thread's share of it, per checkpoint: its extra CPU time and its extra "
-          "time off the CPU (wall less CPU), means over rounds with bootstrap 90 % intervals.\n")
-    print("| condition | training-thread CPU (s) | off the CPU (s) |")
-    print("|---|---|---|")
+          "time off the CPU (wall less CPU), means over rounds with bootstrap 90 % intervals. "
+          "The time off the CPU is split into the wait for the block's last save or write after "
+          "its last step, the time runnable but waiting for a core (the run queue, "
+          "/proc/thread-self/schedstat), and the rest while training (blocked: the GIL, a lock, "
+          "a sleep).\n")
+    print("| condition | training-thread CPU (s) | off the CPU (s) | last save's wait (s) "
+          "| waiting for a core (s) | blocked while training (s) |")
+    print("|---|---|---|---|---|---|")
     for k in kinds[1:]:
         name = f"{k} (the floor)" if k == "none (again)" else k
         cells = []
         off = [w - c for w, c in zip(extra[k], extra_cpu[k], strict=True)]  # wall less CPU
-        for values in (extra_cpu[k], off):
+        blocked = [o - t - q for o, t, q in zip(off, extra_tail[k], extra_queue[k], strict=True)]
+        for values in (extra_cpu[k], off, extra_tail[k], extra_queue[k], blocked):
             lo, hi = bootstrap_interval(values)
             cells.append(f"{statistics.mean(values):+.4f} [{lo:+.4f}, {hi:+.4f}]")
-        print(f"| {name} | {cells[0]} | {cells[1]} |")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -320,6 +320,8 @@ class GoCkptScheme(Scheme):
             options["direct_io"] = False
         if args.scheme_when_changed:
             options["frozen_copy"] = "when_changed"
+        if args.scheme_window_quantile is not None:
+            options["window_quantile"] = args.scheme_window_quantile
         config = GoCkptConfig(
             mode=mode, host_link_bytes_per_s=args.host_link_bytes_per_s, **options
         )
@@ -574,6 +576,8 @@ def run_scheme(args: argparse.Namespace) -> dict:
     name += " [emulated link]" if args.host_link_bytes_per_s is not None else ""
     name += f" [{args.workload}]" if args.workload != "fp32" else ""
     name += " [frozen_copy=when_changed]" if args.scheme_when_changed else ""
+    if args.scheme_window_quantile is not None:
+        name += f" [window_quantile {args.scheme_window_quantile:g}]"
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
         rows = bench_timeline.timeline(events, requests[k], durable_at[k])
@@ -590,6 +594,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
         "host_link_bytes_per_s": args.host_link_bytes_per_s,
         "workload": args.workload,
         "when_changed": args.scheme_when_changed,
+        "window_quantile": args.scheme_window_quantile,
         "state_bytes": state_bytes,
         "step_times_s": times,
         "clean_step_times_s": clean,
@@ -653,6 +658,10 @@ def label(r: dict) -> str:
         text += f" [{r['workload']}]"
     if r.get("when_changed"):
         text += " [frozen_copy=when_changed]"
+    if r.get("window_quantile") is not None:
+        text += f" [window_quantile {r['window_quantile']:g}]"
+    if r.get("forecast_round") is not None:
+        text += f" (round {r['forecast_round'] + 1})"
     return text
 
 
@@ -703,6 +712,35 @@ def planner_rows(results: list[dict]) -> list[dict]:
     return [r for r in results if r["emulated"] and r.get("engine_metrics")]
 
 
+def _window_end_s(r: dict) -> float:
+    """Mean over the row's saves of the stall waiting at window ends, seconds."""
+    ms = r["engine_metrics"]
+    return statistics.mean(m["stall_by_phase_s"].get("window_end", 0.0) for m in ms)
+
+
+def forecast_lines(results: list[dict]) -> list[str]:
+    """Per window forecast of the ``--window-quantile`` comparison (the emulated-link auto
+    rows, run in alternation): the median over its rounds of the measured (engine) stall over
+    the predicted one, of the measured stall itself, and of its part spent waiting at window
+    ends (``stall_by_phase_s["window_end"]``, mean over the saves), in seconds."""
+    rows = [r for r in planner_rows(results) if r.get("forecast_round") is not None]
+    by_q: dict[float, list[dict]] = {}
+    for r in rows:
+        q = r.get("window_quantile")
+        by_q.setdefault(0.5 if q is None else q, []).append(r)
+    lines = []
+    for q, rs in sorted(by_q.items()):
+        ratios = [r["engine_stall_per_ckpt_s"] / r["predicted_stall_mean_s"] for r in rs
+                  if r["predicted_stall_mean_s"] > 1e-6]
+        lines.append(
+            f"window forecast: quantile {q:g} of the latest windows: measured / predicted stall "
+            f"{statistics.median(ratios) if ratios else float('nan'):.2f} (median of {len(ratios)} "
+            f"rounds; each: {', '.join(f'{x:.2f}' for x in ratios)}), measured stall "
+            f"{statistics.median(r['engine_stall_per_ckpt_s'] for r in rs):.3f} s per checkpoint, "
+            f"of which waits at window ends {statistics.median(_window_end_s(r) for r in rs):.4f} s")
+    return lines
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 1e-6 else "-"
 
@@ -733,7 +771,8 @@ def planner_table(results: list[dict]) -> list[str]:
 def targets(results: list[dict]) -> list[str]:
     """The issue's targets next to the measured ratios (reported, not asserted)."""
     by = {(r["scheme"], r["emulated"]): r for r in results
-          if r.get("io_nice") is None and not r.get("buffered")}
+          if r.get("io_nice") is None and not r.get("buffered")
+          and r.get("window_quantile") is None and not r.get("forecast_round")}
     floor = max(abs(r["stall_per_ckpt_s"]) for r in results if r["scheme"] == "none")
     lines = [f"noise floor (largest |stall| of the 'none' runs): {floor:.3f} s per checkpoint"]
     disk = by.get(("disk-only", False))
@@ -776,6 +815,7 @@ def targets(results: list[dict]) -> list[str]:
             f"{r['label']}: measured stall {_ratio(r['engine_stall_per_ckpt_s'], pred)} x (engine) and "
             f"{_ratio(r['wall_stall_mean_s'], pred)} x (wall) the predicted {pred:.3f} s, lower "
             f"bound {r['lower_bound_mean_s']:.3f} s, means over the saves (target: within 1.2x)")
+    lines += forecast_lines(results)
     lazy, overlap = by.get(("gockpt-lazy", True)), by.get(("gockpt-gockpt_o", True))
     if lazy and overlap:
         ratio = overlap["stall_per_ckpt_s"] / lazy["stall_per_ckpt_s"]
@@ -985,6 +1025,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also run the GoCkpt lazy, gockpt_o and auto rows (emulated link too) with "
         "GoCkptConfig.frozen_copy='when_changed' (frozen parameters the host slot still holds are "
         "not copied again; workload lora), beside the rows at the default ('always')")
+    add("--window-quantile", type=float, default=None,
+        help="also run the emulated-link auto row with GoCkptConfig.window_quantile at this "
+        "value and at the default (the median), in alternation --forecast-rounds times, and "
+        "report each forecast's measured / predicted stall (with --when-changed, both with "
+        "frozen_copy='when_changed')")
+    add("--forecast-rounds", type=int, default=3,
+        help="rounds of the --window-quantile comparison (default 3)")
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
     add("--no-lightning", action="store_true",
         help="skip the section with Lightning's defaults (a Trainer and its default ModelCheckpoint "
@@ -1017,6 +1064,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.preset, args.steps, args.warmup, args.clean_steps, args.interval = "tiny", 20, 4, 4, 5
+    if args.window_quantile is not None and not 0.0 <= args.window_quantile <= 1.0:
+        parser.error(f"--window-quantile must be in [0, 1], got {args.window_quantile}")
+    if args.forecast_rounds < 1:
+        parser.error(f"--forecast-rounds must be at least 1, got {args.forecast_rounds}")
     schemes = [s for s in args.schemes.split(",") if s]
     if unknown := set(schemes) - set(SCHEMES):
         parser.error(f"unknown schemes {sorted(unknown)}; choose from {SCHEMES}")
@@ -1048,12 +1099,13 @@ def main() -> None:
     args.ckpt_dir = tempfile.mkdtemp(prefix="ckpt-", dir=args.out)
 
     def run(scheme: str, link: float | None = None, io_nice: int | None = None,
-            buffered: bool = False, when_changed: bool = False) -> dict:
+            buffered: bool = False, when_changed: bool = False,
+            window_quantile: float | None = None) -> dict:
         result_path = os.path.join(args.ckpt_dir, "result.json")
         child_args = argparse.Namespace(
             **{**vars(args), "scheme": scheme, "host_link_bytes_per_s": link,
                "scheme_io_nice": io_nice, "scheme_buffered": buffered,
-               "scheme_when_changed": when_changed}
+               "scheme_when_changed": when_changed, "scheme_window_quantile": window_quantile}
         )
         process = fork.Process(target=_scheme_process, args=(child_args, result_path))
         process.start()
@@ -1066,7 +1118,9 @@ def main() -> None:
             f"{scheme}{' [emulated link]' if link else ''}"
             f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}"
             f"{' [buffered]' if buffered else ''}"
-            f"{' [frozen_copy=when_changed]' if when_changed else ''}: clean step "
+            f"{' [frozen_copy=when_changed]' if when_changed else ''}"
+            f"{f' [window_quantile {window_quantile:g}]' if window_quantile is not None else ''}"
+            f": clean step "
             f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s"
             + (_plan_summary(r) if link and r.get("engine_metrics") else ""),
             flush=True,
@@ -1097,6 +1151,13 @@ def main() -> None:
         if link:
             results += [run(s, link) for s in EMULATED_SCHEMES if s in schemes]
             results += [run(s, link, when_changed=True) for s in changed if s in schemes]
+            if args.window_quantile is not None and "gockpt-auto" in schemes:
+                # The two forecasts in alternation, so that a slow drift of a shared machine
+                # reaches both alike (frozen_copy as --when-changed says).
+                for k in range(args.forecast_rounds):
+                    for q in (None, args.window_quantile):
+                        results.append({**run("gockpt-auto", link, when_changed=args.when_changed,
+                                              window_quantile=q), "forecast_round": k})
         if not args.no_repeat:
             results.append({**run("none"), "repeat": True})
         lightning_results = []

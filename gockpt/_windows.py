@@ -86,12 +86,31 @@ class CostSamples:
         return len(self._values)
 
 
+def window_forecast(windows: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``windows`` (seconds; linear between order statistics; the
+    median for 0.5), the window a plan is sized for (:attr:`GoCkptConfig.window_quantile`).
+
+    Raises:
+        ValueError: ``windows`` is empty.
+    """
+    if not windows:
+        raise ValueError("window_forecast needs at least one window")
+    if q == 0.5:
+        return statistics.median(windows)
+    ordered = sorted(windows)
+    at = q * (len(ordered) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
 class Windows:
     """Copy windows of the saves in flight (GoCkpt §4.2), on the training thread."""
 
     def __init__(self, model: nn.Module, optimizers: list[Optimizer],
                  copier: CpuCopier | CudaCopier, pipeline: Pipeline, *,
-                 frozen_copy: str = "always", slot_wait_timeout_s: float | None = None) -> None:
+                 frozen_copy: str = "always", slot_wait_timeout_s: float | None = None,
+                 window_quantile: float = 0.25) -> None:
         self._model = model
         self._slot_wait_timeout_s = slot_wait_timeout_s
         # "when_changed": views a reused slot still holds unchanged are not copied again.
@@ -102,10 +121,13 @@ class Windows:
         self._copier = copier
         self._pipeline = pipeline
         self.saves: list[SaveRecord] = []  # requested, not finalized yet
-        # One copy window for planning: the median of the latest ones, so that an outlier (the
-        # replay self-check of the first save, a data-loader hiccup) does not inflate the plan's
-        # windows for many steps after it, as a moving average would.
+        # One copy window for planning: a quantile (the 25th percentile by default) of the latest
+        # ones, so that an outlier (the replay self-check of the first save, a data-loader
+        # hiccup) does not inflate the plan's windows for many steps after it, as a moving
+        # average would; a low one, because a window shorter than planned is paid as a wait at
+        # its end and a longer one only as room left (docs/benchmark.md, "Two window forecasts").
         self.window_s: float | None = None
+        self._window_quantile = window_quantile
         self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
         # Per-save costs no plan changes (the request's bookkeeping, taking the state tree, the
         # waits the model leaves out), in seconds, of the latest saves per mode (a multi-step
@@ -114,7 +136,7 @@ class Windows:
         self._fixed_stalls: dict[str, CostSamples] = {}
         self._keys_cache: tuple[weakref.ref, dict[tuple, str], list] | None = None  # _tracked_keys
         # Per window, how much longer than its bytes at the planned copy rate its copy ran,
-        # measured against the median window (seconds; may be negative), the latest windows of
+        # measured against the forecast window (seconds; may be negative), the latest windows of
         # the latest saves: what the planner charges each window (Costs.overhead_samples_s).
         self._overheads = CostSamples(maxlen=OVERHEAD_SAMPLES)
         self._t_update_end: float | None = None
@@ -232,7 +254,7 @@ class Windows:
         now = perf_counter()
         if self._t_update_end is not None:
             self._recent_windows.append(now - self._t_update_end)
-            self.window_s = statistics.median(self._recent_windows)
+            self.window_s = window_forecast(self._recent_windows, self._window_quantile)
         t_fence = perf_counter()  # the window end of every save: their margins count from it
         for s in list(self.saves):
             if s.phase is not Phase.COPYING:
@@ -337,7 +359,7 @@ class Windows:
     @property
     def overhead_samples_s(self) -> tuple[float, ...]:
         """How much longer than its bytes at the planned copy rate each of the latest windows'
-        copy ran, counted against the median window, seconds (:meth:`_note_window`; empty
+        copy ran, counted against the forecast window, seconds (:meth:`_note_window`; empty
         before any warm save, and where the host cannot see when a copy ended: CUDA)
         (:attr:`gockpt.plan.Costs.overhead_samples_s`)."""
         return self._overheads.values()
@@ -348,7 +370,7 @@ class Windows:
         The window's copy (its state block and, for ``gockpt_o``, the gradients queued as it
         opened, where the model counts them in the window) ended ``margin = t_fence - done``
         before the window end (negative: the training thread waited). Its copy at the planned rate takes ``load`` seconds, so the window
-        could have carried ``load + margin`` seconds of copy; against the median window
+        could have carried ``load + margin`` seconds of copy; against the forecast window
         ``window_s`` that is an overhead of ``window_s - load - margin``. Measured this way, not
         inverted from the stall, a window with room to spare still says how much room it had.
         """

@@ -44,6 +44,15 @@ class GoCkptConfig:
     """Lower bound on K for the multi-step modes (1 <= min_overlap_steps <= max_overlap_steps);
     raise it to force a copy across several steps."""
 
+    window_quantile: float = 0.25
+    """Which quantile of the latest 15 copy windows (seconds from the end of one optimizer
+    update to the start of the next) a plan sizes its blocks for, in [0, 1]. A window shorter
+    than planned is paid as a wait at its end, a longer one only as room left in it, so the
+    default plans for a short one, the 25th percentile: after a stretch of slow steps it does
+    not count on their longer windows when the steps speed up again (measured side by side with
+    the median in ``docs/benchmark.md``: fewer waits at window ends in 7 of 8 rounds). 0.5 is
+    the median, the forecast before this option existed."""
+
     host_buffer_bytes: int | None = None
     """Bytes of host memory (pinned on CUDA) for snapshot slots and their gradient buffers,
     allocated once and reused. ``None``: one slot, about one checkpoint (plus the gradient
@@ -153,6 +162,8 @@ class GoCkptConfig:
             raise ValueError(
                 f"min_overlap_steps must be in [1, max_overlap_steps={self.max_overlap_steps}], "
                 f"got {self.min_overlap_steps}")
+        if not 0.0 <= self.window_quantile <= 1.0:
+            raise ValueError(f"window_quantile must be in [0, 1], got {self.window_quantile}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.frozen_copy not in FROZEN_COPY:

@@ -62,8 +62,9 @@ class CheckpointMetrics:
             (:func:`gockpt.plan.make_plan`).
         skipped: the request found no free slot with ``when_full="skip"``.
         superseded: a newer save of the same path was published first; this one was dropped.
-        planned_window_s: the copy window, in seconds, the plan sized its blocks for (the
-            median of the latest windows, :attr:`gockpt.plan.CopyPlan.window_s`); None when
+        planned_window_s: the copy window, in seconds, the plan sized its blocks for (a
+            quantile of the latest windows, :attr:`gockpt.GoCkptConfig.window_quantile`,
+            :attr:`gockpt.plan.CopyPlan.window_s`); None when
             the plan was not costed (no window measured yet) and for ``sync``/``async``,
             which copy at the request. Read beside
             ``window_margins_s``: a save whose steps ran shorter than planned ends its windows

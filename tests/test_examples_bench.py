@@ -103,8 +103,11 @@ def test_bench_floor_reports_the_floor_beside_gockpt_and_leaves_nothing(tmp_path
     for name, (median, interval, _) in rows.items():
         assert math.isfinite(float(median))
         wall = mean_interval(interval)[0]
-        cpu, off = (mean_interval(c)[0] for c in split[name])
+        cpu, off, tail, queued, blocked = (mean_interval(c)[0] for c in split[name])
         assert cpu + off == pytest.approx(wall, abs=1e-3)  # the split adds up to the whole
+        assert tail + queued + blocked == pytest.approx(off, abs=1e-3)  # and so does its part
+    # the wait for a block's last save or write is a duration; the no-checkpoint block has none
+    assert all(mean_interval(split[name][2])[0] > -1e-3 for name in split)
     # disk only writes what a save of the state does (weights and optimizer state, not the
     # weights alone: taken after the optimizer's first step)
     counts = next(ln for ln in out.splitlines() if ln.startswith("bytes per checkpoint"))
@@ -151,3 +154,25 @@ def test_bench_planner_prints_plan_request_and_capture_per_parameter_count():
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
     assert [int(r[0]) for r in rows] == [3, 12]
     assert all(float(x) > 0 for r in rows for x in r[1:])  # plan, request, capture (ms)
+
+
+def test_benchmark_compares_two_window_forecasts_in_alternation(tmp_path):
+    # The emulated-link auto row at the default forecast (the median) and at another quantile,
+    # one after the other in each round, each row's config recorded and each forecast summed up.
+    script = _SCRIPT.parent / "benchmark.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--emulated-only", "--schemes",
+                    "none,gockpt-auto", "--no-repeat", "--no-lightning", "--window-quantile", "0.25",
+                    "--forecast-rounds", "2", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    rounds = [(r.get("forecast_round"), r.get("window_quantile")) for r in report["results"]
+              if r["scheme"] == "gockpt-auto" and r.get("forecast_round") is not None]
+    assert rounds == [(0, None), (0, 0.25), (1, None), (1, 0.25)]
+    lines = [ln for ln in report["targets"] if ln.startswith("window forecast")]
+    assert [ln.split(":")[1].strip() for ln in lines] == [
+        "quantile 0.25 of the latest windows", "quantile 0.5 of the latest windows"]
+    assert all("median of 2 rounds" in ln and "of which waits at window ends" in ln for ln in lines)
+    assert "[window_quantile 0.25] (round 2)" in (tmp_path / "benchmark.md").read_text()
+    bad = subprocess.run([sys.executable, str(script), "--window-quantile", "2", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--window-quantile must be in [0, 1]" in bad.stderr

@@ -391,3 +391,43 @@ def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch)
     assert len(first.window_margins_s) == 3 and len(second.window_margins_s) == 3
     assert len(seen) == 3 and seen[0] == () and seen[1] == ()  # the cold save gave none
     assert len(seen[2]) == 3 and all(math.isfinite(x) for x in seen[2])
+
+
+def test_window_forecast_is_the_quantile_asked_for():
+    from gockpt._windows import window_forecast
+
+    windows = [0.3, 0.1, 0.2, 0.5, 0.4]
+    assert window_forecast(windows, 0.5) == 0.3  # the median
+    assert window_forecast([0.1, 0.2, 0.4, 0.3], 0.5) == pytest.approx(0.25)
+    assert window_forecast(windows, 0.0) == 0.1 and window_forecast(windows, 1.0) == 0.5
+    assert window_forecast(windows, 0.25) == pytest.approx(0.2)
+    assert window_forecast(windows, 0.125) == pytest.approx(0.15)  # between order statistics
+    assert window_forecast([0.7], 0.1) == 0.7
+    with pytest.raises(ValueError, match="at least one"):
+        window_forecast([], 0.5)
+    with pytest.raises(ValueError, match="window_quantile"):
+        GoCkptConfig(window_quantile=1.5)
+
+
+@pytest.mark.parametrize("quantile", [0.0, 1.0])
+def test_plans_are_sized_for_the_configured_quantile_of_recent_windows(tmp_path, quantile):
+    # A few short windows, then a slow stretch: the lowest quantile plans for a short window,
+    # the highest (and the median) for one of the slow ones, each of which sleeps 0.08 s.
+    model, opt, sched, scaler = _deep(width=16)
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy", window_quantile=quantile))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 15:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+        time.sleep(0.08 if 4 <= it < 15 else 0.0)
+
+    train(model, opt, sched, scaler, 17, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    planned = handles[0].result().planned_window_s
+    assert planned is not None
+    if quantile == 1.0:
+        assert planned >= 0.08
+    else:
+        assert planned < 0.08
