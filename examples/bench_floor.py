@@ -24,7 +24,10 @@ same number of checkpoints), and GoCkpt's own count of the training thread's wai
 training thread's extra CPU time (``time.thread_time``: its own work, GoCkpt's requests
 included, and any slowdown of its kernels by the background work's memory traffic) and its
 extra time off the CPU (wall less CPU: waits for the GIL, a lock or a core, and for the
-block's last save or write to finish). Blocks of one round run back to back and in a new
+block's last save or write to finish), and that in turn into its part in the wait for the
+last save or write, the time runnable but waiting for a core while training (the run queue,
+Linux's ``/proc/thread-self/schedstat``) and the rest while training (blocked on the GIL, a
+lock or a sleep). ``--chunk-bytes`` sets ``GoCkptConfig.chunk_bytes``. Blocks of one round run back to back and in a new
 order each round, so a slow drift of a shared machine hits every condition alike. Denormal
 floats are flushed to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``: after
 some 500 steps the example model's CPU training reaches denormal values and its steps slow
@@ -58,14 +61,15 @@ def bootstrap_interval(values: list[float], *, level: float = 0.9, draws: int = 
     return float(lo), float(hi)
 
 
-def run_queue_s() -> float:
-    """Seconds the calling thread has spent runnable but waiting for a core (Linux
-    ``/proc/thread-self/schedstat``, second field, in ns); 0.0 where the kernel does not say."""
+def run_queue_s(path: str = "/proc/thread-self/schedstat") -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a core: the second field
+    of Linux's ``schedstat`` (nanoseconds) at ``path``; None where the kernel does not say
+    (no such file, or a kernel without scheduler statistics)."""
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open(path) as f:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
 def main() -> None:
@@ -105,12 +109,14 @@ def main() -> None:
     stalls: list[float] = []  # the engine's own stall per measured save
     persisted: list[int] = []  # bytes the engine wrote per measured save
 
-    def block(kind: str, tag: str) -> tuple[float, float, float, float]:
-        """Wall and training-thread CPU seconds for ``args.steps`` steps under ``kind``, the
-        last save's wait included; the seconds of that wait; and the training thread's
-        seconds runnable but waiting for a core (``run_queue_s``)."""
+    def block(kind: str, tag: str) -> tuple[float, float, float, float | None]:
+        """For ``args.steps`` steps under ``kind``, the last save's wait included: wall and
+        training-thread CPU seconds; the seconds off the CPU in that wait (wall less CPU: the
+        engine may finish copies on the training thread there); and the training thread's
+        seconds runnable but waiting for a core while it trained (:func:`run_queue_s`; None
+        where the kernel does not say)."""
         saving = engine if kind == engine_kind else None
-        handles, pending, tail = [], False, 0.0
+        handles, pending = [], False
         queued = run_queue_s()
         start, cpu_start = time.perf_counter(), time.thread_time()
         for i in range(args.steps):
@@ -125,26 +131,27 @@ def main() -> None:
                 saving.step_end()
                 if i % args.interval == 0:
                     handles.append(saving.save(os.path.join(root, f"{tag}-{i}")))
-        tail = time.perf_counter()
+        trained, trained_cpu, trained_queue = time.perf_counter(), time.thread_time(), run_queue_s()
         if saving is not None:
             saving.wait()
         if pending and not writer.stdout.readline():
             raise RuntimeError("the writer process ended")
-        took, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
-        tail = time.perf_counter() - tail
-        queued = run_queue_s() - queued
+        end, end_cpu = time.perf_counter(), time.thread_time()
+        took, cpu = end - start, end_cpu - cpu_start
+        tail_off = (end - trained) - (end_cpu - trained_cpu)
+        queued = None if queued is None or trained_queue is None else trained_queue - queued
         for h in handles:
             m = h.result()
             if not tag.startswith("warm"):
                 stalls.append(m.stall_s)
                 persisted.append(m.persist_bytes)
         clear_dir(root)  # untimed: no block pays for the one before it
-        return took, cpu, tail, queued
+        return took, cpu, tail_off, queued
 
     kinds = ["none", "none (again)", "disk only", engine_kind]
     extra: dict[str, list[float]] = {k: [] for k in kinds[1:]}
     extra_cpu: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # training thread's CPU
-    extra_tail: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # the last save's wait
+    extra_tail: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # off the CPU in the last wait
     extra_queue: dict[str, list[float]] = {k: [] for k in kinds[1:]}  # waiting for a core
     order_rng = random.Random(0)
     try:
@@ -170,7 +177,8 @@ def main() -> None:
                 extra[k].append((took[k] - took["none"]) / saves)
                 extra_cpu[k].append((got[k][1] - got["none"][1]) / saves)
                 extra_tail[k].append((got[k][2] - got["none"][2]) / saves)
-                extra_queue[k].append((got[k][3] - got["none"][3]) / saves)
+                if got[k][3] is not None and got["none"][3] is not None:
+                    extra_queue[k].append((got[k][3] - got["none"][3]) / saves)
             print(f"round {r}: none {took['none'] / args.steps:.3f} s/step; extra per checkpoint "
                   + ", ".join(f"{k} {extra[k][-1]:+.3f} s" for k in kinds[1:]), flush=True)
     finally:
@@ -191,21 +199,28 @@ def main() -> None:
               f"[{lo:+.3f}, {hi:+.3f}] | {own} |")
     print("\nThe training thread's share of it, per checkpoint: its extra CPU time and its extra "
           "time off the CPU (wall less CPU), means over rounds with bootstrap 90 % intervals. "
-          "The time off the CPU is split into the wait for the block's last save or write after "
-          "its last step, the time runnable but waiting for a core (the run queue, "
-          "/proc/thread-self/schedstat), and the rest while training (blocked: the GIL, a lock, "
-          "a sleep).\n")
-    print("| condition | training-thread CPU (s) | off the CPU (s) | last save's wait (s) "
+          "The time off the CPU is split into its part in the wait for the block's last save or "
+          "write after its last step, the time runnable but waiting for a core while training "
+          "(the run queue, /proc/thread-self/schedstat; n/a where the kernel does not say), and "
+          "the rest while training (blocked: the GIL, a lock, a sleep).\n")
+    print("| condition | training-thread CPU (s) | off the CPU (s) | in the last save's wait (s) "
           "| waiting for a core (s) | blocked while training (s) |")
     print("|---|---|---|---|---|---|")
+
+    def cell(values: list[float]) -> str:
+        if not values:
+            return "n/a"
+        lo, hi = bootstrap_interval(values)
+        return f"{statistics.mean(values):+.4f} [{lo:+.4f}, {hi:+.4f}]"
+
     for k in kinds[1:]:
         name = f"{k} (the floor)" if k == "none (again)" else k
-        cells = []
         off = [w - c for w, c in zip(extra[k], extra_cpu[k], strict=True)]  # wall less CPU
-        blocked = [o - t - q for o, t, q in zip(off, extra_tail[k], extra_queue[k], strict=True)]
-        for values in (extra_cpu[k], off, extra_tail[k], extra_queue[k], blocked):
-            lo, hi = bootstrap_interval(values)
-            cells.append(f"{statistics.mean(values):+.4f} [{lo:+.4f}, {hi:+.4f}]")
+        training = [o - t for o, t in zip(off, extra_tail[k], strict=True)]
+        queued = extra_queue[k]
+        blocked = ([o - q for o, q in zip(training, queued, strict=True)]
+                   if len(queued) == len(training) else [])
+        cells = [cell(v) for v in (extra_cpu[k], off, extra_tail[k], queued, blocked)]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
+from .config import GoCkptConfig
 from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
 from .layout import StateLayout, Unit, local, localize
@@ -87,14 +88,17 @@ class CostSamples:
 
 
 def window_forecast(windows: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``windows`` (seconds; linear between order statistics; the
-    median for 0.5), the window a plan is sized for (:attr:`GoCkptConfig.window_quantile`).
+    """The ``q`` quantile (0 <= q <= 1) of ``windows`` (seconds; linear between order
+    statistics; the median for 0.5), the window a plan is sized for
+    (:attr:`GoCkptConfig.window_quantile`).
 
     Raises:
-        ValueError: ``windows`` is empty.
+        ValueError: ``windows`` is empty, or ``q`` is outside [0, 1].
     """
     if not windows:
         raise ValueError("window_forecast needs at least one window")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"window_forecast: q must be in [0, 1], got {q}")
     if q == 0.5:
         return statistics.median(windows)
     ordered = sorted(windows)
@@ -110,7 +114,7 @@ class Windows:
     def __init__(self, model: nn.Module, optimizers: list[Optimizer],
                  copier: CpuCopier | CudaCopier, pipeline: Pipeline, *,
                  frozen_copy: str = "always", slot_wait_timeout_s: float | None = None,
-                 window_quantile: float = 0.25) -> None:
+                 window_quantile: float = GoCkptConfig.window_quantile) -> None:
         self._model = model
         self._slot_wait_timeout_s = slot_wait_timeout_s
         # "when_changed": views a reused slot still holds unchanged are not copied again.
@@ -124,8 +128,8 @@ class Windows:
         # One copy window for planning: a quantile (the 25th percentile by default) of the latest
         # ones, so that an outlier (the replay self-check of the first save, a data-loader
         # hiccup) does not inflate the plan's windows for many steps after it, as a moving
-        # average would; a low one, because a window shorter than planned is paid as a wait at
-        # its end and a longer one only as room left (docs/benchmark.md, "Two window forecasts").
+        # average would; a low one, because it rises less in a stretch of slow steps
+        # (GoCkptConfig.window_quantile).
         self.window_s: float | None = None
         self._window_quantile = window_quantile
         self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)

@@ -46,12 +46,14 @@ class GoCkptConfig:
 
     window_quantile: float = 0.25
     """Which quantile of the latest 15 copy windows (seconds from the end of one optimizer
-    update to the start of the next) a plan sizes its blocks for, in [0, 1]. A window shorter
-    than planned is paid as a wait at its end, a longer one only as room left in it, so the
-    default plans for a short one, the 25th percentile: after a stretch of slow steps it does
-    not count on their longer windows when the steps speed up again (measured side by side with
-    the median in ``docs/benchmark.md``: fewer waits at window ends in 7 of 8 rounds). 0.5 is
-    the median, the forecast before this option existed."""
+    update to the start of the next) a plan sizes its blocks for, in [0, 1] (``ValueError``
+    otherwise). Each window's overhead sample is measured against the forecast of its own time,
+    so while the forecast holds still the quantile cancels out of the plan; it matters when the
+    forecast moves. After a stretch of slow steps the median rises with them, and a plan made
+    then counts on room its earlier samples never saw: when the steps speed up again, its
+    windows end with copy left to wait for. The 25th percentile rises later and less (measured
+    side by side with the median in ``docs/benchmark.md``: fewer waits at window ends in 7 of 8
+    rounds). 0.5 is the median, the forecast before this option existed."""
 
     host_buffer_bytes: int | None = None
     """Bytes of host memory (pinned on CUDA) for snapshot slots and their gradient buffers,

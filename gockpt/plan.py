@@ -16,7 +16,7 @@ gradient bytes of blocks ``0..j-1``, window j carries ``s_j + G_j``:
 - ``lazy``: one window, ``max(0, S - C) / bw``; ``sync``/``async``: everything, ``S / bw``.
 
 Each window's copy is taken to run an overhead ``o`` longer than its bytes at the copy rate
-(waking the copy thread, chunks that queue behind other work, a window shorter than the median),
+(waking the copy thread, chunks that queue behind other work, a window shorter than the forecast),
 so a window hides ``C' = max(0, C - o * bw)``: a window its copy fills pays the overhead, one with
 room for it pays nothing. The overhead varies from window to window (a second core shared with
 replay and persist), so the prediction is the mean of the model over the overheads measured on

@@ -106,8 +106,6 @@ def test_bench_floor_reports_the_floor_beside_gockpt_and_leaves_nothing(tmp_path
         cpu, off, tail, queued, blocked = (mean_interval(c)[0] for c in split[name])
         assert cpu + off == pytest.approx(wall, abs=1e-3)  # the split adds up to the whole
         assert tail + queued + blocked == pytest.approx(off, abs=1e-3)  # and so does its part
-    # the wait for a block's last save or write is a duration; the no-checkpoint block has none
-    assert all(mean_interval(split[name][2])[0] > -1e-3 for name in split)
     # disk only writes what a save of the state does (weights and optimizer state, not the
     # weights alone: taken after the optimizer's first step)
     counts = next(ln for ln in out.splitlines() if ln.startswith("bytes per checkpoint"))
@@ -115,6 +113,21 @@ def test_bench_floor_reports_the_floor_beside_gockpt_and_leaves_nothing(tmp_path
     saved = int(re.search(r"engine=(\d+)", counts).group(1))
     assert abs(disk - saved) <= 0.05 * saved + (256 << 10)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_run_queue_reads_the_schedulers_wait_and_says_when_it_cannot(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    from bench_floor import run_queue_s
+
+    stat = tmp_path / "schedstat"
+    stat.write_text("123456789 4500000000 17\n")  # CPU ns, run-queue ns, timeslices
+    assert run_queue_s(str(stat)) == 4.5
+    assert run_queue_s(str(tmp_path / "missing")) is None
+    stat.write_text("garbage\n")
+    assert run_queue_s(str(stat)) is None
+    if Path("/proc/thread-self/schedstat").exists():  # this thread's own, on Linux
+        first = run_queue_s()
+        assert first is not None and first >= 0 and run_queue_s() >= first
 
 
 def test_bootstrap_interval_holds_the_mean_and_narrows_with_more_values(monkeypatch):
@@ -157,8 +170,8 @@ def test_bench_planner_prints_plan_request_and_capture_per_parameter_count():
 
 
 def test_benchmark_compares_two_window_forecasts_in_alternation(tmp_path):
-    # The emulated-link auto row at the default forecast (the median) and at another quantile,
-    # one after the other in each round, each row's config recorded and each forecast summed up.
+    # The emulated-link auto row at the median and at another quantile, one after the other
+    # in each round, each row's config recorded and each forecast summed up.
     script = _SCRIPT.parent / "benchmark.py"
     subprocess.run([sys.executable, str(script), "--quick", "--emulated-only", "--schemes",
                     "none,gockpt-auto", "--no-repeat", "--no-lightning", "--window-quantile", "0.25",
@@ -167,7 +180,7 @@ def test_benchmark_compares_two_window_forecasts_in_alternation(tmp_path):
     report = json.loads((tmp_path / "benchmark.json").read_text())
     rounds = [(r.get("forecast_round"), r.get("window_quantile")) for r in report["results"]
               if r["scheme"] == "gockpt-auto" and r.get("forecast_round") is not None]
-    assert rounds == [(0, None), (0, 0.25), (1, None), (1, 0.25)]
+    assert rounds == [(0, 0.5), (0, 0.25), (1, 0.5), (1, 0.25)]
     lines = [ln for ln in report["targets"] if ln.startswith("window forecast")]
     assert [ln.split(":")[1].strip() for ln in lines] == [
         "quantile 0.25 of the latest windows", "quantile 0.5 of the latest windows"]
