@@ -203,6 +203,12 @@ def _model_stall(paid: float, loads: list[float], hides: np.ndarray | float) -> 
     return paid + float(np.maximum(over, 0.0).sum(axis=0).mean())
 
 
+def _lazy_is_free(unit_bytes: list[int], hides: np.ndarray) -> bool:
+    """Whether one window hides all of ``unit_bytes`` (bytes) under every value of ``hides``
+    (bytes one window hides, per overhead sample): ``lazy`` then waits for no window."""
+    return bool(sum(unit_bytes) <= float(np.min(hides)))
+
+
 def _overheads(costs: Costs) -> np.ndarray:
     """The per-window overheads of ``costs``, seconds: its samples, else its one value."""
     return np.asarray(costs.overhead_samples_s or (costs.window_overhead_s,), dtype=np.float64)
@@ -552,6 +558,12 @@ def make_plan(
     median_overhead = statistics.median(costs.overhead_samples_s or (costs.window_overhead_s,))
     if mode in ("sync", "async", "lazy"):
         return costed(mode, split_blocks(unit_bytes, 1))
+    if mode == "auto" and _lazy_is_free(unit_bytes, hides):
+        # Its one window hides the whole copy under every overhead sample: no plan predicts
+        # less, and the search below takes lazy on ties, so it would return this very plan.
+        # Skipping it saves the per-window search for every K (about 1 ms a request, on the
+        # training thread) where the link is fast against the steps.
+        return costed("lazy", split_blocks(unit_bytes, 1))
     # (stall bytes, K, preference, mode, blocks, flushed_at); auto's K = 1 is lazy, preferred
     # on ties.
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).

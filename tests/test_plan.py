@@ -498,3 +498,36 @@ def test_a_link_too_slow_for_the_interval_copies_the_rest_at_the_next_request():
     with pytest.raises(ValueError, match="interval_steps"):
         make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True,
                   interval_steps=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads(grads_at_most_state=False), st.integers(1, 8),
+       st.sampled_from([None, 1, 2, 3, 10]), st.booleans(), st.sampled_from([0, 0, 50, 300]),
+       st.integers(1, 3), st.lists(st.floats(0.0, 4.0), max_size=6))
+def test_auto_skips_the_search_only_where_it_returns_the_same_plan(
+        work, k_max, interval, shares, static, k_min, samples):
+    # auto returns lazy without searching the multi-step splits where one window hides the
+    # whole copy under every overhead sample. The plan must be the one the search returns,
+    # field by field; the search is run by turning the test for a free lazy copy off.
+    import gockpt.plan as plan_module
+
+    units, grads, costs = work
+    if samples:
+        costs = Costs(copy_bytes_per_s=costs.copy_bytes_per_s, window_s=costs.window_s,
+                      window_overhead_s=costs.window_overhead_s,
+                      overhead_samples_s=tuple(samples))
+    kwargs = dict(max_overlap_steps=k_max, min_overlap_steps=min(k_min, k_max),
+                  replayable=True, interval_steps=interval, next_request_shares=shares,
+                  static_bytes=static)
+    fast = make_plan("auto", units, grads, costs, **kwargs)
+    free = plan_module._lazy_is_free(units, plan_module._hides(costs))
+    original = plan_module._lazy_is_free
+    plan_module._lazy_is_free = lambda *_: False
+    try:
+        searched = make_plan("auto", units, grads, costs, **kwargs)
+    finally:
+        plan_module._lazy_is_free = original
+    assert fast == searched
+    if free:
+        assert fast.mode == "lazy" and fast.predicted_stall_s == static / max(
+            costs.copy_bytes_per_s, 1.0)
