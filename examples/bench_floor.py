@@ -27,12 +27,12 @@ extra time off the CPU (wall less CPU: waits for the GIL, a lock or a core, and 
 block's last save or write to finish), and that in turn into its part in the wait for the
 last save or write, the time runnable but waiting for a core while training (the run queue,
 Linux's ``/proc/thread-self/schedstat``) and the rest while training (blocked on the GIL, a
-lock or a sleep). ``--chunk-bytes`` sets ``GoCkptConfig.chunk_bytes``. Blocks of one round run back to back and in a new
-order each round, so a slow drift of a shared machine hits every condition alike. Denormal
-floats are flushed to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``: after
-some 500 steps the example model's CPU training reaches denormal values and its steps slow
-down by half over the next few hundred steps (with or without GoCkpt), a drift far larger than
-what is measured here. Usage::
+lock or a sleep). ``--chunk-bytes`` sets ``GoCkptConfig.chunk_bytes``. Blocks of one round
+run back to back and in a new order each round, so a slow drift of a shared machine hits every
+condition alike. Denormal floats are flushed to zero (``torch.set_flush_denormal``) unless
+``--keep-denormals``: after some 500 steps the example model's CPU training reaches denormal
+values and its steps slow down by half over the next few hundred steps (with or without
+GoCkpt), a drift far larger than what is measured here. Usage::
 
     python examples/bench_floor.py --rounds 10 --nice -20
 """
@@ -156,7 +156,8 @@ def main() -> None:
     order_rng = random.Random(0)
     try:
         engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(
-            mode=args.mode, **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})))
+            mode=args.mode,
+            **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})))
         for _ in range(3):
             train_step(model, opt, next(data))
         # After the first steps: before them the optimizer holds no state, and the weights

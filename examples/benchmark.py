@@ -722,9 +722,10 @@ def _window_end_s(r: dict) -> float:
 
 def forecast_lines(results: list[dict]) -> list[str]:
     """Per window forecast of the ``--window-quantile`` comparison (the emulated-link auto
-    rows at 0.5 and at the quantile asked for, run in alternation): the median over its rounds of the measured (engine) stall over
-    the predicted one, of the measured stall itself, and of its part spent waiting at window
-    ends (``stall_by_phase_s["window_end"]``, mean over the saves), in seconds."""
+    rows at 0.5 and at the quantile asked for, run in alternation): the median over its rounds
+    of the measured (engine) stall over the predicted one, of the measured stall itself, and
+    of its part spent waiting at window ends (``stall_by_phase_s["window_end"]``, mean over
+    the saves), in seconds."""
     rows = [r for r in planner_rows(results) if r.get("forecast_round") is not None]
     by_q: dict[float, list[dict]] = {}
     for r in rows:

@@ -89,8 +89,9 @@ class CostSamples:
 
 def window_forecast(windows: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0 <= q <= 1) of ``windows`` (seconds; linear between order
-    statistics; the median for 0.5), the window a plan is sized for
-    (:attr:`GoCkptConfig.window_quantile`).
+    statistics, as ``numpy.quantile``'s default; the median for 0.5), the window a plan is
+    sized for (:attr:`GoCkptConfig.window_quantile`). Computed here because it runs at every
+    optimizer update on the training thread: 1 µs for 15 windows, ``numpy.quantile`` 60 µs.
 
     Raises:
         ValueError: ``windows`` is empty, or ``q`` is outside [0, 1].
@@ -99,8 +100,6 @@ def window_forecast(windows: Sequence[float], q: float) -> float:
         raise ValueError("window_forecast needs at least one window")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"window_forecast: q must be in [0, 1], got {q}")
-    if q == 0.5:
-        return statistics.median(windows)
     ordered = sorted(windows)
     at = q * (len(ordered) - 1)
     lo = int(at)

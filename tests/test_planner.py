@@ -405,6 +405,8 @@ def test_window_forecast_is_the_quantile_asked_for():
     assert window_forecast([0.7], 0.1) == 0.7
     with pytest.raises(ValueError, match="at least one"):
         window_forecast([], 0.5)
+    with pytest.raises(ValueError, match="q must be in"):
+        window_forecast(windows, 1.5)
     with pytest.raises(ValueError, match="window_quantile"):
         GoCkptConfig(window_quantile=1.5)
 
