@@ -70,6 +70,7 @@ def _run(args: argparse.Namespace) -> dict:
     if args.scheme.startswith("gockpt "):
         engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.scheme.split()[1]))
     times, in_flight, handles, durable, stall = [], [], [], [], []
+    plans: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         total = args.warmup + args.checkpoints * args.interval + args.interval
         for i in range(total):
@@ -102,10 +103,16 @@ def _run(args: argparse.Namespace) -> dict:
                 m = h.result()
                 durable.append(m.time_to_durable_s)
                 stall.append(m.stall_s)
+                plans.append({"k": m.num_overlap_steps, "predicted_s": m.predicted_stall_s,
+                              "bound_s": m.stall_lower_bound_s, "phases": m.stall_by_phase_s,
+                              "host_peak_bytes": m.host_peak_bytes})
             engine.close()
     measured = times[args.warmup:]
     flags = in_flight[args.warmup:]
     clean = statistics.median([t for t, f in zip(measured, flags, strict=True) if not f] or measured)
+    busy_steps = [t for t, f in zip(measured, flags, strict=True) if f]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    phases = sorted({k for pl in plans for k in pl["phases"]})
     n = max(1, args.checkpoints if args.scheme != "none" else 1)
     return {
         "scheme": args.scheme, "size_gb": args.size_gb, "state_bytes": state_bytes,
@@ -115,13 +122,20 @@ def _run(args: argparse.Namespace) -> dict:
         "durable_s": statistics.median(durable) if durable else None,
         "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rss_start_bytes": rss0,
+        # The steps with a checkpoint in flight (its copy windows and its persist), seconds.
+        "in_flight_step_s": med(busy_steps),
+        "k": med([pl["k"] for pl in plans]),
+        "predicted_stall_s": med([pl["predicted_s"] for pl in plans]),
+        "stall_lower_bound_s": med([pl["bound_s"] for pl in plans]),
+        "stall_by_phase_s": {ph: med([pl["phases"].get(ph, 0.0) for pl in plans]) for ph in phases},
+        "host_peak_bytes": med([pl["host_peak_bytes"] for pl in plans]),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.3, 1.2, 3.0])
-    p.add_argument("--modes", nargs="+", default=["lazy", "gockpt_o"])
+    p.add_argument("--modes", nargs="+", default=["lazy", "gockpt_o", "auto"])
     p.add_argument("--checkpoints", type=int, default=3)
     p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
     p.add_argument("--warmup", type=int, default=3)
@@ -146,7 +160,8 @@ def main() -> None:
                 cmd += ["--dir", args.dir]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
-            print(f"# done: {scheme} at {size} GB", file=sys.stderr, flush=True)
+            # Each row as it ends: a run stopped at a time limit keeps the rows it finished.
+            print(f"# done: {scheme} at {size} GB: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     where = args.device
     if args.device.startswith("cuda"):
         import torch
@@ -168,6 +183,21 @@ def main() -> None:
               f"{r['extra_per_ckpt_s'] / gb:.3f} | {fmt(r['stall_s'])} | {fmt(r['durable_s'], 2)} | "
               f"{fmt(None if r['durable_s'] is None else r['durable_s'] / gb, 2)} | {extra_mem:.2f} | "
               f"{extra_mem / gb:.2f} |")
+    engine_rows = [r for r in rows if r["scheme"].startswith("gockpt ")]
+    if engine_rows:
+        # Where the stall goes, and whether the copy hid under the steps: a step with a
+        # checkpoint in flight against a clean one of the same process.
+        print()
+        print("| size (GB) | scheme | K | predicted stall (s) | lower bound (s) | measured stall (s) | "
+              "stall by phase (s) | in-flight step / clean step | host peak (ckpt sizes) |")
+        print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
+        for r in engine_rows:
+            gb = r["state_bytes"] / 1e9
+            by_phase = ", ".join(f"{k} {v:.3f}" for k, v in r["stall_by_phase_s"].items() if v >= 5e-4)
+            ratio = "-" if r["in_flight_step_s"] is None else f"{r['in_flight_step_s'] / r['clean_step_s']:.2f}"
+            print(f"| {gb:.2f} | {r['scheme']} | {r['k']:g} | {r['predicted_stall_s']:.3f} | "
+                  f"{r['stall_lower_bound_s']:.3f} | {r['stall_s']:.3f} | {by_phase or '-'} | {ratio} | "
+                  f"{r['host_peak_bytes'] / r['state_bytes']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import fcntl
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 
 from gockpt import _trace
 
-__all__ = ["ALIGN", "BOUNCE_BYTES", "aligned_empty", "write_file"]
+__all__ = ["ALIGN", "BOUNCE_BYTES", "aligned_empty", "host_empty", "write_file"]
 
 ALIGN = 4096  # bytes: the largest logical block size of common devices, and the page size
 BOUNCE_BYTES = 8 << 20  # bytes per writing thread; one device write each
@@ -54,14 +55,41 @@ def _bounce() -> np.ndarray:
     return buf
 
 
+def host_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialized ``(nbytes,)`` uint8 CPU tensor; page-locked (pinned) for CUDA copies
+    when ``pin_memory``, holding exactly ``nbytes`` of page-locked memory.
+
+    Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds each
+    allocation up to a power of two, so a 1.21 GB host snapshot held 2 GiB (measured on an H100:
+    peak RSS 1.79 checkpoint sizes above the run without checkpoints). Here the memory is an
+    ordinary numpy allocation registered with ``cudaHostRegister`` and unregistered just before
+    numpy frees it (a finalizer on the array, which the tensor keeps alive).
+
+    Raises:
+        MemoryError: from numpy, when the memory cannot be allocated.
+        torch.cuda.CudaError: when CUDA refuses to page-lock it.
+    """
+    if not pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    arr = np.empty(max(nbytes, 1), dtype=np.uint8)
+    ptr = arr.ctypes.data
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(ptr, arr.nbytes, 0))
+    # At interpreter exit the CUDA context may be gone: the process's memory goes with it anyway.
+    weakref.finalize(arr, cudart.cudaHostUnregister, ptr).atexit = False
+    return torch.from_numpy(arr)[:nbytes]
+
+
 def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialized ``(nbytes,)`` uint8 tensor whose first byte is ``ALIGN``-aligned (a view
     of a buffer ``ALIGN`` bytes larger), so ``O_DIRECT`` can write from it without a copy.
+    Pinned as :func:`host_empty` pins.
 
     Raises:
-        RuntimeError: from torch, when the memory cannot be allocated (or pinned).
+        RuntimeError: from torch (unpinned) or MemoryError: from numpy (pinned), when the memory
+            cannot be allocated; torch.cuda.CudaError: when it cannot be pinned.
     """
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = host_empty(nbytes + ALIGN, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + nbytes]
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import _trace
-from ._direct import aligned_empty
+from ._direct import aligned_empty, host_empty
 from ._unchanged import HeldTensors
 from .errors import CheckpointTornError
 
@@ -356,7 +356,7 @@ class Slot:
         # buffers were too small); ``held``: what that buffer still holds.
         # Page-aligned: the persist writes shard data from it with O_DIRECT, no copy between.
         self.data = data if data is not None else aligned_empty(slot_bytes, pin_memory=pin)
-        self.grads = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+        self.grads = [host_empty(n, pin_memory=pin) for n in sizes]
         self.grad_busy: list[threading.Event] = [threading.Event(), threading.Event()]
         for e in self.grad_busy:
             e.set()  # set = free
@@ -507,7 +507,7 @@ class SlotPool:
             for t, n in enumerate(need):
                 if s.grads[t].numel() < n:
                     self._bytes += n - s.grads[t].numel()
-                    s.grads[t] = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
+                    s.grads[t] = host_empty(n, pin_memory=self._pin)
                     s.fresh = True
                     s.grad_view_cache = None  # its views would keep the old buffer alive
             self._peak = max(self._peak, self._bytes)

@@ -82,3 +82,39 @@ def test_cuda_saves_sharing_a_snapshot_wait_for_its_last_copy(tmp_path, mode):
     assert b.host_shared and a.captured_step == b.captured_step
     for m in (a, b):
         _assert_matches(m, live, mode)
+
+
+def test_pinned_host_buffers_hold_their_size_not_the_next_power_of_two():
+    """torch's caching host allocator rounds a pinned allocation up to a power of two; the host
+    snapshot and gradient buffers are allocated and page-locked at their own size, usable as the
+    destination of a non-blocking D2H copy, and given back (unregistered, freed) when dropped."""
+    import gc
+
+    import psutil
+
+    from gockpt._direct import aligned_empty
+
+    torch.cuda.init()
+    proc = psutil.Process()
+    n = (1 << 28) + (1 << 20)  # 257 MiB: 512 MiB if rounded
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    gc.collect()
+    before = proc.memory_info().rss
+    buf = aligned_empty(n, pin_memory=True)
+    grown = proc.memory_info().rss - before
+    assert buf.numel() == n and buf.is_pinned() and buf.data_ptr() % 4096 == 0
+    buf.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, src.cpu())
+    del buf
+    gc.collect()
+    freed = proc.memory_info().rss - before
+
+    ref = torch.empty(n, dtype=torch.uint8, pin_memory=True)  # the caching allocator's block
+    ref_grown = proc.memory_info().rss - before - freed
+    del ref
+    # RSS sees page-locked pages at all (else the bound below could not fail) ...
+    assert ref_grown >= 0.9 * n, ref_grown
+    # ... and ours hold about their own size, and are released.
+    assert grown <= 1.1 * n, (grown, ref_grown)
+    assert freed <= 0.1 * n, freed

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one call sized for a short lease on a lent CUDA machine
+# (its own python3 with a CUDA torch; nothing is installed from the network):
+#   1. build the native CPU replay kernel for that interpreter (the engine works without it);
+#   2. the CUDA-marked tests (checkpoint equals the live state in every mode, Lightning FSDP,
+#      Accelerate FSDP2, DeepSpeed where the package is present);
+#   3. examples/bench_scale.py on the GPU at about 1.2 and 3 GB of fp32 weights + AdamW state.
+# Logs go to $OUT (or /tmp/gockpt-gpu), the tables last on stdout. Each part has its own time
+# limit so that one slow part cannot take the others' share of the lease.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gockpt-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TESTS_S=${GOCKPT_GPU_TESTS_S:-200}
+BENCH_S=${GOCKPT_GPU_BENCH_S:-300}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    lscpu | grep -m1 'Model name'
+    nproc
+    "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/machine.txt"
+
+# An editable install registers the entry points (Lightning's callbacks factory, the converter's
+# frameworks) and builds the kernel; where that interpreter's setuptools is too old for the
+# metadata, build the kernel in place and put the checkout on the path instead.
+if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1; then
+    echo "editable install failed (see build.log); building the kernel in place" | tee -a "$OUT/machine.txt"
+    "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1
+    export PYTHONPATH=$PWD
+fi
+"$PY" -c "import gockpt._native as n; print('native kernel:', n.available())" 2>&1 | tee -a "$OUT/machine.txt"
+
+timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -m cuda -o addopts= \
+    tests/test_cuda.py tests/adapters/test_lightning_fsdp.py tests/adapters/test_accelerate_fsdp2.py \
+    tests/adapters/test_lightning_deepspeed.py >"$OUT/tests.log" 2>&1
+echo "cuda tests: exit $?" | tee -a "$OUT/machine.txt"
+
+timeout "$BENCH_S" "$PY" examples/bench_scale.py --device cuda --batch 4096 --threads 8 \
+    --sizes-gb 1.2 3 --interval 10 --checkpoints 3 >"$OUT/bench.txt" 2>"$OUT/bench.err"
+echo "bench_scale: exit $?" | tee -a "$OUT/machine.txt"
+
+tail -n 25 "$OUT/tests.log"
+cat "$OUT/bench.txt"
