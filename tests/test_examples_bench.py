@@ -21,10 +21,16 @@ def test_bench_scale_prints_a_row_per_scheme(tmp_path):
         [sys.executable, str(_SCRIPT), "--sizes-gb", "0.01", "--modes", "lazy", "--checkpoints", "2",
          "--interval", "2", "--warmup", "1", "--dir", str(tmp_path)],
         check=True, capture_output=True, text=True, timeout=300).stdout
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 0.")]
+    first, engine = out.split("\n\n", 1)  # the rows, then the engine's plans and stalls
+    rows = [line.split("|")[1:-1] for line in first.splitlines() if line.startswith("| 0.")]
     assert [r[1].strip() for r in rows] == ["none", "torch.save", "gockpt lazy"]
     lazy = rows[2]
     assert float(lazy[6]) > 0  # time to durable of the engine's checkpoints
+    plans = [line.split("|")[1:-1] for line in engine.splitlines() if line.startswith("| 0.")]
+    assert [r[1].strip() for r in plans] == ["gockpt lazy"]
+    k, predicted, bound, measured = (float(x) for x in plans[0][2:6])
+    assert k == 1 and 0 <= bound <= predicted and measured > 0
+    assert float(plans[0][8]) >= 1.0  # host peak: at least the one snapshot, in checkpoint sizes
     assert list(tmp_path.iterdir()) == []  # each run removes its checkpoints
 
 
