@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import threading
@@ -37,6 +38,8 @@ import numpy as np
 import torch
 
 from gockpt import _trace
+
+log = logging.getLogger("gockpt")
 
 __all__ = ["ALIGN", "BOUNCE_BYTES", "aligned_empty", "host_empty", "write_file"]
 
@@ -63,21 +66,40 @@ def host_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     allocation up to a power of two, so a 1.21 GB host snapshot held 2 GiB (measured on an H100:
     peak RSS 1.79 checkpoint sizes above the run without checkpoints). Here the memory is an
     ordinary numpy allocation registered with ``cudaHostRegister`` and unregistered just before
-    numpy frees it (a finalizer on the array, which the tensor keeps alive).
+    numpy frees it (a finalizer on the array, which the tensor keeps alive). Where CUDA refuses
+    to register it, torch's own pinned allocation is used instead (warned once).
 
     Raises:
-        MemoryError: from numpy, when the memory cannot be allocated.
-        torch.cuda.CudaError: when CUDA refuses to page-lock it.
+        MemoryError: from numpy, or RuntimeError: from torch, when the memory cannot be
+            allocated or pinned.
     """
     if not pin_memory:
         return torch.empty(nbytes, dtype=torch.uint8)
     arr = np.empty(max(nbytes, 1), dtype=np.uint8)
     ptr = arr.ctypes.data
     cudart = torch.cuda.cudart()
-    torch.cuda.check_error(cudart.cudaHostRegister(ptr, arr.nbytes, 0))
-    # At interpreter exit the CUDA context may be gone: the process's memory goes with it anyway.
-    weakref.finalize(arr, cudart.cudaHostUnregister, ptr).atexit = False
-    return torch.from_numpy(arr)[:nbytes]
+    err = cudart.cudaHostRegister(ptr, arr.nbytes, 0)
+    if err == cudart.cudaError.success:
+        # At interpreter exit the CUDA context may be gone: the process's memory goes with it.
+        weakref.finalize(arr, cudart.cudaHostUnregister, ptr).atexit = False
+        return torch.from_numpy(arr)[:nbytes]
+    del arr
+    # The failed call is also this thread's CUDA "last error", which torch's next kernel-launch
+    # check here would raise as its own: a launch now takes it (torch clears it as it raises).
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+    global _register_warned
+    if not _register_warned:
+        _register_warned = True
+        log.warning("gockpt: cudaHostRegister refused %d bytes (%s); host buffers are pinned by "
+                    "torch's allocator, which rounds each one up to a power of two", nbytes,
+                    cudart.cudaGetErrorString(err))
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_register_warned = False
 
 
 def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
@@ -86,8 +108,8 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     Pinned as :func:`host_empty` pins.
 
     Raises:
-        RuntimeError: from torch (unpinned) or MemoryError: from numpy (pinned), when the memory
-            cannot be allocated; torch.cuda.CudaError: when it cannot be pinned.
+        MemoryError: from numpy, or RuntimeError: from torch, when the memory cannot be
+            allocated or pinned.
     """
     raw = host_empty(nbytes + ALIGN, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN
