@@ -124,6 +124,8 @@ def _run(args: argparse.Namespace) -> dict:
         "rss_start_bytes": rss0,
         # The steps with a checkpoint in flight (its copy windows and its persist), seconds.
         "in_flight_step_s": med(busy_steps),
+        "in_flight_step_max_s": max(busy_steps) if busy_steps else None,
+        "clean_steps": len(measured) - len(busy_steps),
         "k": med([pl["k"] for pl in plans]),
         "predicted_stall_s": med([pl["predicted_s"] for pl in plans]),
         "stall_lower_bound_s": med([pl["bound_s"] for pl in plans]),
@@ -175,10 +177,10 @@ def main() -> None:
           "per GB of state |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = {r["size_gb"]: r["rss_peak_bytes"] for r in rows if r["scheme"] == "none"}
+    fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
         gb = r["state_bytes"] / 1e9
         extra_mem = (r["rss_peak_bytes"] - base[r["size_gb"]]) / 1e9
-        fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         print(f"| {gb:.2f} | {r['scheme']} | {r['clean_step_s']:.3f} | {r['extra_per_ckpt_s']:.3f} | "
               f"{r['extra_per_ckpt_s'] / gb:.3f} | {fmt(r['stall_s'])} | {fmt(r['durable_s'], 2)} | "
               f"{fmt(None if r['durable_s'] is None else r['durable_s'] / gb, 2)} | {extra_mem:.2f} | "
@@ -188,16 +190,22 @@ def main() -> None:
         # Where the stall goes, and whether the copy hid under the steps: a step with a
         # checkpoint in flight against a clean one of the same process.
         print()
+        # "clean steps": how many steps the clean median is taken over (none: all steps, and
+        # the ratios are 1 by construction).
         print("| size (GB) | scheme | K | predicted stall (s) | lower bound (s) | measured stall (s) | "
-              "stall by phase (s) | in-flight step / clean step | host peak (ckpt sizes) |")
-        print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
+              "stall by phase (s) | in-flight step / clean step (median, max) | clean steps | "
+              "host peak (ckpt sizes) |")
+        print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
         for r in engine_rows:
             gb = r["state_bytes"] / 1e9
             by_phase = ", ".join(f"{k} {v:.3f}" for k, v in r["stall_by_phase_s"].items() if v >= 5e-4)
-            ratio = "-" if r["in_flight_step_s"] is None else f"{r['in_flight_step_s'] / r['clean_step_s']:.2f}"
-            print(f"| {gb:.2f} | {r['scheme']} | {r['k']:g} | {r['predicted_stall_s']:.3f} | "
-                  f"{r['stall_lower_bound_s']:.3f} | {r['stall_s']:.3f} | {by_phase or '-'} | {ratio} | "
-                  f"{r['host_peak_bytes'] / r['state_bytes']:.2f} |")
+            ratio = "-" if r["in_flight_step_s"] is None else (
+                f"{r['in_flight_step_s'] / r['clean_step_s']:.2f}, "
+                f"{r['in_flight_step_max_s'] / r['clean_step_s']:.2f}")
+            peak = None if r["host_peak_bytes"] is None else r["host_peak_bytes"] / r["state_bytes"]
+            print(f"| {gb:.2f} | {r['scheme']} | {fmt(r['k'], 0)} | {fmt(r['predicted_stall_s'])} | "
+                  f"{fmt(r['stall_lower_bound_s'])} | {fmt(r['stall_s'])} | {by_phase or '-'} | {ratio} | "
+                  f"{r['clean_steps']} | {fmt(peak, 2)} |")
 
 
 if __name__ == "__main__":

@@ -60,46 +60,77 @@ def _bounce() -> np.ndarray:
 
 def host_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialized ``(nbytes,)`` uint8 CPU tensor; page-locked (pinned) for CUDA copies
-    when ``pin_memory``, holding exactly ``nbytes`` of page-locked memory.
+    when ``pin_memory`` (and ``nbytes`` > 0), holding exactly ``nbytes`` (rounded up to whole
+    pages) of page-locked memory.
 
     Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds each
     allocation up to a power of two, so a 1.21 GB host snapshot held 2 GiB (measured on an H100:
     peak RSS 1.79 checkpoint sizes above the run without checkpoints). Here the memory is an
-    ordinary numpy allocation registered with ``cudaHostRegister`` and unregistered just before
-    numpy frees it (a finalizer on the array, which the tensor keeps alive). Where CUDA refuses
-    to register it, torch's own pinned allocation is used instead (warned once).
+    anonymous mapping registered with ``cudaHostRegister`` (portable, as
+    ``torch.distributed.checkpoint``'s pinned staging registers its buffers) and unregistered
+    just before it is unmapped (a finalizer on the numpy array over it, which the tensor keeps
+    alive). The mapping is not inherited by ``fork`` (``MADV_DONTFORK``): a forked child (a
+    DataLoader worker) would otherwise share, or copy, pages that the GPU writes into. Where any
+    of this fails, torch's own pinned allocation is used instead (warned once on the ``gockpt``
+    logger).
 
     Raises:
-        MemoryError: from numpy, or RuntimeError: from torch, when the memory cannot be
-            allocated or pinned.
+        RuntimeError: from torch, when the memory cannot be allocated or pinned.
     """
-    if not pin_memory:
+    if not pin_memory or nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8)
-    arr = np.empty(max(nbytes, 1), dtype=np.uint8)
-    ptr = arr.ctypes.data
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, arr.nbytes, 0)
-    if err == cudart.cudaError.success:
-        # At interpreter exit the CUDA context may be gone: the process's memory goes with it.
-        weakref.finalize(arr, cudart.cudaHostUnregister, ptr).atexit = False
-        return torch.from_numpy(arr)[:nbytes]
-    del arr
-    # The failed call is also this thread's CUDA "last error", which torch's next kernel-launch
-    # check here would raise as its own: a launch now takes it (torch clears it as it raises).
     try:
-        torch.zeros(1, device="cuda")
-    except RuntimeError:
-        pass
-    global _register_warned
-    if not _register_warned:
-        _register_warned = True
-        log.warning("gockpt: cudaHostRegister refused %d bytes (%s); host buffers are pinned by "
-                    "torch's allocator, which rounds each one up to a power of two", nbytes,
-                    cudart.cudaGetErrorString(err))
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return _registered_empty(nbytes)
+    except Exception as e:  # noqa: BLE001 - the allocation torch pins itself still works
+        global _register_warned
+        if not _register_warned:
+            _register_warned = True
+            log.warning("gockpt: could not page-lock %d bytes of host memory of its own (%s); "
+                        "using torch's pinned allocator, which rounds each buffer up to a power "
+                        "of two", nbytes, e)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 _register_warned = False
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _registered_empty(nbytes: int) -> torch.Tensor:
+    mem = mmap.mmap(-1, nbytes)
+    mem.madvise(mmap.MADV_DONTFORK)
+    # A numpy array over the mapping holds it: numpy runs the array's finalizers (the
+    # unregister) before it lets the mapping go, where an mmap object unmaps first.
+    arr = np.frombuffer(mem, dtype=np.uint8)
+    del mem
+    ptr = arr.ctypes.data
+    cudart = torch.cuda.cudart()
+    device = torch.cuda.current_device()
+    err = cudart.cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE)
+    if err != cudart.cudaError.success:
+        # The failed call is also this thread's CUDA "last error", which torch's next
+        # kernel-launch check here would raise as its own: a launch now takes it (torch clears
+        # it as it raises).
+        try:
+            torch.zeros(1, device=torch.device("cuda", device))
+        except Exception:  # noqa: BLE001 - the error being cleared, or no device at all
+            pass
+        raise RuntimeError(f"cudaHostRegister: {cudart.cudaGetErrorString(err)}")
+    # At interpreter exit the CUDA context may be gone: the process's memory goes with it.
+    weakref.finalize(arr, _unregister, ptr, device, os.getpid()).atexit = False
+    return torch.from_numpy(arr)
+
+
+def _unregister(ptr: int, device: int, pid: int) -> None:
+    """Unregister ``ptr`` before its mapping goes (any thread, at garbage collection)."""
+    if os.getpid() != pid:  # a forked child: it never had the mapping (MADV_DONTFORK)
+        return
+    cudart = torch.cuda.cudart()
+    # On the device it was registered on: a thread with no current device would otherwise
+    # create a context on device 0.
+    with torch.cuda.device(device):
+        err = cudart.cudaHostUnregister(ptr)
+    if err != cudart.cudaError.success:
+        log.warning("gockpt: cudaHostUnregister: %s", cudart.cudaGetErrorString(err))
 
 
 def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
@@ -108,8 +139,7 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     Pinned as :func:`host_empty` pins.
 
     Raises:
-        MemoryError: from numpy, or RuntimeError: from torch, when the memory cannot be
-            allocated or pinned.
+        RuntimeError: from torch, when the memory cannot be allocated or pinned.
     """
     raw = host_empty(nbytes + ALIGN, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import logging
 import mmap
 import os
 
@@ -149,3 +152,95 @@ def test_slot_layout_puts_each_shards_data_where_its_file_offset_is_page_aligned
         for key, (begin, end) in shard.offsets.items():
             assert layout.offsets[key] == base + begin
     assert all(e <= b for e, b in zip(ends, layout.bases[1:])) and ends[-1] <= layout.nbytes
+
+
+class _Cudart:
+    """Stands in for ``torch.cuda.cudart()`` on a machine without CUDA: records the host
+    registrations, and refuses them when told to."""
+
+    class cudaError:  # noqa: N801 - the name torch's binding uses
+        success = 0
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", ptr, size, flags))
+        return 2 if self.refuse else 0  # 2: cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        self.mapped_at_unregister = _mapped(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802
+        return f"error {err}"
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    fake = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())
+    return fake
+
+
+def _mapped(addr: int) -> bool:
+    """Whether this process maps ``addr`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_pinned_host_buffer_is_registered_at_its_size_and_unregistered_when_dropped(cudart):
+    n = (1 << 22) + 5  # torch's pinned allocator would hold 8 MiB
+    buf = _direct.aligned_empty(n, pin_memory=True)
+    (reg,) = cudart.calls
+    assert reg[0] == "register" and reg[2] == n + _direct.ALIGN and reg[3] == 1  # portable
+    assert buf.numel() == n and buf.data_ptr() % _direct.ALIGN == 0
+    assert reg[1] <= buf.data_ptr() and buf.data_ptr() + n <= reg[1] + reg[2]
+    buf.fill_(7)
+    view = buf[10:20]  # views keep it registered and mapped
+    del buf
+    gc.collect()
+    assert len(cudart.calls) == 1 and int(view.sum()) == 70
+    del view
+    gc.collect()
+    assert cudart.calls[1:] == [("unregister", reg[1])]
+    assert cudart.mapped_at_unregister and not _mapped(reg[1])  # unregistered, then unmapped
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_pinned_host_buffer_is_not_inherited_by_a_forked_child(cudart):
+    """A DataLoader worker forked after a save must not share (or copy) pages the GPU writes."""
+    buf = _direct.host_empty(1 << 20, pin_memory=True)
+    other = torch.empty(1 << 20, dtype=torch.uint8)  # ordinary memory is inherited
+    assert _mapped(buf.data_ptr())
+    pid = os.fork()
+    if pid == 0:  # the child: report what it maps, touch nothing else
+        os._exit((2 if _mapped(buf.data_ptr()) else 0) + (0 if _mapped(other.data_ptr()) else 4))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    del buf
+    gc.collect()
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"]  # once, by the parent
+
+
+def test_pinned_host_buffer_falls_back_to_torch_where_cuda_refuses(cudart, monkeypatch, caplog):
+    cudart.refuse = True
+    monkeypatch.setattr(_direct, "_register_warned", False)
+    with caplog.at_level(logging.WARNING, logger="gockpt"):
+        if torch.cuda.is_available():
+            assert _direct.host_empty(1000, pin_memory=True).is_pinned()
+        else:
+            with pytest.raises(RuntimeError):  # torch's own pinned allocation, without CUDA
+                _direct.host_empty(1000, pin_memory=True)
+    assert "could not page-lock 1000 bytes" in caplog.text and "error 2" in caplog.text
+    assert [c[0] for c in cudart.calls] == ["register"]  # nothing left registered
+    assert _direct.host_empty(0, pin_memory=True).numel() == 0  # nothing to pin
+    assert len(cudart.calls) == 1
