@@ -4,7 +4,8 @@
 #   1. build the native CPU replay kernel for that interpreter (the engine works without it);
 #   2. the CUDA-marked tests (checkpoint equals the live state in every mode, Lightning FSDP,
 #      Accelerate FSDP2, DeepSpeed where the package is present);
-#   3. examples/bench_scale.py on the GPU at about 1.2 and 3 GB of fp32 weights + AdamW state.
+#   3. examples/bench_scale.py on the GPU at about 1.2 and 3 GB of fp32 weights + AdamW state
+#      (modes lazy and auto; interval GOCKPT_GPU_INTERVAL steps, default 30).
 # Logs go to $OUT (or /tmp/gockpt-gpu), the tables last on stdout. Each part has its own time
 # limit so that one slow part cannot take the others' share of the lease.
 set -uo pipefail
@@ -39,9 +40,15 @@ timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -m cuda -o addopts= \
     tests/adapters/test_lightning_deepspeed.py >"$OUT/tests.log" 2>&1
 echo "cuda tests: exit $?" | tee -a "$OUT/machine.txt"
 
+# A checkpoint every 30 steps: longer than the persist takes at these sizes on that kind of
+# machine (0.8-1.9 s), so the stall is the engine's own, not a wait for storage (at 10 steps
+# every save waited for the host snapshot to drain). About 30 s per row on an H100; each row is
+# also printed to bench.err as it ends, so a run cut off by the time limit keeps its rows.
 timeout "$BENCH_S" "$PY" examples/bench_scale.py --device cuda --batch 4096 --threads 8 \
-    --sizes-gb 1.2 3 --interval 10 --checkpoints 3 >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    --sizes-gb 1.2 3 --interval "${GOCKPT_GPU_INTERVAL:-30}" --checkpoints 3 --modes lazy auto \
+    >"$OUT/bench.txt" 2>"$OUT/bench.err"
 echo "bench_scale: exit $?" | tee -a "$OUT/machine.txt"
 
 tail -n 25 "$OUT/tests.log"
 cat "$OUT/bench.txt"
+grep -c '^# done' "$OUT/bench.err" | sed 's/^/bench rows finished: /'
