@@ -57,7 +57,9 @@ default rows, in the same run; ``--buffered`` adds GoCkpt lazy and gockpt_o rows
 their shard files through the page cache (``GoCkptConfig(direct_io=False)``), the default being
 ``O_DIRECT``. ``--window-quantile Q`` adds, ``--forecast-rounds`` times, the emulated-link auto
 row at ``GoCkptConfig(window_quantile=0.5)`` (the median) and then at ``Q``, and reports each
-forecast's median measured / predicted stall over its rounds and its waits at window ends.
+forecast's median measured / predicted stall over its rounds and its waits at window ends;
+``--window-memory M`` does the same for ``GoCkptConfig.window_memory`` at its default and at
+``M`` (both at ``--window-quantile`` where given).
 
 On a shared machine, ``--nice -20`` (root) keeps other processes from skewing the step times;
 the 'none' rows show what noise remains. ``--quick`` is a smoke run of the whole pipeline.
@@ -324,6 +326,8 @@ class GoCkptScheme(Scheme):
             options["frozen_copy"] = "when_changed"
         if args.scheme_window_quantile is not None:
             options["window_quantile"] = args.scheme_window_quantile
+        if args.scheme_window_memory is not None:
+            options["window_memory"] = args.scheme_window_memory
         config = GoCkptConfig(
             mode=mode, host_link_bytes_per_s=args.host_link_bytes_per_s, **options
         )
@@ -580,6 +584,8 @@ def run_scheme(args: argparse.Namespace) -> dict:
     name += " [frozen_copy=when_changed]" if args.scheme_when_changed else ""
     if args.scheme_window_quantile is not None:
         name += f" [window_quantile {args.scheme_window_quantile:g}]"
+    if args.scheme_window_memory is not None:
+        name += f" [window_memory {args.scheme_window_memory}]"
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
         rows = bench_timeline.timeline(events, requests[k], durable_at[k])
@@ -597,6 +603,7 @@ def run_scheme(args: argparse.Namespace) -> dict:
         "workload": args.workload,
         "when_changed": args.scheme_when_changed,
         "window_quantile": args.scheme_window_quantile,
+        "window_memory": args.scheme_window_memory,
         "state_bytes": state_bytes,
         "step_times_s": times,
         "clean_step_times_s": clean,
@@ -662,6 +669,8 @@ def label(r: dict) -> str:
         text += " [frozen_copy=when_changed]"
     if r.get("window_quantile") is not None:
         text += f" [window_quantile {r['window_quantile']:g}]"
+    if r.get("window_memory") is not None:
+        text += f" [window_memory {r['window_memory']}]"
     if r.get("forecast_round") is not None:
         text += f" (round {r['forecast_round'] + 1})"
     return text
@@ -721,21 +730,27 @@ def _window_end_s(r: dict) -> float:
 
 
 def forecast_lines(results: list[dict]) -> list[str]:
-    """Per window forecast of the ``--window-quantile`` comparison (the emulated-link auto
-    rows at 0.5 and at the quantile asked for, run in alternation): the median over its rounds
+    """Per window forecast of the ``--window-quantile`` or ``--window-memory`` comparison (the
+    emulated-link auto rows at two forecasts, run in alternation): the median over its rounds
     of the measured (engine) stall over the predicted one, of the measured stall itself, and
     of its part spent waiting at window ends (``stall_by_phase_s["window_end"]``, mean over
     the saves), in seconds."""
+    from gockpt import GoCkptConfig
+
     rows = [r for r in planner_rows(results) if r.get("forecast_round") is not None]
-    by_q: dict[float, list[dict]] = {}
+    by_forecast: dict[tuple[float, int], list[dict]] = {}
     for r in rows:
-        by_q.setdefault(r["window_quantile"], []).append(r)
+        q = r["window_quantile"] if r.get("window_quantile") is not None else GoCkptConfig.window_quantile
+        m = r["window_memory"] if r.get("window_memory") is not None else GoCkptConfig.window_memory
+        by_forecast.setdefault((q, m), []).append(r)
+    memories = {m for _, m in by_forecast}
     lines = []
-    for q, rs in sorted(by_q.items()):
+    for (q, m), rs in sorted(by_forecast.items()):
         ratios = [r["engine_stall_per_ckpt_s"] / r["predicted_stall_mean_s"] for r in rs
                   if r["predicted_stall_mean_s"] > 1e-6]
+        latest = f"latest {m} windows" if len(memories) > 1 else "latest windows"
         lines.append(
-            f"window forecast: quantile {q:g} of the latest windows: measured / predicted stall "
+            f"window forecast: quantile {q:g} of the {latest}: measured / predicted stall "
             f"{statistics.median(ratios) if ratios else float('nan'):.2f} (median of {len(ratios)} "
             f"rounds; each: {', '.join(f'{x:.2f}' for x in ratios)}), measured stall "
             f"{statistics.median(r['engine_stall_per_ckpt_s'] for r in rs):.3f} s per checkpoint, "
@@ -774,7 +789,8 @@ def targets(results: list[dict]) -> list[str]:
     """The issue's targets next to the measured ratios (reported, not asserted)."""
     by = {(r["scheme"], r["emulated"]): r for r in results
           if r.get("io_nice") is None and not r.get("buffered")
-          and r.get("window_quantile") is None and r.get("forecast_round") is None}
+          and r.get("window_quantile") is None and r.get("window_memory") is None
+          and r.get("forecast_round") is None}
     floor = max(abs(r["stall_per_ckpt_s"]) for r in results if r["scheme"] == "none")
     lines = [f"noise floor (largest |stall| of the 'none' runs): {floor:.3f} s per checkpoint"]
     disk = by.get(("disk-only", False))
@@ -1032,6 +1048,10 @@ def _parser() -> argparse.ArgumentParser:
         "value and at 0.5 (the median), in alternation --forecast-rounds times, and report each "
         "forecast's measured / predicted stall (with --when-changed, both with "
         "frozen_copy='when_changed')")
+    add("--window-memory", type=int, default=None,
+        help="also run the emulated-link auto row with GoCkptConfig.window_memory at this value "
+        "and at the default, in alternation --forecast-rounds times, both at --window-quantile "
+        "(else the default), and report each forecast's measured / predicted stall")
     add("--forecast-rounds", type=int, default=3,
         help="rounds of the --window-quantile comparison (default 3)")
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
@@ -1068,6 +1088,8 @@ def main() -> None:
         args.preset, args.steps, args.warmup, args.clean_steps, args.interval = "tiny", 20, 4, 4, 5
     if args.window_quantile is not None and not 0.0 <= args.window_quantile <= 1.0:
         parser.error(f"--window-quantile must be in [0, 1], got {args.window_quantile}")
+    if args.window_memory is not None and args.window_memory < 1:
+        parser.error(f"--window-memory must be at least 1, got {args.window_memory}")
     if args.forecast_rounds < 1:
         parser.error(f"--forecast-rounds must be at least 1, got {args.forecast_rounds}")
     schemes = [s for s in args.schemes.split(",") if s]
@@ -1102,12 +1124,13 @@ def main() -> None:
 
     def run(scheme: str, link: float | None = None, io_nice: int | None = None,
             buffered: bool = False, when_changed: bool = False,
-            window_quantile: float | None = None) -> dict:
+            window_quantile: float | None = None, window_memory: int | None = None) -> dict:
         result_path = os.path.join(args.ckpt_dir, "result.json")
         child_args = argparse.Namespace(
             **{**vars(args), "scheme": scheme, "host_link_bytes_per_s": link,
                "scheme_io_nice": io_nice, "scheme_buffered": buffered,
-               "scheme_when_changed": when_changed, "scheme_window_quantile": window_quantile}
+               "scheme_when_changed": when_changed, "scheme_window_quantile": window_quantile,
+               "scheme_window_memory": window_memory}
         )
         process = fork.Process(target=_scheme_process, args=(child_args, result_path))
         process.start()
@@ -1122,6 +1145,7 @@ def main() -> None:
             f"{' [buffered]' if buffered else ''}"
             f"{' [frozen_copy=when_changed]' if when_changed else ''}"
             f"{f' [window_quantile {window_quantile:g}]' if window_quantile is not None else ''}"
+            f"{f' [window_memory {window_memory}]' if window_memory is not None else ''}"
             f": clean step "
             f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s"
             + (_plan_summary(r) if link and r.get("engine_metrics") else ""),
@@ -1153,14 +1177,21 @@ def main() -> None:
         if link:
             results += [run(s, link) for s in EMULATED_SCHEMES if s in schemes]
             results += [run(s, link, when_changed=True) for s in changed if s in schemes]
-            if args.window_quantile is not None and "gockpt-auto" in schemes:
-                # The median (the forecast before window_quantile existed) and Q, in alternation,
-                # so that a slow drift of a shared machine reaches both alike (frozen_copy as
-                # --when-changed says).
+            if args.window_memory is not None:
+                # The default memory and M, both at --window-quantile (else the default).
+                arms = [(args.window_quantile, None), (args.window_quantile, args.window_memory)]
+            else:
+                # The median (the forecast before window_quantile existed) and Q.
+                arms = [(0.5, None), (args.window_quantile, None)]
+            if (args.window_quantile is not None or args.window_memory is not None) \
+                    and "gockpt-auto" in schemes:
+                # In alternation, so that a slow drift of a shared machine reaches both alike
+                # (frozen_copy as --when-changed says).
                 for k in range(args.forecast_rounds):
-                    for q in (0.5, args.window_quantile):
+                    for q, m in arms:
                         results.append({**run("gockpt-auto", link, when_changed=args.when_changed,
-                                              window_quantile=q), "forecast_round": k})
+                                              window_quantile=q, window_memory=m),
+                                         "forecast_round": k})
         if not args.no_repeat:
             results.append({**run("none"), "repeat": True})
         lightning_results = []

@@ -113,7 +113,8 @@ class Windows:
     def __init__(self, model: nn.Module, optimizers: list[Optimizer],
                  copier: CpuCopier | CudaCopier, pipeline: Pipeline, *,
                  frozen_copy: str = "always", slot_wait_timeout_s: float | None = None,
-                 window_quantile: float = GoCkptConfig.window_quantile) -> None:
+                 window_quantile: float = GoCkptConfig.window_quantile,
+                 window_memory: int = GoCkptConfig.window_memory) -> None:
         self._model = model
         self._slot_wait_timeout_s = slot_wait_timeout_s
         # "when_changed": views a reused slot still holds unchanged are not copied again.
@@ -128,10 +129,10 @@ class Windows:
         # ones, so that an outlier (the replay self-check of the first save, a data-loader
         # hiccup) does not inflate the plan's windows for many steps after it, as a moving
         # average would; a low one, because it rises less in a stretch of slow steps
-        # (GoCkptConfig.window_quantile).
+        # (GoCkptConfig.window_quantile, over GoCkptConfig.window_memory windows).
         self.window_s: float | None = None
         self._window_quantile = window_quantile
-        self._recent_windows: collections.deque[float] = collections.deque(maxlen=15)
+        self._recent_windows: collections.deque[float] = collections.deque(maxlen=window_memory)
         # Per-save costs no plan changes (the request's bookkeeping, taking the state tree, the
         # waits the model leaves out), in seconds, of the latest saves per mode (a multi-step
         # request also lays out gradient buffers and sizes blocks per window): added to the

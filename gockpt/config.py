@@ -45,15 +45,21 @@ class GoCkptConfig:
     raise it to force a copy across several steps."""
 
     window_quantile: float = 0.25
-    """Which quantile of the latest 15 copy windows (seconds from the end of one optimizer
-    update to the start of the next) a plan sizes its blocks for, in [0, 1] (``ValueError``
-    otherwise). Each window's overhead sample is measured against the forecast of its own time,
-    so while the forecast holds still the quantile cancels out of the plan; it matters when the
-    forecast moves. After a stretch of slow steps the median rises with them, and a plan made
-    then counts on room its earlier samples never saw: when the steps speed up again, its
-    windows end with copy left to wait for. The 25th percentile rises later and less (measured
-    side by side with the median in ``docs/benchmark.md``: fewer waits at window ends in 7 of 8
-    rounds). 0.5 is the median, the forecast before this option existed."""
+    """Which quantile of the latest ``window_memory`` copy windows (seconds from the end of one
+    optimizer update to the start of the next) a plan sizes its blocks for, in [0, 1]
+    (``ValueError`` otherwise). Each window's overhead sample is measured against the forecast
+    of its own time, so while the forecast holds still the quantile cancels out of the plan; it
+    matters when the forecast moves. After a stretch of slow steps the median rises with them,
+    and a plan made then counts on room its earlier samples never saw: when the steps speed up
+    again, its windows end with copy left to wait for. The 25th percentile rises later and less
+    (measured side by side with the median in ``docs/benchmark.md``: fewer waits at window ends
+    in 7 of 8 rounds). 0.5 is the median, the forecast before this option existed."""
+
+    window_memory: int = 15
+    """How many of the latest copy windows (one per training step) the forecast reads, >= 1
+    (``ValueError`` otherwise). At quantile q the forecast rises only once more than 1 - q of
+    them are longer, and falls once more than q of them are shorter: a longer memory rides out
+    a longer stretch of slow steps, and follows a lasting change of the step time later."""
 
     host_buffer_bytes: int | None = None
     """Bytes of host memory (pinned on CUDA) for snapshot slots and their gradient buffers,
@@ -166,6 +172,8 @@ class GoCkptConfig:
                 f"got {self.min_overlap_steps}")
         if not 0.0 <= self.window_quantile <= 1.0:
             raise ValueError(f"window_quantile must be in [0, 1], got {self.window_quantile}")
+        if self.window_memory < 1:
+            raise ValueError(f"window_memory must be >= 1, got {self.window_memory}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.frozen_copy not in FROZEN_COPY:

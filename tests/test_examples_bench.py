@@ -196,3 +196,21 @@ def test_benchmark_compares_two_window_forecasts_in_alternation(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--window-quantile", "2", "--out",
                           str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--window-quantile must be in [0, 1]" in bad.stderr
+
+
+def test_benchmark_compares_two_window_memories_in_alternation(tmp_path):
+    script = _SCRIPT.parent / "benchmark.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--emulated-only", "--schemes",
+                    "none,gockpt-auto", "--no-repeat", "--no-lightning", "--window-memory", "40",
+                    "--forecast-rounds", "1", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    arms = [(r.get("window_quantile"), r.get("window_memory")) for r in report["results"]
+            if r["scheme"] == "gockpt-auto" and r.get("forecast_round") is not None]
+    assert arms == [(None, None), (None, 40)]
+    lines = [ln for ln in report["targets"] if ln.startswith("window forecast")]
+    assert [ln.split(":")[1].strip() for ln in lines] == [
+        "quantile 0.25 of the latest 15 windows", "quantile 0.25 of the latest 40 windows"]
+    bad = subprocess.run([sys.executable, str(script), "--window-memory", "0", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--window-memory must be at least 1" in bad.stderr

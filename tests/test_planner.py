@@ -409,6 +409,8 @@ def test_window_forecast_is_the_quantile_asked_for():
         window_forecast(windows, 1.5)
     with pytest.raises(ValueError, match="window_quantile"):
         GoCkptConfig(window_quantile=1.5)
+    with pytest.raises(ValueError, match="window_memory"):
+        GoCkptConfig(window_memory=0)
 
 
 @pytest.mark.parametrize("quantile", [0.0, 1.0])
@@ -430,6 +432,30 @@ def test_plans_are_sized_for_the_configured_quantile_of_recent_windows(tmp_path,
     planned = handles[0].result().planned_window_s
     assert planned is not None
     if quantile == 1.0:
+        assert planned >= 0.08
+    else:
+        assert planned < 0.08
+
+
+@pytest.mark.parametrize("memory", [4, 30])
+def test_the_forecast_reads_the_configured_number_of_latest_windows(tmp_path, memory):
+    # Short windows, then 8 slow ones (0.08 s each) right before the request: a memory of 4
+    # sees only the slow ones, a memory of 30 mostly the short ones (quantile 0.25).
+    model, opt, sched, scaler = _deep(width=16)
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy", window_memory=memory))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 24:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+        time.sleep(0.08 if 16 <= it < 24 else 0.0)
+
+    train(model, opt, sched, scaler, 26, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    planned = handles[0].result().planned_window_s
+    assert planned is not None
+    if memory == 4:
         assert planned >= 0.08
     else:
         assert planned < 0.08
