@@ -120,14 +120,18 @@ class Planner:
         """Rebuild the layout at the next save (the live tensors were replaced)."""
         self._layout = None
 
-    def current_layout(self) -> StateLayout:
-        sig = layout_signature(self._model, self._optimizers)
+    def current_layout(self) -> tuple[StateLayout, dict[str, Any]]:
+        """The state layout, re-enumerated where the live tensors changed, and the model's
+        ``state_dict(keep_vars=True)`` read to tell (a capture at this request reuses it: one
+        traversal of the module tree fewer on the training thread)."""
+        model_sd = self._model.state_dict(keep_vars=True)
+        sig = layout_signature(self._model, self._optimizers, model_sd)
         if self._layout is None or self._layout.signature != sig:
             self.layouts_built += 1
             layout = build_layout(self._model, self._optimizers)
             self._layout = layout if self.select is None else self.select(layout)
             self._slot_cache = None
-        return self._layout
+        return self._layout, model_sd
 
     def may_replay(self, layout: StateLayout, mode: str, exact_step: bool, version: int) -> bool:
         """Whether :meth:`plan` may pick a multi-step mode: the backends must be chosen first."""

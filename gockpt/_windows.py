@@ -16,6 +16,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from time import perf_counter
+from typing import Any
 
 import torch
 from torch import nn
@@ -154,13 +155,16 @@ class Windows:
 
     # ------------------------------------------------------------------ request
 
-    def start(self, s: SaveRecord, t0: float, version: int) -> SaveHandle:
-        """Queue the first copy of ``s`` (``sync``/``async``: copy, capture and hand off now)."""
+    def start(self, s: SaveRecord, t0: float, version: int,
+              model_sd: dict[str, Any] | None = None) -> SaveHandle:
+        """Queue the first copy of ``s`` (``sync``/``async``: copy, capture and hand off now).
+        ``model_sd``: the model's ``state_dict(keep_vars=True)`` taken in this request, for a
+        capture at this step."""
         plan, metrics, handle = s.plan, s.metrics, s.handle
         self.last_slot = weakref.ref(s.slot)
         if plan.mode in ("sync", "async"):
             self._copy_blocks(s, range(s.num_blocks), wait=True)
-            self._capture(s, version)
+            self._capture(s, version, model_sd)
             s.phase = Phase.CAPTURED
             metrics.add_stall("copy", perf_counter() - t0 - metrics.stall_s - s.flushed_others_s)
             if plan.mode == "sync":
@@ -176,12 +180,13 @@ class Windows:
         self.saves.append(s)
         self._open_window(s)
         if s.target == version:
-            self._capture(s, version)
+            self._capture(s, version, model_sd)
         metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s
                                          - s.flushed_others_s))
         return handle
 
-    def join(self, leader: SaveRecord, s: SaveRecord, t0: float, version: int) -> SaveHandle:
+    def join(self, leader: SaveRecord, s: SaveRecord, t0: float, version: int,
+             model_sd: dict[str, Any] | None = None) -> SaveHandle:
         """Start ``s``, a save sharing ``leader``'s snapshot (:class:`gockpt._record.Share`):
         its state is taken now when the leader's was (at this step), else with the leader's;
         it is handed off now when the leader was, else with it.
@@ -190,7 +195,7 @@ class Windows:
             The error of ``state_fn``, taken now (the request fails, as a save of its own would).
         """
         if leader.captured:
-            current, live, _ = self._live(leader)
+            current, live, _ = self._live(leader, model_sd)
             self._take(s, current, live, version)
         if leader.handed_off:
             self._hand_off(s)
@@ -617,7 +622,7 @@ class Windows:
             self.fail(s, e)
             return False
 
-    def _capture(self, s: SaveRecord, version: int) -> None:
+    def _capture(self, s: SaveRecord, version: int, model_sd: dict[str, Any] | None = None) -> None:
         """Take the state tree, buffers and param groups at the captured step ``version``.
 
         The tree (``state_fn()``, the model's state_dict, the optimizers' state_dicts) is copied
@@ -631,7 +636,7 @@ class Windows:
         raises fails alone while others still want the snapshot.
         """
         t0 = perf_counter()
-        current, live, pairs = self._live(s)
+        current, live, pairs = self._live(s, model_sd)
         remember = []
         if self._when_changed and pairs:
             pairs, remember = self._unchanged_static(s, pairs)
@@ -678,11 +683,14 @@ class Windows:
                 remember.append((off, nbytes, fingerprint(t, t)))
         return todo, remember
 
-    def _live(self, s: SaveRecord) -> tuple[dict, dict[tuple, str], list]:
+    def _live(self, s: SaveRecord, model_sd: dict[str, Any] | None = None,
+              ) -> tuple[dict, dict[tuple, str], list]:
         """The model's state_dict as ``s`` stores it, the tracked tensors that the state tree may
-        reference (storage key -> entry key), and the (buffer, host view) copies to make."""
+        reference (storage key -> entry key), and the (buffer, host view) copies to make.
+        ``model_sd``: the model's ``state_dict(keep_vars=True)`` already taken at this step, in
+        the same request (nothing runs between that could change it)."""
         # One traversal of the module tree serves both the state tree and the buffers.
-        current = self._model.state_dict(keep_vars=True)
+        current = self._model.state_dict(keep_vars=True) if model_sd is None else model_sd
         if s.layout.sharded:  # DTensors: their local shards are what this rank stores
             current = localize(current)  # type: ignore[assignment]
         part = s.layout.partition  # a shared write: other ranks' tensors are in their parts

@@ -207,7 +207,7 @@ class Engine:
             cleanup_staging(parent, self.config.storage_options)
             self._cleaned_dirs.add(parent)
         built = self._planner.layouts_built
-        layout = self._planner.current_layout()
+        layout, model_sd = self._planner.current_layout()
         # One-time costs (a directory claimed, a layout enumerated, the replay self-check) are
         # counted as "setup": the per-save fixed cost the planner adds leaves them out.
         setup |= self._planner.layouts_built != built
@@ -260,8 +260,8 @@ class Engine:
                 # (a flush of the leader's windows is counted as the leader's stall).
                 fixed = self._windows.fixed_stall_s(leader.plan.mode)
                 metrics.predicted_stall_s = metrics.stall_lower_bound_s = fixed
-                return self._windows.join(leader, s, t0, self.version)
-            return self._windows.start(s, t0, self.version)
+                return self._windows.join(leader, s, t0, self.version, model_sd=model_sd)
+            return self._windows.start(s, t0, self.version, model_sd=model_sd)
         except BaseException as e:
             # Nothing of this request may linger: the slot goes back, the handle fails.
             s.cancel.set()

@@ -19,9 +19,10 @@ the local tensor's) and where the shard lies in the global tensor (:class:`Shard
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -317,7 +318,8 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
     return layout
 
 
-def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
+def layout_signature(model: nn.Module, optimizers: list[Optimizer],
+                     model_sd: Mapping[str, Any] | None = None) -> tuple:
     """A cheap fingerprint of what :func:`build_layout` would enumerate.
 
     It covers the identity and storage of every tensor, so that ``optimizer.load_state_dict``
@@ -325,10 +327,11 @@ def layout_signature(model: nn.Module, optimizers: list[Optimizer]) -> tuple:
     A flat tuple: it is taken at every request, on the training thread, and the per-tensor
     tuples and sorts of a nested one cost more than the state_dict traversal. (A state dict
     whose names come in another order reads as changed: a rebuild, never a missed change.)
+    ``model_sd``: ``model.state_dict(keep_vars=True)`` where the caller already took it.
     """
     sig: list = []
     add = sig.append
-    for k, v in model.state_dict(keep_vars=True).items():
+    for k, v in (model.state_dict(keep_vars=True) if model_sd is None else model_sd).items():
         add(k)
         if isinstance(v, torch.Tensor):
             add(id(v))

@@ -31,7 +31,7 @@ def test_planner_counts_no_gradient_for_frozen_parameters_and_the_static_copy():
     model, opt, sched, scaler = _frozen_model()
     train(model, opt, sched, scaler, 2)  # optimizer state exists
     planner = Planner(model, [opt], GoCkptConfig(), SimpleNamespace(busy_s=0.0), 1000.0)
-    layout = planner.current_layout()
+    layout, _ = planner.current_layout()
     plan = planner.plan(layout, "gockpt_o", False, None, version=2, window_s=0.5)
     units = [u.state_bytes for u in layout.units]
     grads = [0 if u.param is model.hidden.weight else u.grad_bytes for u in layout.units]
