@@ -1053,7 +1053,7 @@ def _parser() -> argparse.ArgumentParser:
         "and at the default, in alternation --forecast-rounds times, both at --window-quantile "
         "(else the default), and report each forecast's measured / predicted stall")
     add("--forecast-rounds", type=int, default=3,
-        help="rounds of the --window-quantile comparison (default 3)")
+        help="rounds of the --window-quantile or --window-memory comparison (default 3)")
     add("--no-repeat", action="store_true", help="skip the second 'none' run (run-to-run noise)")
     add("--no-lightning", action="store_true",
         help="skip the section with Lightning's defaults (a Trainer and its default ModelCheckpoint "
@@ -1090,6 +1090,10 @@ def main() -> None:
         parser.error(f"--window-quantile must be in [0, 1], got {args.window_quantile}")
     if args.window_memory is not None and args.window_memory < 1:
         parser.error(f"--window-memory must be at least 1, got {args.window_memory}")
+    from gockpt import GoCkptConfig
+
+    if args.window_memory == GoCkptConfig.window_memory:
+        parser.error(f"--window-memory {args.window_memory} is the default: nothing to compare")
     if args.forecast_rounds < 1:
         parser.error(f"--forecast-rounds must be at least 1, got {args.forecast_rounds}")
     schemes = [s for s in args.schemes.split(",") if s]

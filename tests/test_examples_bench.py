@@ -214,3 +214,6 @@ def test_benchmark_compares_two_window_memories_in_alternation(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--window-memory", "0", "--out",
                           str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--window-memory must be at least 1" in bad.stderr
+    same = subprocess.run([sys.executable, str(script), "--window-memory", "15", "--out",
+                           str(tmp_path / "same")], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 2 and "is the default: nothing to compare" in same.stderr
