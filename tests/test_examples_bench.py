@@ -176,44 +176,42 @@ def test_bench_planner_prints_plan_request_and_capture_per_parameter_count():
     assert all(float(x) > 0 for r in rows for x in r[1:])  # plan, request, capture (ms)
 
 
-def test_benchmark_compares_two_window_forecasts_in_alternation(tmp_path):
-    # The emulated-link auto row at the median and at another quantile, one after the other
-    # in each round, each row's config recorded and each forecast summed up.
+@pytest.mark.parametrize("flag, value, arms, forecasts, label", [
+    # The emulated-link auto row at the median and at another quantile ...
+    ("--window-quantile", "0.25", [(0.5, None), (0.25, None)],
+     ["quantile 0.25 of the latest windows", "quantile 0.5 of the latest windows"],
+     "[window_quantile 0.25] (round 2)"),
+    # ... or at the default memory and a longer one, one after the other in each round.
+    ("--window-memory", "40", [(None, None), (None, 40)],
+     ["quantile 0.25 of the latest 15 windows", "quantile 0.25 of the latest 40 windows"],
+     "[window_memory 40] (round 2)"),
+])
+def test_benchmark_compares_two_window_forecasts_in_alternation(tmp_path, flag, value, arms,
+                                                                forecasts, label):
+    # Each row's config recorded and each forecast summed up.
     script = _SCRIPT.parent / "benchmark.py"
     subprocess.run([sys.executable, str(script), "--quick", "--emulated-only", "--schemes",
-                    "none,gockpt-auto", "--no-repeat", "--no-lightning", "--window-quantile", "0.25",
+                    "none,gockpt-auto", "--no-repeat", "--no-lightning", flag, value,
                     "--forecast-rounds", "2", "--out", str(tmp_path)],
                    check=True, capture_output=True, text=True, timeout=300)
     report = json.loads((tmp_path / "benchmark.json").read_text())
-    rounds = [(r.get("forecast_round"), r.get("window_quantile")) for r in report["results"]
+    rounds = [(r.get("forecast_round"), r.get("window_quantile"), r.get("window_memory"))
+              for r in report["results"]
               if r["scheme"] == "gockpt-auto" and r.get("forecast_round") is not None]
-    assert rounds == [(0, 0.5), (0, 0.25), (1, 0.5), (1, 0.25)]
+    assert rounds == [(k, q, m) for k in (0, 1) for q, m in arms]
     lines = [ln for ln in report["targets"] if ln.startswith("window forecast")]
-    assert [ln.split(":")[1].strip() for ln in lines] == [
-        "quantile 0.25 of the latest windows", "quantile 0.5 of the latest windows"]
+    assert [ln.split(":")[1].strip() for ln in lines] == forecasts
     assert all("median of 2 rounds" in ln and "of which waits at window ends" in ln for ln in lines)
-    assert "[window_quantile 0.25] (round 2)" in (tmp_path / "benchmark.md").read_text()
-    bad = subprocess.run([sys.executable, str(script), "--window-quantile", "2", "--out",
-                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--window-quantile must be in [0, 1]" in bad.stderr
+    assert label in (tmp_path / "benchmark.md").read_text()
 
 
-def test_benchmark_compares_two_window_memories_in_alternation(tmp_path):
+@pytest.mark.parametrize("args, error", [
+    (["--window-quantile", "2"], "--window-quantile must be in [0, 1]"),
+    (["--window-memory", "0"], "--window-memory must be at least 1"),
+    (["--window-memory", "15"], "is the default: nothing to compare"),
+])
+def test_benchmark_refuses_a_window_forecast_it_cannot_compare(tmp_path, args, error):
     script = _SCRIPT.parent / "benchmark.py"
-    subprocess.run([sys.executable, str(script), "--quick", "--emulated-only", "--schemes",
-                    "none,gockpt-auto", "--no-repeat", "--no-lightning", "--window-memory", "40",
-                    "--forecast-rounds", "1", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True, timeout=300)
-    report = json.loads((tmp_path / "benchmark.json").read_text())
-    arms = [(r.get("window_quantile"), r.get("window_memory")) for r in report["results"]
-            if r["scheme"] == "gockpt-auto" and r.get("forecast_round") is not None]
-    assert arms == [(None, None), (None, 40)]
-    lines = [ln for ln in report["targets"] if ln.startswith("window forecast")]
-    assert [ln.split(":")[1].strip() for ln in lines] == [
-        "quantile 0.25 of the latest 15 windows", "quantile 0.25 of the latest 40 windows"]
-    bad = subprocess.run([sys.executable, str(script), "--window-memory", "0", "--out",
-                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--window-memory must be at least 1" in bad.stderr
-    same = subprocess.run([sys.executable, str(script), "--window-memory", "15", "--out",
-                           str(tmp_path / "same")], capture_output=True, text=True, timeout=120)
-    assert same.returncode == 2 and "is the default: nothing to compare" in same.stderr
+    bad = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and error in bad.stderr

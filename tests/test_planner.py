@@ -413,49 +413,31 @@ def test_window_forecast_is_the_quantile_asked_for():
         GoCkptConfig(window_memory=0)
 
 
-@pytest.mark.parametrize("quantile", [0.0, 1.0])
-def test_plans_are_sized_for_the_configured_quantile_of_recent_windows(tmp_path, quantile):
-    # A few short windows, then a slow stretch: the lowest quantile plans for a short window,
-    # the highest (and the median) for one of the slow ones, each of which sleeps 0.08 s.
+@pytest.mark.parametrize("options, short_steps, slow_steps, above", [
+    # A few short windows, then a slow stretch (each slow window sleeps 0.08 s) right before
+    # the request: the lowest quantile plans for a short window, the highest for a slow one.
+    ({"window_quantile": 0.0}, 4, 11, False),
+    ({"window_quantile": 1.0}, 4, 11, True),
+    # At the default quantile (0.25): a memory of 4 sees only the 8 slow windows, a memory of
+    # 30 mostly the 16 short ones before them.
+    ({"window_memory": 4}, 16, 8, True),
+    ({"window_memory": 30}, 16, 8, False),
+])
+def test_plans_are_sized_for_the_configured_forecast_of_recent_windows(
+        tmp_path, options, short_steps, slow_steps, above):
     model, opt, sched, scaler = _deep(width=16)
-    eng = Engine(model, opt, GoCkptConfig(mode="lazy", window_quantile=quantile))
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy", **options))
     handles = []
+    request = short_steps + slow_steps
 
     def on_step_end(it: int) -> None:
         eng.step_end()
-        if it == 15:
+        if it == request:
             handles.append(eng.save(str(tmp_path / "ckpt")))
-        time.sleep(0.08 if 4 <= it < 15 else 0.0)
+        time.sleep(0.08 if short_steps <= it < request else 0.0)
 
-    train(model, opt, sched, scaler, 17, on_step_end=on_step_end, skip_iter=-1)
+    train(model, opt, sched, scaler, request + 2, on_step_end=on_step_end, skip_iter=-1)
     eng.close()
     planned = handles[0].result().planned_window_s
     assert planned is not None
-    if quantile == 1.0:
-        assert planned >= 0.08
-    else:
-        assert planned < 0.08
-
-
-@pytest.mark.parametrize("memory", [4, 30])
-def test_the_forecast_reads_the_configured_number_of_latest_windows(tmp_path, memory):
-    # Short windows, then 8 slow ones (0.08 s each) right before the request: a memory of 4
-    # sees only the slow ones, a memory of 30 mostly the short ones (quantile 0.25).
-    model, opt, sched, scaler = _deep(width=16)
-    eng = Engine(model, opt, GoCkptConfig(mode="lazy", window_memory=memory))
-    handles = []
-
-    def on_step_end(it: int) -> None:
-        eng.step_end()
-        if it == 24:
-            handles.append(eng.save(str(tmp_path / "ckpt")))
-        time.sleep(0.08 if 16 <= it < 24 else 0.0)
-
-    train(model, opt, sched, scaler, 26, on_step_end=on_step_end, skip_iter=-1)
-    eng.close()
-    planned = handles[0].result().planned_window_s
-    assert planned is not None
-    if memory == 4:
-        assert planned >= 0.08
-    else:
-        assert planned < 0.08
+    assert (planned >= 0.08) == above, planned
