@@ -12,6 +12,7 @@ files and handle, and the slot goes back to the pool once every one of them has 
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import uuid
 import warnings
@@ -35,6 +36,44 @@ from .writer import CheckpointWriter, TensorFile, plan_tensor_files
 if TYPE_CHECKING:
     from ._planner import Planner
     from .config import GoCkptConfig
+
+
+log = logging.getLogger("gockpt")
+
+#: A request that waits longer than this for its host slot (seconds, the ``slot_wait`` stall)
+#: waits on storage: the save before it is still being written out. ``SLOT_WAIT_WARN_SAVES``
+#: such requests in a row are warned about, once per engine (:class:`StorageLag`).
+SLOT_WAIT_WARN_S = 0.05
+SLOT_WAIT_WARN_SAVES = 3
+
+
+class StorageLag:
+    """Tells the user, once, that checkpoints are requested faster than storage persists them.
+
+    A save's host slot is written out by its persist before the next save can copy into it
+    (DataStates-LLM §V-A4: buffers recycled as they are flushed); where every request finds the
+    one before still writing, each waits (``slot_wait``) for the storage's deficit, whatever
+    the plan. Only a longer interval or faster storage removes that wait; more host memory
+    (``host_buffer_bytes``) absorbs a burst of requests, not a lasting deficit.
+    """
+
+    def __init__(self) -> None:
+        self.run = 0  # requests in a row that waited longer than SLOT_WAIT_WARN_S
+        self.warned = False
+
+    def note(self, metrics: CheckpointMetrics) -> None:
+        """Count the slot wait of a request that got its buffers; warn on the
+        ``SLOT_WAIT_WARN_SAVES``-th long one in a row."""
+        waited = metrics.stall_by_phase_s.get("slot_wait", 0.0)
+        self.run = self.run + 1 if waited > SLOT_WAIT_WARN_S else 0
+        if self.run >= SLOT_WAIT_WARN_SAVES and not self.warned:
+            self.warned = True
+            log.warning(
+                "gockpt: %d checkpoint requests in a row each waited over %.2f s (the latest "
+                "%.2f s) for the checkpoint before to be written out: checkpoints are requested "
+                "faster than storage persists them. Checkpoint less often or write to faster "
+                "storage; more host memory (host_buffer_bytes) only absorbs a burst.",
+                self.run, SLOT_WAIT_WARN_S, waited)
 
 
 class Phase(enum.Enum):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 
 import pytest
 import torch
 
+import gockpt
 from gockpt.errors import CheckpointStorageError
 from gockpt.load import read_checkpoint
 from gockpt.persist import CheckpointCancelledError, persist
@@ -327,3 +329,40 @@ def test_s3_multi_shard_round_trip_and_resave(s3_store, make_request, make_tenso
     # The files of the replaced checkpoint are gone, the new ones and the manifest remain.
     assert sorted(s3_store.listing("ckpt")) == sorted([*second.files, "manifest.json"])
     assert latest_checkpoint(s3_store.root, opts) == path
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once(
+        tmp_path, monkeypatch, caplog, slow):
+    # Every shard write waits 0.2 s (a slow store): each request at every step finds the save
+    # before still writing its host slot, and waits. With fast storage and steps that outlast
+    # a persist, no request waits and nothing is said.
+    import time
+
+    import faultfs
+    from _loop import make
+
+    fault = faultfs.Fault(hook=(lambda name, nbytes: time.sleep(0.2)) if slow else None,
+                          match=".safetensors")
+    monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
+    model, opt, _, _ = make()
+    eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode="lazy"))
+    handles = []
+    with caplog.at_level(logging.WARNING, logger="gockpt"):
+        for r in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            eng.step_end()
+            handles.append(eng.save(faultfs.local_url(tmp_path / f"ckpt{r}")))
+            if not slow:
+                eng.wait()  # the next step starts once this checkpoint is written
+        eng.close()
+    waits = [h.result().stall_by_phase_s.get("slot_wait", 0.0) for h in handles]
+    said = [r for r in caplog.records if "faster than storage persists them" in r.getMessage()]
+    if slow:
+        assert all(w > 0.05 for w in waits[1:]), waits
+        assert len(said) == 1 and "3 checkpoint requests in a row" in said[0].getMessage()
+    else:
+        assert all(w <= 0.05 for w in waits), waits
+        assert said == []
