@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gockpt")
 
-#: A request that waits longer than this for its host slot (seconds, the ``slot_wait`` stall)
-#: waits on storage: the save before it is still being written out. ``SLOT_WAIT_WARN_SAVES``
-#: such requests in a row are warned about, once per engine (:class:`StorageLag`).
+#: A save that waits longer than this for its host slot (seconds, the ``slot_wait`` stall, at
+#: its request and at its windows on a borrowed slot) waits on storage: the save before it is
+#: still being written out. ``SLOT_WAIT_WARN_SAVES`` such saves in a row are warned about, once
+#: per engine (:class:`StorageLag`).
 SLOT_WAIT_WARN_S = 0.05
 SLOT_WAIT_WARN_SAVES = 3
 
@@ -62,14 +63,15 @@ class StorageLag:
         self.warned = False
 
     def note(self, metrics: CheckpointMetrics) -> None:
-        """Count the slot wait of a request that got its buffers; warn on the
-        ``SLOT_WAIT_WARN_SAVES``-th long one in a row."""
+        """Count the whole slot wait of a save with a snapshot of its own, handed off, whose
+        slot was not newly allocated (an allocation, pinning included, is no wait on storage);
+        warn on the ``SLOT_WAIT_WARN_SAVES``-th long one in a row."""
         waited = metrics.stall_by_phase_s.get("slot_wait", 0.0)
         self.run = self.run + 1 if waited > SLOT_WAIT_WARN_S else 0
         if self.run >= SLOT_WAIT_WARN_SAVES and not self.warned:
             self.warned = True
             log.warning(
-                "gockpt: %d checkpoint requests in a row each waited over %.2f s (the latest "
+                "gockpt: %d checkpoints in a row each waited over %.2f s (the latest "
                 "%.2f s) for the checkpoint before to be written out: checkpoints are requested "
                 "faster than storage persists them. Checkpoint less often or write to faster "
                 "storage; more host memory (host_buffer_bytes) only absorbs a burst.",

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._pipeline import Pipeline
-from ._record import Phase, SaveRecord, state_versions
+from ._record import Phase, SaveRecord, StorageLag, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
 from .config import GoCkptConfig
 from .errors import CheckpointTimeoutError, CheckpointTornError
@@ -139,6 +139,8 @@ class Windows:
         # request also lays out gradient buffers and sizes blocks per window): added to the
         # plan's predicted stall.
         self._fixed_stalls: dict[str, CostSamples] = {}
+        # Warns once when saves keep waiting for the one before to be written out.
+        self.storage_lag = StorageLag()
         self._keys_cache: tuple[weakref.ref, dict[tuple, str], list] | None = None  # _tracked_keys
         # Per window, how much longer than its bytes at the planned copy rate its copy ran,
         # measured against the forecast window (seconds; may be negative), the latest windows of
@@ -167,6 +169,8 @@ class Windows:
             self._capture(s, version, model_sd)
             s.phase = Phase.CAPTURED
             metrics.add_stall("copy", perf_counter() - t0 - metrics.stall_s - s.flushed_others_s)
+            if not s.cold:
+                self.storage_lag.note(metrics)
             if plan.mode == "sync":
                 ts = perf_counter()
                 self._pipeline.persist(s)
@@ -335,6 +339,8 @@ class Windows:
             by = s.metrics.stall_by_phase_s
             fixed = s.metrics.stall_s - sum(by.get(name, 0.0) for name in ("setup", *MODELLED_PHASES))
             self._fixed_stalls.setdefault(s.plan.mode, CostSamples()).add(fixed, cold=s.cold)
+            if not s.cold:
+                self.storage_lag.note(s.metrics)  # its request's slot wait and its windows'
         self._hand_off(s)
         if s is not s.share.leader:
             return

@@ -41,7 +41,7 @@ from . import _exit
 from ._hooks import EngineHook
 from ._pipeline import Pipeline
 from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_copy_bandwidth
-from ._record import Phase, SaveRecord, StorageLag, make_record
+from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
 from .handle import CheckpointMetrics, SaveHandle
@@ -95,7 +95,6 @@ class Engine:
         self._seq = itertools.count()
         self._all: list[SaveRecord] = []  # every save whose handle may not be resolved yet
         self._closed = False
-        self._storage_lag = StorageLag()  # warns once when saves keep waiting on storage
         self._deleter = BackgroundDeleter()  # deletes removed checkpoints' files
         self._cleaned_dirs: set[str] = set()
         self._claims: list = []  # one writer per checkpoint directory (gockpt.storage.claim_directory)
@@ -255,7 +254,6 @@ class Engine:
             log.info("gockpt: no free host slot, skipped checkpoint %s", path)
             return handle
         self._all.append(s)
-        self._storage_lag.note(metrics)
         try:
             if leader is not None:
                 # It copies nothing: what it waits for is the fixed cost of the leader's mode
