@@ -581,11 +581,8 @@ def run_scheme(args: argparse.Namespace) -> dict:
     name += " [buffered]" if args.scheme_buffered else ""
     name += " [emulated link]" if args.host_link_bytes_per_s is not None else ""
     name += f" [{args.workload}]" if args.workload != "fp32" else ""
-    name += " [frozen_copy=when_changed]" if args.scheme_when_changed else ""
-    if args.scheme_window_quantile is not None:
-        name += f" [window_quantile {args.scheme_window_quantile:g}]"
-    if args.scheme_window_memory is not None:
-        name += f" [window_memory {args.scheme_window_memory}]"
+    name += config_tags(args.scheme_when_changed, args.scheme_window_quantile,
+                        args.scheme_window_memory)
     if events and durable_at:
         k = bench_timeline.lone_checkpoint(requests, durable_at)
         rows = bench_timeline.timeline(events, requests[k], durable_at[k])
@@ -651,6 +648,15 @@ def _scheme_process(args: argparse.Namespace, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(run_scheme(args)))
 
 
+def config_tags(when_changed: bool, window_quantile: float | None,
+                window_memory: int | None) -> str:
+    """`` [frozen_copy=when_changed] [window_quantile Q] [window_memory M]``, the parts that
+    apply: a row's GoCkptConfig options beside the defaults, in its names and labels."""
+    return ((" [frozen_copy=when_changed]" if when_changed else "")
+            + (f" [window_quantile {window_quantile:g}]" if window_quantile is not None else "")
+            + (f" [window_memory {window_memory}]" if window_memory is not None else ""))
+
+
 # ---------------------------------------------------------------- report (parent process)
 def label(r: dict) -> str:
     name = r["scheme"]
@@ -665,12 +671,8 @@ def label(r: dict) -> str:
         text += f" [emulated link {r['host_link_bytes_per_s'] / 1e9:.2g} GB/s]"
     if r.get("workload", "fp32") != "fp32":
         text += f" [{r['workload']}]"
-    if r.get("when_changed"):
-        text += " [frozen_copy=when_changed]"
-    if r.get("window_quantile") is not None:
-        text += f" [window_quantile {r['window_quantile']:g}]"
-    if r.get("window_memory") is not None:
-        text += f" [window_memory {r['window_memory']}]"
+    text += config_tags(r.get("when_changed", False), r.get("window_quantile"),
+                        r.get("window_memory"))
     if r.get("forecast_round") is not None:
         text += f" (round {r['forecast_round'] + 1})"
     return text
@@ -1147,9 +1149,7 @@ def main() -> None:
             f"{scheme}{' [emulated link]' if link else ''}"
             f"{f' [io_nice {io_nice}]' if io_nice is not None else ''}"
             f"{' [buffered]' if buffered else ''}"
-            f"{' [frozen_copy=when_changed]' if when_changed else ''}"
-            f"{f' [window_quantile {window_quantile:g}]' if window_quantile is not None else ''}"
-            f"{f' [window_memory {window_memory}]' if window_memory is not None else ''}"
+            f"{config_tags(when_changed, window_quantile, window_memory)}"
             f": clean step "
             f"{r['baseline_step_s']:.3f} s, stall/ckpt {r['stall_per_ckpt_s']:.3f} s"
             + (_plan_summary(r) if link and r.get("engine_metrics") else ""),

@@ -20,6 +20,9 @@ the page that joins it to the data pass through the bounce buffer. Where the fil
 the rest of the file is written buffered, with the same bytes and the same checksum.
 
 This is written by hand: neither fsspec nor the standard library offers aligned direct I/O.
+
+The host buffers themselves are allocated here too (:func:`aligned_empty`, :func:`host_empty`),
+page-locked for CUDA copies where the model trains on a GPU.
 """
 
 from __future__ import annotations

@@ -112,14 +112,13 @@ class Windows:
     """Copy windows of the saves in flight (GoCkpt §4.2), on the training thread."""
 
     def __init__(self, model: nn.Module, optimizers: list[Optimizer],
-                 copier: CpuCopier | CudaCopier, pipeline: Pipeline, *,
-                 frozen_copy: str = "always", slot_wait_timeout_s: float | None = None,
-                 window_quantile: float = GoCkptConfig.window_quantile,
-                 window_memory: int = GoCkptConfig.window_memory) -> None:
+                 copier: CpuCopier | CudaCopier, pipeline: Pipeline,
+                 config: GoCkptConfig | None = None) -> None:
+        config = config or GoCkptConfig()
         self._model = model
-        self._slot_wait_timeout_s = slot_wait_timeout_s
+        self._slot_wait_timeout_s = config.slot_wait_timeout_s
         # "when_changed": views a reused slot still holds unchanged are not copied again.
-        self._when_changed = frozen_copy == "when_changed"
+        self._when_changed = config.frozen_copy == "when_changed"
         # The slot of the latest save with one of its own (weak: a dropped slot's memory goes).
         self.last_slot: weakref.ref = lambda: None  # type: ignore[assignment]
         self._optimizers = optimizers
@@ -132,8 +131,9 @@ class Windows:
         # average would; a low one, because it rises less in a stretch of slow steps
         # (GoCkptConfig.window_quantile, over GoCkptConfig.window_memory windows).
         self.window_s: float | None = None
-        self._window_quantile = window_quantile
-        self._recent_windows: collections.deque[float] = collections.deque(maxlen=window_memory)
+        self._window_quantile = config.window_quantile
+        self._recent_windows: collections.deque[float] = collections.deque(
+            maxlen=config.window_memory)
         # Per-save costs no plan changes (the request's bookkeeping, taking the state tree, the
         # waits the model leaves out), in seconds, of the latest saves per mode (a multi-step
         # request also lays out gradient buffers and sizes blocks per window): added to the

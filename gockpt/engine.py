@@ -108,11 +108,7 @@ class Engine:
         # The pipeline's threads keep the engine alive (through on_durable) until close().
         self._pipeline = Pipeline(self.config, self.optimizers, self._backends, self._slots,
                                   on_durable=lambda m: self.metrics.append(m))
-        self._windows = Windows(model, self.optimizers, self._copier, self._pipeline,
-                                frozen_copy=self.config.frozen_copy,
-                                slot_wait_timeout_s=self.config.slot_wait_timeout_s,
-                                window_quantile=self.config.window_quantile,
-                                window_memory=self.config.window_memory)
+        self._windows = Windows(model, self.optimizers, self._copier, self._pipeline, self.config)
         self._hooks = []
         for i, o in enumerate(self.optimizers):
             self._hooks.append(o.register_step_pre_hook(EngineHook(partial(self._on_pre_hook, i))))
