@@ -61,6 +61,8 @@ class Probe(Callback):
         steps = [-1]
         for folder in (f"{self.root}/a", f"{self.root}/top"):
             for name in os.listdir(folder) if os.path.isdir(folder) else ():
+                if name.startswith("."):
+                    continue  # a save's staging directory, renamed away once published
                 ckpt = f"{folder}/{name}"
                 if storage.is_complete(ckpt):
                     fs = gockpt.fsutil.url_to_fs(ckpt, None)[0]
