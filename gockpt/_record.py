@@ -205,6 +205,9 @@ class SaveRecord:
     # Seconds of its request spent finishing other saves' windows (their "flush" stall): left
     # out of its own stall ("slot_wait", and "request" or "copy").
     flushed_others_s: float = 0.0
+    # Seconds its copies waited for a borrowed slot's bytes to be written out (part of
+    # "slot_wait"): predicted per save (predict_slot_wait_s), so not a fixed cost.
+    drain_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.share is None:
@@ -415,10 +418,11 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                 handle: SaveHandle, plan: CopyPlan, layout: StateLayout,
                 state_fn: Callable[[], Any] | None, version: int, t_request: float,
                 writer: CheckpointWriter | None, flush: Callable[[], None], config: GoCkptConfig,
-                ) -> tuple[SaveRecord | None, SaveRecord | None]:
+                step_s: float | None = None) -> tuple[SaveRecord | None, SaveRecord | None]:
     """The record of a request at step ``version`` (``Engine.save``) and the leader whose snapshot
     it shares (None: a slot of its own); ``(None, None)`` when it got no host buffers
-    (:func:`take_host`). The wait is counted as the ``slot_wait`` stall.
+    (:func:`take_host`). The wait is counted as the ``slot_wait`` stall; on a borrowed slot it
+    is also predicted (:func:`predict_slot_wait_s`, with ``step_s`` seconds between updates).
 
     Raises:
         ValueError: ``host_buffer_bytes`` cannot hold one snapshot of this plan.
@@ -447,8 +451,15 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     if drain is not None and drain.done:
         drain = None  # the save before read everything: nothing to wait for
     handle.metrics.slot_borrowed = drain is not None
-    if drain is not None and not _first_bytes_free(drain, layout, plan, slot_layout, tw,
-                                                   config.slot_wait_timeout_s):
+    if drain is not None:
+        wait = predict_slot_wait_s(drain, layout, plan, slot_layout, pool.last_drain_pace, step_s)
+        handle.metrics.predicted_slot_wait_s = wait
+        handle.metrics.predicted_stall_s += wait
+    td = perf_counter()
+    free = drain is None or _first_bytes_free(drain, layout, plan, slot_layout, tw,
+                                              config.slot_wait_timeout_s)
+    drain_wait_s = perf_counter() - td if drain is not None else 0.0
+    if not free:
         pool.release(slot)
         # stacklevel: this, Engine.save, its caller.
         warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
@@ -467,8 +478,50 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                             target=version + plan.num_overlap_steps - 1, t_request=t_request,
                             pinned=pinned, writer=writer, files=files)
         record.borrowed = drain
+        record.drain_wait_s = drain_wait_s
     record.flushed_others_s = flushed_s
     return record, leader
+
+
+def _window_ranges(layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout
+                   ) -> list[list[tuple[int, int]]]:
+    """The slot byte ranges each copy window of ``plan`` writes, in window order: the first
+    with the static tensors (taken at the request), one group for ``sync``/``async``."""
+    windows = [plan.blocks] if plan.mode in ("sync", "async") else [[b] for b in plan.blocks]
+    out = []
+    for j, blocks in enumerate(windows):
+        entries = [e for b in blocks for i in b for e in layout.units[i].entries]
+        if j == 0:
+            entries += layout.static
+        out.append([(slot_layout.offsets[e.key], slot_layout.offsets[e.key] + e.spec.nbytes)
+                    for e in entries])
+    return out
+
+
+def predict_slot_wait_s(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,
+                        last_pace: tuple[int, float], step_s: float | None) -> float:
+    """The predicted ``slot_wait`` of a save that borrowed its slot while ``drain``'s persist
+    still writes it out, seconds: the request waits for the bytes of the first window, window
+    ``j`` (opening ``j`` updates later, ``step_s`` seconds apart) for its block's. The persist
+    writes in slot order at the pace of its bytes written so far pooled with the latest
+    finished persist's (``last_pace``, :meth:`gockpt.transfer.Drain.pace`: early in a persist
+    its own few chunks alone misjudge it; 0.0 with neither). So the wait is
+    ``max(0, max_j(pending_j / rate - j * step_s))``: once storage falls behind the checkpoint
+    rate, it is the deficit whatever the plan (a wait also delays the windows after it, which
+    the max accounts for). Without ``step_s`` only the request's wait is counted.
+
+    An extension of the paper's model, which assumes the persist keeps up (DataStates-LLM §V-A4
+    reuses host buffers as they are flushed, which is where this wait comes from)."""
+    nbytes, seconds = drain.pace()
+    nbytes, seconds = nbytes + last_pace[0], seconds + last_pace[1]
+    if not nbytes:
+        return 0.0
+    rate = nbytes / seconds
+    groups = _window_ranges(layout, plan, slot_layout)
+    if not step_s:
+        groups = groups[:1]
+    pending = drain.pending_through(groups)
+    return max(0.0, *(n / rate - j * (step_s or 0.0) for j, n in enumerate(pending)))
 
 
 def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,
@@ -476,9 +529,5 @@ def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_la
     """Wait (bounded by ``timeout_s`` since ``t0``) until the bytes a borrowed slot takes at the
     request are written out by the save it was borrowed from: the first window's blocks (all
     of them for ``sync``/``async``) and the static tensors."""
-    blocks = plan.blocks if plan.mode in ("sync", "async") else plan.blocks[:1]
-    entries = [e for b in blocks for i in b for e in layout.units[i].entries]
-    entries += layout.static
-    ranges = [(slot_layout.offsets[e.key], slot_layout.offsets[e.key] + e.spec.nbytes) for e in entries]
     left = None if timeout_s is None else max(0.0, timeout_s - (perf_counter() - t0))
-    return drain.wait_free(ranges, left)
+    return drain.wait_free(_window_ranges(layout, plan, slot_layout)[0], left)

@@ -147,6 +147,9 @@ class Windows:
         # the latest saves: what the planner charges each window (Costs.overhead_samples_s).
         self._overheads = CostSamples(maxlen=OVERHEAD_SAMPLES)
         self._t_update_end: float | None = None
+        # Seconds between the first optimizer's latest updates: how far apart copy windows
+        # open (step_s; the window is that less the update).
+        self._recent_steps: collections.deque[float] = collections.deque(maxlen=config.window_memory)
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._guard_handles: list = []
@@ -228,6 +231,8 @@ class Windows:
 
     def after_update(self, opt_index: int, version: int, now: float) -> None:
         """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
+        if opt_index == 0 and self._t_update_end is not None:
+            self._recent_steps.append(now - self._t_update_end)
         self._t_update_end = now
         self._updated_versions[opt_index] = self._param_versions(opt_index)
         for s in list(self.saves):
@@ -244,6 +249,12 @@ class Windows:
                 self._open_window(s)
             except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
                 self.fail(s, e)
+
+    @property
+    def step_s(self) -> float | None:
+        """The median of the latest seconds between the first optimizer's updates (window and
+        update; None before two updates): how far apart a save's copy windows open."""
+        return window_forecast(self._recent_steps, 0.5) if self._recent_steps else None
 
     def edited_since_update(self) -> bool:
         """True if a parameter changed in place after its optimizer's latest update."""
@@ -337,7 +348,9 @@ class Windows:
             self.saves.remove(s)
         if s is s.share.leader and s.failed is None:
             by = s.metrics.stall_by_phase_s
-            fixed = s.metrics.stall_s - sum(by.get(name, 0.0) for name in ("setup", *MODELLED_PHASES))
+            # The waits for a borrowed slot's bytes are predicted per save (predict_slot_wait_s).
+            fixed = (s.metrics.stall_s - sum(by.get(name, 0.0) for name in ("setup", *MODELLED_PHASES))
+                     - s.drain_wait_s)
             self._fixed_stalls.setdefault(s.plan.mode, CostSamples()).add(fixed, cold=s.cold)
             if not s.cold:
                 self.storage_lag.note(s.metrics)  # its request's slot wait and its windows'
@@ -492,6 +505,7 @@ class Windows:
             left = max(0.0, left - s.metrics.stall_by_phase_s.get("slot_wait", 0.0))
         ok = s.borrowed.wait_free(ranges, left)  # type: ignore[union-attr]
         s.metrics.add_stall("slot_wait", perf_counter() - t0)
+        s.drain_wait_s += perf_counter() - t0
         if not ok:
             s.overtaken = True
             raise CheckpointTimeoutError(

@@ -243,7 +243,8 @@ class Engine:
         self._all = [x for x in self._all if not x.handle.done()]  # drop finished saves' slots first
         s, leader = make_record(self._slots, self._all, self._planner, seq=seq, path=path, handle=handle,
                                 plan=plan, layout=layout, state_fn=state_fn, version=self.version,
-                                t_request=t0, writer=writer, flush=self._flush_windows, config=self.config)
+                                t_request=t0, writer=writer, flush=self._flush_windows, config=self.config,
+                                step_s=self._windows.step_s)
         if s is None:
             metrics.skipped = True
             handle._future.set_result(metrics)

@@ -49,7 +49,14 @@ class CheckpointMetrics:
             per window for its copy plan (GoCkpt §4.2.3; 0.0 before costs were measured), plus
             the per-save fixed cost: the mean over the latest saves of their stall outside the
             phases the model predicts (``request``, ``capture``, ``window_check`` and short
-            waits such as ``slot_wait``), setup left out.
+            waits such as one for a free slot), setup left out, plus
+            ``predicted_slot_wait_s``.
+        predicted_slot_wait_s: of ``predicted_stall_s``, the predicted wait for the bytes of a
+            borrowed host slot (``slot_borrowed``) that the save before is still writing out,
+            seconds: the most, over its copy windows ``j``, of the bytes that persist has
+            still to write up to block ``j``'s at the pace it has written so far (else the
+            latest persist's), less ``j`` forecast windows. 0.0 for a slot of its own. Where checkpoints come faster than storage persists
+            them, this is most of the stall.
         stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
             could have for the same measured costs (:func:`gockpt.plan.stall_lower_bound_s`),
             plus the same fixed cost, seconds.
@@ -94,6 +101,7 @@ class CheckpointMetrics:
     persist_gbps: float = 0.0
     replay_backend: str = ""
     predicted_stall_s: float = 0.0
+    predicted_slot_wait_s: float = 0.0
     stall_lower_bound_s: float = 0.0
     expected_interval_steps: int | None = None
     skipped: bool = False

@@ -15,6 +15,7 @@ bounded, with back-pressure when full (DataStates-LLM §V-A4, PCcheck §3.1).
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 import itertools
 import threading
@@ -287,6 +288,9 @@ class Drain:
         self._begins = [b for b, _ in pending]
         self._ends = [e for _, e in pending]
         self._cv = threading.Condition()
+        # The persist's pace, for predicting a borrower's wait (made as the persist starts).
+        self._t0 = self._t_last = perf_counter()
+        self._read_bytes = 0
 
     @property
     def done(self) -> bool:
@@ -299,6 +303,8 @@ class Drain:
             i = bisect.bisect_left(self._begins, begin)
             if i < len(self._begins) and self._begins[i] == begin and self._ends[i] == end:
                 del self._begins[i], self._ends[i]
+                self._t_last = perf_counter()
+                self._read_bytes += end - begin
                 self._cv.notify_all()
 
     def finish(self) -> None:
@@ -307,6 +313,35 @@ class Drain:
             self._begins.clear()
             self._ends.clear()
             self._cv.notify_all()
+
+    def pace(self) -> tuple[int, float]:
+        """``(bytes, seconds)``: what the persist has written out of the slot, and in how long
+        from its start to now (to its last range once done); ``(0, 0.0)`` before its first
+        range."""
+        with self._cv:
+            if not self._read_bytes:
+                return 0, 0.0
+            t = self._t_last if not self._begins else perf_counter()
+            return self._read_bytes, max(t - self._t0, 1e-9)
+
+    def pending_through(self, groups: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+        """Per entry ``j`` of ``groups`` (lists of ``[begin, end)`` slot ranges), the pending
+        bytes in slot order up to the last pending range that overlaps a range of ``groups[0]``
+        to ``groups[j]``: what the persist writes before those are all free, in bytes, if it
+        writes in slot order (one io thread; more write several shards at once and free the
+        later ones sooner)."""
+        with self._cv:
+            last = -1
+            out = []
+            sizes = list(itertools.accumulate(e - b for b, e in zip(self._begins, self._ends)))
+            for group in groups:
+                for b, e in group:
+                    # The last pending range starting before e that ends after b.
+                    k = bisect.bisect_left(self._begins, e) - 1
+                    if k > last and k >= 0 and self._ends[k] > b:
+                        last = k
+                out.append(sizes[last] if last >= 0 else 0)
+            return out
 
     def _busy(self, begin: int, end: int) -> bool:
         i = bisect.bisect_right(self._ends, begin)  # the first pending range ending after begin
@@ -412,6 +447,10 @@ class SlotPool:
         self._bytes = 0
         self._peak = 0
         self._cv = threading.Condition()
+        # The latest persists that let their slot be borrowed: their pace (Drain.pace) once
+        # they have written everything, before they end (fsync, publish).
+        self._drains: collections.deque[Drain] = collections.deque(maxlen=2)
+        self._ended_pace: tuple[int, float] = (0, 0.0)
 
     @property
     def max_slots(self) -> int:
@@ -527,6 +566,7 @@ class SlotPool:
             if slot.refs != 1 or (slot.drain is not None and not slot.drain.done):
                 return False
             slot.drain = drain
+            self._drains.append(drain)
             if slot not in self._draining:
                 self._draining.append(slot)
             self._cv.notify_all()
@@ -536,11 +576,24 @@ class SlotPool:
         """The persist that made ``slot`` lendable with ``drain`` reads nothing more: every
         byte is free. ``drain.lent`` stays (the lender's snapshot stays unshareable)."""
         with self._cv:
+            pace = drain.pace()
+            if pace[0]:
+                self._ended_pace = pace
             drain.finish()
             if slot.drain is drain:
                 slot.drain = None
                 if slot in self._draining:
                     self._draining.remove(slot)
+
+    @property
+    def last_drain_pace(self) -> tuple[int, float]:
+        """``(bytes, seconds)`` (:meth:`Drain.pace`) of the latest persist of a lendable slot
+        that has written all of it, or ended; ``(0, 0.0)`` before any."""
+        with self._cv:
+            for d in reversed(self._drains):
+                if d.done and d.pace()[0]:
+                    return d.pace()
+            return self._ended_pace
 
     def share(self, slot: Slot) -> bool:
         """Hold ``slot`` once more (a save sharing another's snapshot); False when it was

@@ -335,8 +335,9 @@ def test_s3_multi_shard_round_trip_and_resave(s3_store, make_request, make_tenso
 def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once(
         tmp_path, monkeypatch, caplog, slow):
     # Every shard write waits 0.2 s (a slow store): each request at every step finds the save
-    # before still writing its host slot, and waits. With fast storage and steps that outlast
-    # a persist, no request waits and nothing is said.
+    # before still writing its host slot, and waits, as predicted from the pace of the
+    # persists before it. With fast storage and steps that outlast a persist, no request
+    # waits, none is predicted, and nothing is said.
     import time
 
     import faultfs
@@ -358,10 +359,18 @@ def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once
             if not slow:
                 eng.wait()  # the next step starts once this checkpoint is written
         eng.close()
-    waits = [h.result().stall_by_phase_s.get("slot_wait", 0.0) for h in handles]
+    ms = [h.result() for h in handles]
+    waits = [m.stall_by_phase_s.get("slot_wait", 0.0) for m in ms]
+    predicted = [m.predicted_slot_wait_s for m in ms]
     said = [r for r in caplog.records if "faster than storage persists them" in r.getMessage()]
     if slow:
         assert all(w > 0.05 for w in waits[1:]), waits
         assert len(said) == 1 and "3 checkpoints in a row" in said[0].getMessage()
+        # From the third on, a persist before has ended: its pace predicts the wait. Broad
+        # bounds: the pace is the store's sleeps, the rest is this machine's speed.
+        for m, w, p in list(zip(ms, waits, predicted))[2:]:
+            assert m.slot_borrowed and 0.5 * w <= p <= 2 * w, (waits, predicted)
+            assert m.predicted_stall_s >= p
     else:
         assert said == [], waits
+        assert predicted == [0.0] * len(ms)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -105,6 +106,28 @@ def test_a_drain_frees_a_range_once_every_pending_range_over_it_is_read():
     assert freed.is_set() and d.done
 
 
+def test_a_drain_counts_the_bytes_written_before_each_group_of_ranges_is_free():
+    from gockpt.transfer import Drain
+
+    d = Drain([(0, 100), (100, 200), (300, 400), (400, 450)])
+    assert d.pace() == (0, 0.0)  # nothing written yet: no pace
+    # Per group, cumulative: pending bytes in slot order up to the last pending range that
+    # overlaps any range given so far; a range no pending one overlaps adds nothing.
+    assert d.pending_through([[(150, 160)], [(200, 300)], [(0, 10)], [(449, 460)]]) == [200, 200, 200, 350]
+    d.read(100, 200)
+    assert d.pending_through([[(0, 10)], [(150, 160)], [(300, 301)]]) == [100, 100, 200]
+    nbytes, seconds = d.pace()
+    assert nbytes == 100 and seconds > 0
+    d.finish()
+    assert d.pending_through([[(0, 450)]]) == [0]
+    # Done: timed to its last range (before the earlier reading, which ran to then), and
+    # still at that pace later.
+    done = d.pace()
+    assert done[0] == nbytes and 0 < done[1] <= seconds
+    time.sleep(0.01)
+    assert d.pace() == done
+
+
 def test_a_slot_is_lent_once_to_one_borrower_while_its_persist_alone_reads_it():
     from gockpt.transfer import Drain
 
@@ -117,8 +140,10 @@ def test_a_slot_is_lent_once_to_one_borrower_while_its_persist_alone_reads_it():
     assert b is a and a.refs == 2 and drain.lent
     assert pool.acquire(1024, 0, block=False, lend=True) is None  # lent once only
     pool.release(a)  # the persist's early release: the borrower still holds it
+    drain.read(0, 1024)
     pool.end_lending(a, drain)
     assert a.refs == 1 and a.drain is None and drain.done and drain.lent
+    assert pool.last_drain_pace == drain.pace() and pool.last_drain_pace[0] == 1024
     again = Drain([(0, 10)])
     assert pool.make_lendable(a, again)  # the borrower's own persist may lend it on
     pool.end_lending(a, again)
