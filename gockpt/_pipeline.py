@@ -32,7 +32,8 @@ from .config import GoCkptConfig
 from .errors import CheckpointCancelledError
 from .handle import CheckpointMetrics
 from .layout import Unit
-from .persist import PersistRequest, io_threads_cap, lower_thread_priority, persist, slot_chunks
+from .persist import (PersistRequest, io_threads, io_threads_cap, lower_thread_priority, persist,
+                      slot_chunks)
 from .replay import TorchReplay
 from .snapshot import references, resolve
 from .targets import LocalTarget
@@ -231,7 +232,7 @@ class Pipeline:
             # own files only: a writer's files may share the slot's memory).
             if s.writer is None:
                 # Set first: find_leader must see it as soon as a borrow is possible.
-                s.lending = Drain(slot_chunks(req))
+                s.lending = Drain(slot_chunks(req), threads=io_threads(req))
                 req.on_chunk_read = s.lending.read
                 if not self._slots.make_lendable(s.slot, s.lending):
                     s.lending = None

@@ -485,11 +485,12 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
 
 def _window_ranges(layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout
                    ) -> list[list[tuple[int, int]]]:
-    """The slot byte ranges each copy window of ``plan`` writes, in window order: the first
-    with the static tensors (taken at the request), one group for ``sync``/``async``."""
+    """The slot byte ranges each copy window of ``plan`` writes, in window order (at least
+    one): the first with the static tensors (taken at the request), one group for
+    ``sync``/``async``."""
     windows = [plan.blocks] if plan.mode in ("sync", "async") else [[b] for b in plan.blocks]
     out = []
-    for j, blocks in enumerate(windows):
+    for j, blocks in enumerate(windows or [[]]):
         entries = [e for b in blocks for i in b for e in layout.units[i].entries]
         if j == 0:
             entries += layout.static
@@ -501,27 +502,30 @@ def _window_ranges(layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout
 def predict_slot_wait_s(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,
                         last_pace: tuple[int, float], step_s: float | None) -> float:
     """The predicted ``slot_wait`` of a save that borrowed its slot while ``drain``'s persist
-    still writes it out, seconds: the request waits for the bytes of the first window, window
-    ``j`` (opening ``j`` updates later, ``step_s`` seconds apart) for its block's. The persist
-    writes in slot order at the pace of its bytes written so far pooled with the latest
-    finished persist's (``last_pace``, :meth:`gockpt.transfer.Drain.pace`: early in a persist
-    its own few chunks alone misjudge it; 0.0 with neither). So the wait is
-    ``max(0, max_j(pending_j / rate - j * step_s))``: once storage falls behind the checkpoint
-    rate, it is the deficit whatever the plan (a wait also delays the windows after it, which
-    the max accounts for). Without ``step_s`` only the request's wait is counted.
+    still writes it out, seconds. The request waits for the bytes of the first window; window
+    ``j``, opening ``j`` updates later (``step_s`` seconds apart), for its block's. The persist
+    is modelled as in :meth:`Drain.pending_through`, at the pace of its bytes written so far
+    pooled with those of the latest persist that wrote everything (``last_pace``,
+    :meth:`Drain.pace`: early in a persist its own few chunks alone misjudge it); 0.0 with
+    neither. So the wait is ``max(0, max_j(pending_j / pace - j * step_s))`` (a wait also
+    delays the windows after it, which the max accounts for); without ``step_s``, the
+    request's alone. Once storage falls behind the checkpoint rate, more windows only move
+    the wait to later ones.
 
-    An extension of the paper's model, which assumes the persist keeps up (DataStates-LLM §V-A4
-    reuses host buffers as they are flushed, which is where this wait comes from)."""
+    An extension of GoCkpt's stall model, which assumes each persist ends before the next
+    request; the wait comes from reusing host buffers as they are written out (DataStates-LLM
+    §V-A4).
+    """
     nbytes, seconds = drain.pace()
     nbytes, seconds = nbytes + last_pace[0], seconds + last_pace[1]
     if not nbytes:
         return 0.0
-    rate = nbytes / seconds
+    pace = nbytes / seconds
     groups = _window_ranges(layout, plan, slot_layout)
     if not step_s:
         groups = groups[:1]
     pending = drain.pending_through(groups)
-    return max(0.0, *(n / rate - j * (step_s or 0.0) for j, n in enumerate(pending)))
+    return max(0.0, *(n / pace - j * (step_s or 0.0) for j, n in enumerate(pending)))
 
 
 def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,

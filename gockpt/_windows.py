@@ -150,6 +150,7 @@ class Windows:
         # Seconds between the first optimizer's latest updates: how far apart copy windows
         # open (step_s; the window is that less the update).
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=config.window_memory)
+        self._t_first_update: float | None = None
         self._fallback_warned = False
         self._pending_grads: list[tuple[CopyTicket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._guard_handles: list = []
@@ -231,8 +232,10 @@ class Windows:
 
     def after_update(self, opt_index: int, version: int, now: float) -> None:
         """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
-        if opt_index == 0 and self._t_update_end is not None:
-            self._recent_steps.append(now - self._t_update_end)
+        if opt_index == 0:
+            if self._t_first_update is not None:
+                self._recent_steps.append(now - self._t_first_update)
+            self._t_first_update = now
         self._t_update_end = now
         self._updated_versions[opt_index] = self._param_versions(opt_index)
         for s in list(self.saves):
@@ -504,8 +507,9 @@ class Windows:
         if left is not None:  # one bound for all of the save's slot waits, the request's included
             left = max(0.0, left - s.metrics.stall_by_phase_s.get("slot_wait", 0.0))
         ok = s.borrowed.wait_free(ranges, left)  # type: ignore[union-attr]
-        s.metrics.add_stall("slot_wait", perf_counter() - t0)
-        s.drain_wait_s += perf_counter() - t0
+        waited = perf_counter() - t0
+        s.metrics.add_stall("slot_wait", waited)
+        s.drain_wait_s += waited
         if not ok:
             s.overtaken = True
             raise CheckpointTimeoutError(

@@ -53,13 +53,15 @@ class CheckpointMetrics:
             ``predicted_slot_wait_s``.
         predicted_slot_wait_s: of ``predicted_stall_s``, the predicted wait for the bytes of a
             borrowed host slot (``slot_borrowed``) that the save before is still writing out,
-            seconds: the most, over its copy windows ``j``, of the bytes that persist has
-            still to write up to block ``j``'s at the pace it has written so far (else the
-            latest persist's), less ``j`` forecast windows. 0.0 for a slot of its own. Where checkpoints come faster than storage persists
+            seconds: the most, over its copy windows ``j``, of the time that persist needs
+            to write out block ``j``'s bytes (at its pace so far pooled with the latest
+            finished persist's), less the time until window ``j`` opens (``j`` times the
+            median time between updates). 0.0 for a slot of its own, and where no persist
+            has written anything yet. Where checkpoints come faster than storage persists
             them, this is most of the stall.
         stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
             could have for the same measured costs (:func:`gockpt.plan.stall_lower_bound_s`),
-            plus the same fixed cost, seconds.
+            plus the same fixed cost, seconds (``predicted_slot_wait_s`` left out).
         expected_interval_steps: the steps to the next checkpoint request the plan expected
             (the median gap of the latest requests; None before two requests at different steps,
             and where the host pool may hold more than one slot: ``host_buffer_bytes`` set with

@@ -381,11 +381,17 @@ def _ranges(begin: int, end: int, chunk_bytes: int) -> Iterator[tuple[int, int]]
         yield offset, min(offset + chunk_bytes, end)
 
 
-def slot_chunks(req: PersistRequest) -> list[tuple[int, int]]:
-    """The ``[begin, end)`` byte ranges of ``req.slot`` that :func:`persist` reads, as the
-    pieces it writes (``req.on_chunk_read`` reports each once written)."""
-    return [r for i in range(len(req.shards)) for b, e in _segments(req, i)
-            for r in _ranges(b, e, req.chunk_bytes)]
+def slot_chunks(req: PersistRequest) -> list[list[tuple[int, int]]]:
+    """Per shard file, in the order :func:`persist` starts them (largest first), the
+    ``[begin, end)`` byte ranges of ``req.slot`` it reads for it, as the pieces it writes, in
+    order (``req.on_chunk_read`` reports each once written)."""
+    order = sorted(range(len(req.shards)), key=lambda i: -req.shards[i].file_bytes)  # as _write_files
+    return [[r for b, e in _segments(req, i) for r in _ranges(b, e, req.chunk_bytes)] for i in order]
+
+
+def io_threads(req: PersistRequest) -> int:
+    """How many files :func:`persist` writes at once for ``req``."""
+    return max(1, min(req.num_io_threads, len(req.shards) + len(req.files) + 1))
 
 
 def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterator[memoryview]:
@@ -442,7 +448,7 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
             abort.set()
             raise
 
-    num_threads = min(req.num_io_threads, len(jobs))
+    num_threads = io_threads(req)  # len(jobs) or fewer
     with concurrent.futures.ThreadPoolExecutor(
         num_threads, thread_name_prefix="gockpt-io", initializer=lower_thread_priority,
         initargs=(req.io_nice,),

@@ -20,7 +20,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -270,6 +270,40 @@ def make_copier(device: torch.device, chunk_bytes: int, bytes_per_s: float | Non
     return CpuCopier(chunk_bytes, bytes_per_s)
 
 
+def _shared_schedule(sizes: Sequence[int], threads: int) -> Callable[[int, int], float]:
+    """Files of ``sizes`` bytes written in order, ``threads`` at a time, sharing one pace: a
+    function of ``(file, n)`` giving the bytes written by all together when file ``file`` has
+    written its first ``n`` bytes (processor sharing: ``a`` files in progress write ``1/a`` of
+    the bytes each)."""
+    left = list(sizes)
+    queue = collections.deque(range(len(sizes)))
+    active: list[int] = []
+    t = 0.0
+    marks: list[list[tuple[float, int]]] = [[] for _ in sizes]  # per file: (t, written)
+    written = [0] * len(sizes)
+    while queue or active:
+        while queue and len(active) < threads:
+            i = queue.popleft()
+            active.append(i)
+            marks[i].append((t, 0))
+        step = min(left[i] for i in active)  # each active file's bytes until the first ends
+        t += step * len(active)
+        for i in active:
+            left[i] -= step
+            written[i] += step
+            marks[i].append((t, written[i]))
+        active = [i for i in active if left[i] > 0]
+
+    def done_at(file: int, n: int) -> float:
+        m = marks[file]
+        for (t0, w0), (t1, w1) in itertools.pairwise(m):
+            if n <= w1:
+                return t0 + (n - w0) * (t1 - t0) / (w1 - w0) if w1 > w0 else t1
+        return m[-1][0]
+
+    return done_at
+
+
 class Drain:
     """The byte ranges of a slot that a persist has yet to read, while the slot is lent to the
     next save (:meth:`SlotPool.make_lendable`): that save copies into a range only once no
@@ -278,15 +312,19 @@ class Drain:
     flushed).
 
     Args:
-        ranges: ``[begin, end)`` byte ranges of the slot the persist reads, disjoint (its files'
-            chunks, :func:`gockpt.persist.slot_chunks`).
+        files: per file, in the order the persist starts them, the ``[begin, end)`` byte ranges
+            of the slot it reads for that file, in the order it writes them; all disjoint
+            (:func:`gockpt.persist.slot_chunks`).
+        threads: how many files the persist writes at once (its io threads).
     """
 
-    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, files: Sequence[Sequence[tuple[int, int]]], threads: int = 1) -> None:
         self.lent = False  # a save borrowed the slot during this persist (SlotPool, its lock)
-        pending = sorted((b, e) for b, e in ranges if b < e)
+        self._files = [[(b, e) for b, e in f if b < e] for f in files]
+        pending = sorted(r for f in self._files for r in f)
         self._begins = [b for b, _ in pending]
         self._ends = [e for _, e in pending]
+        self._threads = max(1, threads)
         self._cv = threading.Condition()
         # The persist's pace, for predicting a borrower's wait (made as the persist starts).
         self._t0 = self._t_last = perf_counter()
@@ -315,32 +353,44 @@ class Drain:
             self._cv.notify_all()
 
     def pace(self) -> tuple[int, float]:
-        """``(bytes, seconds)``: what the persist has written out of the slot, and in how long
-        from its start to now (to its last range once done); ``(0, 0.0)`` before its first
-        range."""
+        """``(bytes, seconds)``: what the persist has written out of the slot, all its threads
+        together, and in how long from its start to now (to its last range once done);
+        ``(0, 0.0)`` before its first range."""
         with self._cv:
             if not self._read_bytes:
                 return 0, 0.0
             t = self._t_last if not self._begins else perf_counter()
             return self._read_bytes, max(t - self._t0, 1e-9)
 
-    def pending_through(self, groups: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
-        """Per entry ``j`` of ``groups`` (lists of ``[begin, end)`` slot ranges), the pending
-        bytes in slot order up to the last pending range that overlaps a range of ``groups[0]``
-        to ``groups[j]``: what the persist writes before those are all free, in bytes, if it
-        writes in slot order (one io thread; more write several shards at once and free the
-        later ones sooner)."""
+    def pending_through(self, groups: Sequence[Sequence[tuple[int, int]]]) -> list[float]:
+        """Per entry ``j`` of ``groups`` (lists of ``[begin, end)`` slot ranges), how many bytes
+        the persist writes, all its threads together, before no pending range overlaps any
+        range of ``groups[0]`` to ``groups[j]``; divided by the persist's pace (bytes/s,
+        :meth:`pace`), the seconds until then.
+
+        A model of the persist: it writes its files in the order given, ``threads`` at a time,
+        each file's ranges in order, and its threads share one pace (storage-bound, the case
+        where a borrower waits at all). With one thread that is its exact order.
+        """
         with self._cv:
-            last = -1
-            out = []
-            sizes = list(itertools.accumulate(e - b for b, e in zip(self._begins, self._ends)))
+            pending = set(self._begins)
+            files = [[(b, e) for b, e in f if b in pending] for f in self._files]
+            files = [f for f in files if f]
+            done_at = _shared_schedule([sum(e - b for b, e in f) for f in files], self._threads)
+            where: dict[int, tuple[int, int]] = {}  # range begin -> (file, its bytes through it)
+            for i, f in enumerate(files):
+                for b, n in zip((b for b, _ in f), itertools.accumulate(e - b for b, e in f),
+                                strict=True):
+                    where[b] = (i, n)
+            out, worst = [], 0.0
             for group in groups:
                 for b, e in group:
-                    # The last pending range starting before e that ends after b.
-                    k = bisect.bisect_left(self._begins, e) - 1
-                    if k > last and k >= 0 and self._ends[k] > b:
-                        last = k
-                out.append(sizes[last] if last >= 0 else 0)
+                    # The pending ranges overlapping [b, e) (disjoint and sorted: a run of them).
+                    lo = bisect.bisect_right(self._ends, b)
+                    hi = bisect.bisect_left(self._begins, e)
+                    for k in range(lo, hi):
+                        worst = max(worst, done_at(*where[self._begins[k]]))
+                out.append(worst)
             return out
 
     def _busy(self, begin: int, end: int) -> bool:

@@ -366,10 +366,11 @@ def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once
     if slow:
         assert all(w > 0.05 for w in waits[1:]), waits
         assert len(said) == 1 and "3 checkpoints in a row" in said[0].getMessage()
-        # From the third on, a persist before has ended: its pace predicts the wait. Broad
-        # bounds: the pace is the store's sleeps, the rest is this machine's speed.
+        # From the third on, a persist before has written everything: its pace predicts the
+        # wait. Broad bounds: the pace is the store's sleeps, but when the request comes into
+        # the persist it waits for (a slow step) is this machine's.
         for m, w, p in list(zip(ms, waits, predicted))[2:]:
-            assert m.slot_borrowed and 0.5 * w <= p <= 2 * w, (waits, predicted)
+            assert m.slot_borrowed and 0.3 * w <= p <= 3 * w, (waits, predicted)
             assert m.predicted_stall_s >= p
     else:
         assert said == [], waits

@@ -90,7 +90,7 @@ def test_slot_pool_is_bounded_and_reuses_buffers():
 def test_a_drain_frees_a_range_once_every_pending_range_over_it_is_read():
     from gockpt.transfer import Drain
 
-    d = Drain([(0, 100), (100, 200), (300, 400)])
+    d = Drain([[(0, 100), (100, 200), (300, 400)]])
     assert d.wait_free([(200, 300)], 0.0)  # never read by the persist: free at once
     assert not d.wait_free([(150, 160)], 0.05)
     d.read(100, 200)
@@ -109,13 +109,14 @@ def test_a_drain_frees_a_range_once_every_pending_range_over_it_is_read():
 def test_a_drain_counts_the_bytes_written_before_each_group_of_ranges_is_free():
     from gockpt.transfer import Drain
 
-    d = Drain([(0, 100), (100, 200), (300, 400), (400, 450)])
+    # One io thread: the files in the order given, each in its own order.
+    d = Drain([[(300, 400), (400, 450)], [(0, 100), (100, 200)]])
     assert d.pace() == (0, 0.0)  # nothing written yet: no pace
-    # Per group, cumulative: pending bytes in slot order up to the last pending range that
-    # overlaps any range given so far; a range no pending one overlaps adds nothing.
-    assert d.pending_through([[(150, 160)], [(200, 300)], [(0, 10)], [(449, 460)]]) == [200, 200, 200, 350]
-    d.read(100, 200)
-    assert d.pending_through([[(0, 10)], [(150, 160)], [(300, 301)]]) == [100, 100, 200]
+    # Per group, cumulative: bytes written before every pending range overlapping any range
+    # given so far is written; a range no pending one overlaps adds nothing.
+    assert d.pending_through([[(350, 360)], [(200, 300)], [(0, 10)], [(150, 160)]]) == [100, 100, 250, 350]
+    d.read(300, 400)
+    assert d.pending_through([[(0, 10)], [(420, 421)], [(300, 301)]]) == [150, 150, 150]
     nbytes, seconds = d.pace()
     assert nbytes == 100 and seconds > 0
     d.finish()
@@ -128,13 +129,24 @@ def test_a_drain_counts_the_bytes_written_before_each_group_of_ranges_is_free():
     assert d.pace() == done
 
 
+def test_a_drain_with_several_threads_shares_the_pace_between_the_files_in_progress():
+    from gockpt.transfer import Drain
+
+    # Two threads, three files of 100, 100 and 50 bytes: the first two are written side by
+    # side, each at half the pace; the third starts once one of them ends.
+    d = Drain([[(0, 50), (50, 100)], [(100, 200)], [(200, 250)]], threads=2)
+    assert d.pending_through([[(0, 1)], [(60, 61)], [(100, 101)], [(200, 250)]]) == [100, 200, 200, 250]
+    # All of it: every byte, whatever the order (the threads share one pace).
+    assert Drain([[(0, 100)], [(100, 200)], [(200, 250)]], threads=3).pending_through([[(0, 250)]]) == [250]
+
+
 def test_a_slot_is_lent_once_to_one_borrower_while_its_persist_alone_reads_it():
     from gockpt.transfer import Drain
 
     pool = SlotPool(max_slots=1, pin=False)
     a = pool.acquire(1024, 0, block=False)
     assert pool.acquire(1024, 0, block=False, lend=True) is None  # nothing is being persisted
-    drain = Drain([(0, 1024)])
+    drain = Drain([[(0, 1024)]])
     assert pool.make_lendable(a, drain)
     b = pool.acquire(1024, 0, block=False, lend=True)
     assert b is a and a.refs == 2 and drain.lent
@@ -144,7 +156,7 @@ def test_a_slot_is_lent_once_to_one_borrower_while_its_persist_alone_reads_it():
     pool.end_lending(a, drain)
     assert a.refs == 1 and a.drain is None and drain.done and drain.lent
     assert pool.last_drain_pace == drain.pace() and pool.last_drain_pace[0] == 1024
-    again = Drain([(0, 10)])
+    again = Drain([[(0, 10)]])
     assert pool.make_lendable(a, again)  # the borrower's own persist may lend it on
     pool.end_lending(a, again)
     pool.release(a)
@@ -158,7 +170,7 @@ def test_a_shared_slot_is_not_lent_while_the_sharer_still_has_to_read_it():
 
     pool = SlotPool(max_slots=1, pin=False)
     a = pool.acquire(1024, 0, block=False)
-    drain = Drain([(0, 512), (512, 1024)])
+    drain = Drain([[(0, 512), (512, 1024)]])
     assert pool.make_lendable(a, drain)
     assert pool.share(a)  # a follower joins the lender's snapshot
     drain.read(0, 512)
