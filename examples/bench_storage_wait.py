@@ -33,12 +33,13 @@ import throttled_fs  # noqa: E402  (registers the "throttled" fsspec protocol)
 import gockpt  # noqa: E402
 
 
-def run(mode: str, k: int, rate: float, gaps: list[int], checkpoints: int, skip: int) -> list:
+def run(mode: str, k: int, rate: float, gaps: list[int], checkpoints: int, skip: int,
+        width: int = 1024) -> list:
     """Metrics of ``checkpoints`` saves, requested after ``gaps`` steps in turn, the first
-    ``skip`` left out (no persist has ended before them: nothing to predict from)."""
+    ``skip`` left out (no persist has ended before them: nothing to predict from), for 8
+    linear layers of ``width`` x ``width``."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    width = 1024
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(256, width)
@@ -75,10 +76,11 @@ def main() -> None:
     p.add_argument("--gaps", type=int, nargs="+", default=[5], help="steps between requests, in turn")
     p.add_argument("--checkpoints", type=int, default=12)
     p.add_argument("--skip", type=int, default=2)
+    p.add_argument("--width", type=int, default=1024, help="width of the 8 linear layers")
     args = p.parse_args()
-    ms = run(args.mode, args.k, args.rate, args.gaps, args.checkpoints, args.skip)
-    print(f"# mode {args.mode}, K {args.k}, emulated link {args.rate / 1e6:.0f} MB/s, "
-          f"gaps {args.gaps}; first {args.skip} saves left out")
+    ms = run(args.mode, args.k, args.rate, args.gaps, args.checkpoints, args.skip, args.width)
+    print(f"# mode {args.mode}, K {args.k}, emulated link {args.rate / 1e6:.1f} MB/s, "
+          f"gaps {args.gaps}, width {args.width}; first {args.skip} saves left out")
     print("| save | K | borrowed | slot wait (ms) | predicted (ms) | stall (ms) | predicted stall (ms) |")
     print("|---:|---:|:---:|---:|---:|---:|---:|")
     for i, m in enumerate(ms, start=args.skip):

@@ -1,5 +1,5 @@
-"""The example benchmarks (bench_scale.py, bench_interference.py, bench_floor.py,
-bench_planner.py, benchmark.py) run end to end at a tiny size and report every scheme they were asked for."""
+"""The example benchmarks (bench_scale.py, bench_storage_wait.py, bench_interference.py,
+bench_floor.py, bench_planner.py, benchmark.py) run end to end at a tiny size and report every scheme they were asked for."""
 
 from __future__ import annotations
 
@@ -28,11 +28,27 @@ def test_bench_scale_prints_a_row_per_scheme(tmp_path):
     assert float(lazy[6]) > 0  # time to durable of the engine's checkpoints
     plans = [line.split("|")[1:-1] for line in engine.splitlines() if line.startswith("| 0.")]
     assert [r[1].strip() for r in plans] == ["gockpt lazy"]
-    k, predicted, bound, measured = (float(x) for x in plans[0][2:6])
-    assert k == 1 and 0 <= bound <= predicted and measured >= 0
-    assert int(plans[0][8]) > 0  # clean steps to compare against
-    assert float(plans[0][9]) >= 1.0  # host peak: at least the one snapshot, in checkpoint sizes
+    k, predicted, slot_wait, bound, measured = (float(x) for x in plans[0][2:7])
+    assert k == 1 and 0 <= bound <= predicted and 0 <= slot_wait <= predicted and measured >= 0
+    assert int(plans[0][9]) > 0  # clean steps to compare against
+    assert float(plans[0][10]) >= 1.0  # host peak: at least the one snapshot, in checkpoint sizes
     assert list(tmp_path.iterdir()) == []  # each run removes its checkpoints
+
+
+def test_bench_storage_wait_prints_each_save_with_its_predicted_wait():
+    # A store paced at 8 MB/s and a request every other step: every save after the first
+    # borrows the slot the one before is still writing out, and a wait is predicted for it.
+    script = _SCRIPT.parent / "bench_storage_wait.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--width", "128", "--rate", "8e6", "--gaps", "2",
+         "--checkpoints", "5"],
+        check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [2, 3, 4]  # the first two left out
+    for _, k, borrowed, waited, predicted, stall, predicted_stall in rows:
+        assert borrowed.strip() == "yes" and float(waited) > 0 and float(predicted) > 0
+        assert float(predicted_stall) >= float(predicted)
+    assert re.search(r"within 1\.2x: \d/3; median \|stall - predicted\| \d+ ms", out)
 
 
 def test_bench_interference_measures_every_condition_and_leaves_nothing(tmp_path):
