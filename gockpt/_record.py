@@ -505,7 +505,7 @@ def predict_slot_wait_s(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_
     still writes it out, seconds. The request waits for the bytes of the first window; window
     ``j``, opening ``j`` updates later (``step_s`` seconds apart), for its block's. The persist
     is modelled as in :meth:`Drain.pending_through`, at the pace of its bytes written so far
-    pooled with those of the latest persist that wrote everything (``last_pace``,
+    pooled with those of the latest persist that wrote all of it, or ended (``last_pace``,
     :meth:`Drain.pace`: early in a persist its own few chunks alone misjudge it); 0.0 with
     neither. So the wait is ``max(0, max_j(pending_j / pace - j * step_s))`` (a wait also
     delays the windows after it, which the max accounts for); without ``step_s``, the

@@ -370,7 +370,8 @@ class Drain:
 
         A model of the persist: it writes its files in the order given, ``threads`` at a time,
         each file's ranges in order, and its threads share one pace (storage-bound, the case
-        where a borrower waits at all). With one thread that is its exact order.
+        where a borrower waits at all). Left out: the files it writes that hold none of the
+        slot (the non-tensor state), the file headers and the fsyncs.
         """
         with self._cv:
             pending = set(self._begins)
