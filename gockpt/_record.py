@@ -11,6 +11,7 @@ files and handle, and the slot goes back to the pool once every one of them has 
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import threading
@@ -61,21 +62,34 @@ class StorageLag:
     def __init__(self) -> None:
         self.run = 0  # requests in a row that waited longer than SLOT_WAIT_WARN_S
         self.warned = False
+        self._recent: collections.deque[CheckpointMetrics] = collections.deque(
+            maxlen=SLOT_WAIT_WARN_SAVES + 1)  # the long waits and the save before them
 
     def note(self, metrics: CheckpointMetrics) -> None:
         """Count the whole slot wait of a save with a snapshot of its own, handed off, whose
         slot was not newly allocated (an allocation, pinning included, is no wait on storage);
-        warn on the ``SLOT_WAIT_WARN_SAVES``-th long one in a row."""
+        warn on the ``SLOT_WAIT_WARN_SAVES``-th long one in a row, with how long the latest of
+        them whose persist has ended took to write out (``persist_s``): the least time between
+        checkpoints that storage keeps up with."""
         waited = metrics.stall_by_phase_s.get("slot_wait", 0.0)
         self.run = self.run + 1 if waited > SLOT_WAIT_WARN_S else 0
+        self._recent.append(metrics)
         if self.run >= SLOT_WAIT_WARN_SAVES and not self.warned:
             self.warned = True
+            # persist_s is set by the persist thread as it ends (a float: read as is).
+            done = [m for m in self._recent if m.persist_s > 0]
+            took = ""
+            if done:
+                m = done[-1]
+                took = (f" Each takes about {m.persist_s:.2f} s to write out "
+                        f"({m.persist_bytes / 1e6:.0f} MB at {m.persist_gbps * 1e3:.0f} MB/s): "
+                        "request them at least that far apart, or write to faster storage;")
             log.warning(
                 "gockpt: %d checkpoints in a row each waited over %.2f s (the latest "
                 "%.2f s) for the checkpoint before to be written out: checkpoints are requested "
-                "faster than storage persists them. Checkpoint less often or write to faster "
-                "storage; more host memory (host_buffer_bytes) only absorbs a burst.",
-                self.run, SLOT_WAIT_WARN_S, waited)
+                "faster than storage persists them.%s more host memory (host_buffer_bytes) only "
+                "absorbs a burst.", self.run, SLOT_WAIT_WARN_S, waited,
+                took or " Checkpoint less often or write to faster storage;")
 
 
 class Phase(enum.Enum):

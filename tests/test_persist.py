@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import threading
 
 import pytest
@@ -366,6 +367,9 @@ def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once
     if slow:
         assert all(w > 0.05 for w in waits[1:]), waits
         assert len(said) == 1 and "3 checkpoints in a row" in said[0].getMessage()
+        # It says how long one checkpoint takes to write out: at least the store's 0.2 s.
+        took = re.search(r"Each takes about ([\d.]+) s to write out", said[0].getMessage())
+        assert took and float(took.group(1)) >= 0.2, said[0].getMessage()
         # From the third on, a persist before has written everything: its pace predicts the
         # wait. Broad bounds: the pace is the store's sleeps, but when the request comes into
         # the persist it waits for (a slow step) is this machine's.
