@@ -465,14 +465,15 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     if drain is not None and drain.done:
         drain = None  # the save before read everything: nothing to wait for
     handle.metrics.slot_borrowed = drain is not None
+    free, drain_wait_s = True, 0.0
     if drain is not None:
-        wait = predict_slot_wait_s(drain, layout, plan, slot_layout, pool.last_drain_pace, step_s)
+        windows = _window_ranges(layout, plan, slot_layout)
+        wait = predict_slot_wait_s(drain, windows, pool.last_drain_pace, step_s)
         handle.metrics.predicted_slot_wait_s = wait
         handle.metrics.predicted_stall_s += wait
-    td = perf_counter()
-    free = drain is None or _first_bytes_free(drain, layout, plan, slot_layout, tw,
-                                              config.slot_wait_timeout_s)
-    drain_wait_s = perf_counter() - td if drain is not None else 0.0
+        td = perf_counter()
+        free = _first_bytes_free(drain, windows[0], tw, config.slot_wait_timeout_s)
+        drain_wait_s = perf_counter() - td
     if not free:
         pool.release(slot)
         # stacklevel: this, Engine.save, its caller.
@@ -513,11 +514,12 @@ def _window_ranges(layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout
     return out
 
 
-def predict_slot_wait_s(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,
+def predict_slot_wait_s(drain: Drain, windows: list[list[tuple[int, int]]],
                         last_pace: tuple[int, float], step_s: float | None) -> float:
     """The predicted ``slot_wait`` of a save that borrowed its slot while ``drain``'s persist
     still writes it out, seconds. The request waits for the bytes of the first window; window
-    ``j``, opening ``j`` updates later (``step_s`` seconds apart), for its block's. The persist
+    ``j``, opening ``j`` updates later (``step_s`` seconds apart), for its block's (``windows``:
+    the slot byte ranges each window writes, :func:`_window_ranges`). The persist
     is modelled as in :meth:`Drain.pending_through`, at the pace of its bytes written so far
     pooled with those of the latest persist that wrote all of it, or ended (``last_pace``,
     :meth:`Drain.pace`: early in a persist its own few chunks alone misjudge it); 0.0 with
@@ -535,17 +537,14 @@ def predict_slot_wait_s(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_
     if not nbytes:
         return 0.0
     pace = nbytes / seconds
-    groups = _window_ranges(layout, plan, slot_layout)
-    if not step_s:
-        groups = groups[:1]
-    pending = drain.pending_through(groups)
+    pending = drain.pending_through(windows if step_s else windows[:1])
     return max(0.0, *(n / pace - j * (step_s or 0.0) for j, n in enumerate(pending)))
 
 
-def _first_bytes_free(drain: Drain, layout: StateLayout, plan: CopyPlan, slot_layout: SlotLayout,
-                      t0: float, timeout_s: float | None) -> bool:
+def _first_bytes_free(drain: Drain, ranges: list[tuple[int, int]], t0: float,
+                      timeout_s: float | None) -> bool:
     """Wait (bounded by ``timeout_s`` since ``t0``) until the bytes a borrowed slot takes at the
-    request are written out by the save it was borrowed from: the first window's blocks (all
-    of them for ``sync``/``async``) and the static tensors."""
+    request (``ranges``: the first window's blocks, all of them for ``sync``/``async``, and the
+    static tensors) are written out by the save it was borrowed from."""
     left = None if timeout_s is None else max(0.0, timeout_s - (perf_counter() - t0))
-    return drain.wait_free(_window_ranges(layout, plan, slot_layout)[0], left)
+    return drain.wait_free(ranges, left)

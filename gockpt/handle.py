@@ -57,8 +57,8 @@ class CheckpointMetrics:
             to write out block ``j``'s bytes (at its pace so far pooled with that of the
             latest persist that wrote all its bytes, or ended), less the time until window
             ``j`` opens (``j`` times the median time between updates). 0.0 for a slot of its
-            own, and where no persist has written anything yet. Where checkpoints come faster than storage persists
-            them, this is most of the stall.
+            own, and where no persist has written anything yet. Where checkpoints come faster
+            than storage persists them, this is most of the stall.
         stall_lower_bound_s: the least stall any plan of at most ``max_overlap_steps`` windows
             could have for the same measured costs (:func:`gockpt.plan.stall_lower_bound_s`),
             plus the same fixed cost, seconds (``predicted_slot_wait_s`` left out).

@@ -498,10 +498,9 @@ class SlotPool:
         self._bytes = 0
         self._peak = 0
         self._cv = threading.Condition()
-        # The latest persists that let their slot be borrowed: their pace (Drain.pace) once
-        # they have written everything, before they end (fsync, publish).
-        self._drains: collections.deque[Drain] = collections.deque(maxlen=2)
-        self._ended_pace: tuple[int, float] = (0, 0.0)
+        # The latest persists that let their slot be borrowed: their pace (Drain.pace) counts
+        # once they have written everything (done), before they end (fsync, publish).
+        self._drains: collections.deque[Drain] = collections.deque(maxlen=8)
 
     @property
     def max_slots(self) -> int:
@@ -627,9 +626,6 @@ class SlotPool:
         """The persist that made ``slot`` lendable with ``drain`` reads nothing more: every
         byte is free. ``drain.lent`` stays (the lender's snapshot stays unshareable)."""
         with self._cv:
-            pace = drain.pace()
-            if pace[0]:
-                self._ended_pace = pace
             drain.finish()
             if slot.drain is drain:
                 slot.drain = None
@@ -639,12 +635,12 @@ class SlotPool:
     @property
     def last_drain_pace(self) -> tuple[int, float]:
         """``(bytes, seconds)`` (:meth:`Drain.pace`) of the latest persist of a lendable slot
-        that has written all of it, or ended; ``(0, 0.0)`` before any."""
+        that has written all of it, or ended (one of the latest 8); ``(0, 0.0)`` before any."""
         with self._cv:
             for d in reversed(self._drains):
-                if d.done and d.pace()[0]:
-                    return d.pace()
-            return self._ended_pace
+                if d.done and (pace := d.pace())[0]:
+                    return pace
+            return 0, 0.0
 
     def share(self, slot: Slot) -> bool:
         """Hold ``slot`` once more (a save sharing another's snapshot); False when it was
