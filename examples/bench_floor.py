@@ -27,7 +27,10 @@ extra time off the CPU (wall less CPU: waits for the GIL, a lock or a core, and 
 block's last save or write to finish), and that in turn into its part in the wait for the
 last save or write, the time runnable but waiting for a core while training (the run queue,
 Linux's ``/proc/thread-self/schedstat``) and the rest while training (blocked on the GIL, a
-lock or a sleep). ``--chunk-bytes`` sets ``GoCkptConfig.chunk_bytes``. Blocks of one round
+lock or a sleep). ``--chunk-bytes`` sets ``GoCkptConfig.chunk_bytes``; ``--link-gbps`` emulates a
+slow device-to-host link (``GoCkptConfig.host_link_bytes_per_s``, an emulation: the copy thread
+sleeps), so that a save's copy spans several steps as on an accelerator;
+``--when-changed`` sets ``frozen_copy="when_changed"``. Blocks of one round
 run back to back and in a new order each round, so a slow drift of a shared machine hits every
 condition alike. Denormal floats are flushed to zero (``torch.set_flush_denormal``) unless
 ``--keep-denormals``: after some 500 steps the example model's CPU training reaches denormal
@@ -82,6 +85,11 @@ def main() -> None:
     parser.add_argument("--mode", default="auto", help="GoCkpt mode (GoCkptConfig.mode)")
     parser.add_argument("--chunk-bytes", type=int, default=None,
                         help="GoCkptConfig.chunk_bytes (default: the config's default)")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="emulated device-to-host link, GB/s (GoCkptConfig.host_link_bytes_per_s); "
+                             "default: none, memory-speed copies")
+    parser.add_argument("--when-changed", action="store_true",
+                        help='GoCkptConfig(frozen_copy="when_changed")')
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under .)")
     parser.add_argument("--nice", type=int, default=None, help="niceness of this process (root for < 0)")
     parser.add_argument("--keep-denormals", action="store_true",
@@ -157,6 +165,8 @@ def main() -> None:
     try:
         engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(
             mode=args.mode,
+            host_link_bytes_per_s=None if args.link_gbps is None else args.link_gbps * 1e9,
+            **({"frozen_copy": "when_changed"} if args.when_changed else {}),
             **({} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes})))
         for _ in range(3):
             train_step(model, opt, next(data))
@@ -166,7 +176,9 @@ def main() -> None:
         nbytes = -(-state_bytes // 4096) * 4096  # O_DIRECT writes whole pages
         print(f"{state_bytes / 1e6:.0f} MB of state, {args.steps} steps per block, "
               f"a checkpoint every {args.interval} ({saves} per block), {args.rounds} rounds, "
-              f"mode {args.mode}, denormals "
+              f"mode {args.mode}"
+              f"{'' if args.link_gbps is None else f', emulated link {args.link_gbps} GB/s'}"
+              f"{', frozen_copy when_changed' if args.when_changed else ''}, denormals "
               f"{'kept' if args.keep_denormals else 'flushed to zero'}", flush=True)
         block(engine_kind, "warm")  # host buffers allocated, plans costed, the replay self-check run
         for r in range(args.rounds):

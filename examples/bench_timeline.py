@@ -22,30 +22,41 @@ PHASES = ("copy", "replay", "serialize", "write", "checksum", "fsync", "manifest
           "latest")
 
 
+def in_flight_indices(starts: list[float], ckpt_steps: list[int], requests: list[float],
+                      durable_at: list[float]) -> list[int]:
+    """Indices of the measured steps that started while a checkpoint was in flight (after its
+    request, before it was durable), each checkpoint's own step excluded."""
+    return [i for i, s in enumerate(starts)
+            if i not in ckpt_steps
+            and any(r <= s < d for r, d in zip(requests, durable_at, strict=False))]
+
+
 def in_flight_steps(times: list[float], starts: list[float], ckpt_steps: list[int],
                     requests: list[float], durable_at: list[float]) -> list[float]:
-    """Times of the measured steps that started while a checkpoint was in flight (after its
-    request, before it was durable), each checkpoint's own step excluded."""
-    out = []
-    for i, (t, s) in enumerate(zip(times, starts, strict=True)):
-        if i in ckpt_steps:
-            continue
-        if any(r <= s < d for r, d in zip(requests, durable_at, strict=False)):
-            out.append(t)
-    return out
+    """Times (s) of the steps :func:`in_flight_indices` names."""
+    return [times[i] for i in in_flight_indices(starts, ckpt_steps, requests, durable_at)]
 
 
 def step_split(times: list[float], starts: list[float], ckpt_steps: list[int],
-               requests: list[float], durable_at: list[float], free: list[float]) -> dict:
-    """Median step time during a checkpoint and without one, and their ratio."""
-    during = in_flight_steps(times, starts, ckpt_steps, requests, durable_at)
+               requests: list[float], durable_at: list[float], free: list[float],
+               own_waits: list[float] | None = None) -> dict:
+    """Median step time during a checkpoint and without one, and their ratio.
+
+    ``own_waits`` (s per measured step, optional): the checkpointer's own waits on the
+    training thread inside each step (GoCkpt's ``stall_s`` gained during it: window ends,
+    gradient copies, slot waits). With it, the split also gives the steps during a checkpoint
+    less those waits: what the background work (copy, replay, persist) costs the steps, apart
+    from the stall the planner predicts.
+    """
+    index = in_flight_indices(starts, ckpt_steps, requests, durable_at)
+    during = [times[i] for i in index]
     own = [times[i] for i in ckpt_steps]
     free_median = statistics.median(free)
     # The run's noise: how far apart the two halves of the free steps' medians lie.
     half = len(free) // 2
     noise = (abs(statistics.median(free[:half]) - statistics.median(free[half:])) / free_median
              if half >= 2 else float("nan"))
-    return {
+    out = {
         "free_median_s": free_median,
         "free_n": len(free),
         "during_median_s": statistics.median(during) if during else float("nan"),
@@ -54,6 +65,12 @@ def step_split(times: list[float], starts: list[float], ckpt_steps: list[int],
         "request_step_median_s": statistics.median(own) if own else float("nan"),
         "noise": noise,
     }
+    if own_waits is not None and during:
+        less = [times[i] - own_waits[i] for i in index]
+        out["during_less_own_median_s"] = statistics.median(less)
+        out["during_less_own_vs_free"] = statistics.median(less) / free_median
+        out["own_wait_during_mean_s"] = statistics.fmean(own_waits[i] for i in index)
+    return out
 
 
 def lone_checkpoint(requests: list[float], durable_at: list[float]) -> int:

@@ -391,6 +391,8 @@ class ShardedEngine:
         Raises:
             RuntimeError: on every rank, when a save failed on any rank (the message names it).
         """
+        if self._group is None:
+            return []  # closed: close() finished every save, and the group is gone
         out, error = [], None
         try:
             self.engine.wait(timeout_s)
@@ -416,7 +418,11 @@ class ShardedEngine:
             collective: False once the ranks no longer meet (another rank failed): skip the
                 collective wait; this rank's own saves are still finished (the commit of one in
                 flight then fails on its timeout).
+
+        A second call does nothing (the engine's group is gone after the first).
         """
+        if self._group is None:
+            return
         try:
             if collective:
                 self.wait()
@@ -425,6 +431,19 @@ class ShardedEngine:
             if self._commits is not None:
                 self._commits.shutdown(wait=True)
             self._staging.release()
+            self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        """Destroy the engine's own gloo group (local, not collective). Left to the
+        interpreter's teardown, its worker threads are torn down in no set order, and a spawned
+        rank has been seen aborting at exit ("terminate called without an active exception")."""
+        group, self._group = self._group, None
+        if group is None or not dist.is_initialized():
+            return  # closed before, or gone with the default group
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            pass  # already destroyed by the caller
 
     # ------------------------------------------------------------------ agreement and commit
 

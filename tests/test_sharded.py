@@ -106,7 +106,12 @@ def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
     assert saves["gockpt_o"].part.metrics.mode == "gockpt_o"
     assert saves["lazy"].part.metrics.num_overlap_steps == 1
     final = _full(m, opt)
+    group = eng._group
     eng.close()
+    with pytest.raises(KeyError):  # the engine's own group is destroyed at close
+        dist.get_process_group_ranks(group)
+    eng.close()  # a second close is a no-op, and so is a wait after it
+    assert eng.wait() == []
     if rank == 0:
         torch.save({"live": live, "final": final}, f"{root}/expected.pt")
     for name, (target, state) in live.items():
