@@ -307,9 +307,11 @@ class ShardedEngine:
 
         Raises:
             RuntimeError: the ranks disagree on the captured step, or the request failed on a
-                rank (every rank raises; nothing is written).
+                rank (every rank raises; nothing is written); the engine is closed.
             ValueError: ``path`` is not local; both ``state_fn`` and ``part_state_fn`` given.
         """
+        if self._group is None:
+            raise RuntimeError("ShardedEngine is closed")
         if state_fn is not None and part_state_fn is not None:
             raise ValueError("pass state_fn or part_state_fn, not both")
         path = path.rstrip("/") or path
@@ -427,11 +429,17 @@ class ShardedEngine:
             if collective:
                 self.wait()
         finally:
-            self.engine.close()
-            if self._commits is not None:
-                self._commits.shutdown(wait=True)
-            self._staging.release()
-            self._destroy_group()
+            try:
+                self.engine.close()
+            finally:
+                try:
+                    if self._commits is not None:
+                        self._commits.shutdown(wait=True)
+                    self._staging.release()
+                finally:
+                    # Even when the engine's close raised: a second close must not meet the
+                    # other ranks again (they have destroyed their groups).
+                    self._destroy_group()
 
     def _destroy_group(self) -> None:
         """Destroy the engine's own gloo group (local, not collective). Left to the

@@ -147,19 +147,26 @@ class CpuCopier:
         dsts: list[torch.Tensor] = []
         held = 0
         for src, dst in pairs:
-            s = src.detach().reshape(-1).view(torch.uint8)
-            d = dst.reshape(-1).view(torch.uint8)
-            n = d.numel()
+            n = dst.numel() * dst.element_size()
             if srcs and held + n > self._chunk:
                 yield srcs, dsts
                 srcs, dsts, held = [], [], 0
             if n >= self._chunk:
+                s = src.detach().reshape(-1).view(torch.uint8)
+                d = dst.reshape(-1).view(torch.uint8)
                 for a in range(0, n, self._chunk):
                     b = min(n, a + self._chunk)
                     yield [s[a:b]], [d[a:b]]
                 continue
-            srcs.append(s)
-            dsts.append(d)
+            if src.shape == dst.shape and src.dtype == dst.dtype:
+                # As they are: three view ops per tensor, with the GIL held, were most of this
+                # thread's Python per save (hundreds of small tensors). The copy runs with
+                # autograd off (_run), so a source that requires grad needs no detach.
+                srcs.append(src)
+                dsts.append(dst)
+            else:
+                srcs.append(src.detach().reshape(-1).view(torch.uint8))
+                dsts.append(dst.reshape(-1).view(torch.uint8))
             held += n
         if srcs:
             yield srcs, dsts
@@ -169,6 +176,7 @@ class CpuCopier:
         # GIL taken back after each chunk, the heap): the rate the planner sees is the rate
         # copies really move at beside training and the other engine threads.
         since: float | None = None  # end of the previous chunk while the queue stayed non-empty
+        torch.set_grad_enabled(False)  # this thread only: copies are never recorded by autograd
         while True:
             with self._cv:
                 if not self._heap:
@@ -192,7 +200,7 @@ class CpuCopier:
                     continue
                 t0 = perf_counter()
                 srcs, dsts = item
-                n = sum(d.numel() for d in dsts)
+                n = sum(d.numel() * d.element_size() for d in dsts)
                 with _trace.phase("copy", n):
                     if len(dsts) == 1:
                         dsts[0].copy_(srcs[0])

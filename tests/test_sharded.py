@@ -112,6 +112,8 @@ def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
         dist.get_process_group_ranks(group)
     eng.close()  # a second close is a no-op, and so is a wait after it
     assert eng.wait() == []
+    with pytest.raises(RuntimeError, match="closed"):  # not a collective on the default group
+        eng.save(f"{root}/after-close")
     if rank == 0:
         torch.save({"live": live, "final": final}, f"{root}/expected.pt")
     for name, (target, state) in live.items():

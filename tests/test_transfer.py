@@ -31,13 +31,44 @@ def test_small_tensors_are_copied_together_and_large_ones_in_slices():
     dst = [torch.full(s.shape, 7, dtype=s.dtype) for s in src]
     pairs = list(zip(src, dst, strict=True))
     chunks = list(c._chunks(pairs))
-    assert all(sum(d.numel() for d in ds) <= 4096 for _, ds in chunks)
+    assert all(sum(d.numel() * d.element_size() for d in ds) <= 4096 for _, ds in chunks)
     one_per_tensor = sum(max(1, -(-s.numel() * s.element_size() // 4096)) for s in src)
     assert any(len(ds) > 1 for _, ds in chunks) and len(chunks) < one_per_tensor
     ticket = c.copy(pairs, PRIORITY_STATE)
     ticket.wait()
     assert ticket.done_at is not None
     assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+    # Bytes, not elements (small tensors are copied in their own shape and dtype).
+    assert c.bytes_copied == ticket.nbytes == sum(s.numel() * s.element_size() for s in src)
+    c.close()
+
+
+def test_a_source_that_requires_grad_is_copied_outside_autograd():
+    # Small ones together in one call, a large one in slices, one alone.
+    c = CpuCopier(chunk_bytes=4096)
+    src = [torch.randn(10, requires_grad=True), torch.randn(20, requires_grad=True),
+           torch.randn(3000, requires_grad=True), torch.randn(1000, requires_grad=True)]
+    dst = [torch.zeros(s.shape) for s in src]
+    pairs = list(zip(src, dst, strict=True))
+    assert len(list(c._chunks(pairs))[0][0]) == 2
+    c.copy(pairs, PRIORITY_STATE).wait()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(src, dst, strict=True))
+    assert not any(d.requires_grad or d.grad_fn is not None for d in dst)
+    c.close()
+
+
+def test_a_destination_of_another_shape_or_dtype_gets_the_bytes():
+    # Same bytes, other layout: a flat host buffer for a (4, 5) tensor, and bytes for floats,
+    # in a chunk with tensors copied as they are.
+    c = CpuCopier(chunk_bytes=4096)
+    a, b, e = torch.randn(4, 5), torch.randn(6), torch.randn(3)
+    pairs = [(a, torch.zeros(20)), (b, torch.zeros(24, dtype=torch.uint8)), (e, torch.zeros(3))]
+    assert len(list(c._chunks(pairs))) == 1
+    c.copy(pairs, PRIORITY_STATE).wait()
+    assert torch.equal(pairs[0][1], a.reshape(-1))
+    assert torch.equal(pairs[1][1].view(torch.float32), b)
+    assert torch.equal(pairs[2][1], e)
+    assert c.bytes_copied == 80 + 24 + 12
     c.close()
 
 
