@@ -588,7 +588,7 @@ class Windows:
             for group in o.param_groups:
                 for p in group["params"]:
                     if p.grad is not None and id(local(p.grad)) in by_grad and p.requires_grad:
-                        self._guard_handles.append(p.register_hook(self._guard_hook(p, ticket)))
+                        self._guard_handles.append((p, p.register_hook(self._guard_hook(p, ticket))))
 
     def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket):
         def hook(grad: torch.Tensor) -> None:
@@ -619,9 +619,25 @@ class Windows:
                 t.wait()
         if all(t.done() for t, _ in self._pending_grads):
             self._pending_grads.clear()
-            for h in self._guard_handles:
+            for _, h in self._guard_handles:
                 h.remove()
             self._guard_handles.clear()
+
+    def drop_cleared_guards(self) -> None:
+        """Remove the guards of parameters whose gradient is now None (``zero_grad`` with
+        ``set_to_none=True``): their next backward makes a new gradient tensor and cannot
+        write into one still being copied, so the hook would only cost a call into Python, with
+        the GIL, inside that backward. The copies themselves are still waited for where needed
+        (``release_guards``, the version check of each gradient copy)."""
+        if not self._guard_handles:
+            return
+        kept = []
+        for p, h in self._guard_handles:
+            if p.grad is None:
+                h.remove()
+            else:
+                kept.append((p, h))
+        self._guard_handles = kept
 
     def wrap_zero_grad(self, opt: Optimizer) -> None:
         """Make ``opt.zero_grad(set_to_none=False)`` wait for the guarded gradient copies."""
@@ -633,6 +649,8 @@ class Windows:
             if not set_to_none:
                 self.release_guards(wait=True)
             original(set_to_none=set_to_none)
+            if set_to_none:
+                self.drop_cleared_guards()
 
         opt.zero_grad = zero_grad  # type: ignore[method-assign]
 

@@ -426,6 +426,38 @@ def test_in_place_zero_grad_is_safe(tmp_path, mode):
         assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
 
 
+def test_gockpt_o_guards_drop_at_set_to_none_and_stay_where_gradients_accumulate(tmp_path):
+    # gockpt_o copies each step's gradients while the next step runs; a tensor hook guards a
+    # gradient that the next backward would accumulate into. zero_grad(set_to_none=True) makes
+    # that impossible for the gradients it clears, so their guards go; a step without
+    # zero_grad keeps them (the copies are slowed by an emulated link, so the next backward may
+    # meet one in flight). Either way each checkpoint equals the live state.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3,
+                                          max_overlap_steps=3, host_link_bytes_per_s=1e7))
+    windows = eng._windows  # noqa: SLF001 - the guards are not public
+    live, handles, guarded_after_clear = {}, [], []
+    x = torch.randn(16, 8)
+    for it in range(12):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it % 3 != 2:  # every third step accumulates into the last gradients
+            opt.zero_grad(set_to_none=True)
+            guarded_after_clear.append(len(windows._guard_handles))  # noqa: SLF001
+        if it in (1, 5):
+            handles.append(eng.save(str(tmp_path / f"g{it}")))
+    eng.close()
+    assert guarded_after_clear and not any(guarded_after_clear)
+    for h in handles:
+        m = h.result()
+        assert m.mode == "gockpt_o" and m.num_overlap_steps == 3
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+        assert_state_equal(state.model_state_dict, live[state.captured_step]["model"])
+
+
 @pytest.mark.parametrize("mode", ["sync", "lazy", "gockpt"])
 def test_failing_state_fn_fails_only_that_save(tmp_path, mode):
     model, opt, sched, scaler = make("adamw")
