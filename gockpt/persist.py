@@ -386,7 +386,14 @@ def slot_chunks(req: PersistRequest) -> list[list[tuple[int, int]]]:
     ``[begin, end)`` byte ranges of ``req.slot`` it reads for it, as the pieces it writes, in
     order (``req.on_chunk_read`` reports each once written)."""
     order = sorted(range(len(req.shards)), key=lambda i: -req.shards[i].file_bytes)  # as _write_files
-    return [[r for b, e in _segments(req, i) for r in _ranges(b, e, req.chunk_bytes)] for i in order]
+    return [list(_slot_pieces(req, i)) for i in order]
+
+
+def _slot_pieces(req: PersistRequest, i: int) -> Iterator[tuple[int, int]]:
+    """The ``[begin, end)`` byte ranges of ``req.slot`` that shard ``i``'s data is written in,
+    in order: one per piece of at most ``chunk_bytes``."""
+    for b, e in _segments(req, i):
+        yield from _ranges(b, e, req.chunk_bytes)
 
 
 def io_threads(req: PersistRequest) -> int:
@@ -408,11 +415,10 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
         def pieces(shard: ShardLayout = shard, i: int = i) -> Iterator[memoryview | bytes]:
             yield shard.header
             read = req.on_chunk_read
-            for b, e in _segments(req, i):
-                for lo, hi in _ranges(b, e, req.chunk_bytes):
-                    yield slot_view[lo:hi]
-                    if read is not None:  # asked for the next piece: this one is written
-                        read(lo, hi)
+            for lo, hi in _slot_pieces(req, i):
+                yield slot_view[lo:hi]
+                if read is not None:  # asked for the next piece: this one is written
+                    read(lo, hi)
 
         jobs.append((shard.file_bytes, shard.file, pieces))
     for name, data in req.files.items():

@@ -45,6 +45,7 @@ Loading, with any number of ranks, goes through ``torch.distributed.checkpoint``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -425,21 +426,16 @@ class ShardedEngine:
         """
         if self._group is None:
             return
-        try:
+        with contextlib.ExitStack() as stack:  # each runs, last first, whatever raised before
+            # Last, even when something before it raised: a second close must not meet the
+            # other ranks again (they have destroyed their groups).
+            stack.callback(self._destroy_group)
+            stack.callback(self._staging.release)
+            if self._commits is not None:
+                stack.callback(self._commits.shutdown, wait=True)
+            stack.callback(self.engine.close)
             if collective:
                 self.wait()
-        finally:
-            try:
-                self.engine.close()
-            finally:
-                try:
-                    if self._commits is not None:
-                        self._commits.shutdown(wait=True)
-                    self._staging.release()
-                finally:
-                    # Even when the engine's close raised: a second close must not meet the
-                    # other ranks again (they have destroyed their groups).
-                    self._destroy_group()
 
     def _destroy_group(self) -> None:
         """Destroy the engine's own gloo group (local, not collective). Left to the
