@@ -14,8 +14,9 @@ checkpoint (sum of step times minus steps x the median step of the same process'
 no checkpoint in flight), the engine-reported stall, the time from request to durable, and the
 peak RSS above the ``none`` run of the same size; each also per GB of checkpointed state.
 This machine is shared: quote ratios, run it twice. With ``--device cuda`` the model, batch and
-optimizer state live on the GPU, each step ends with ``torch.cuda.synchronize()`` (as a loop that
-reads its loss does), and GoCkpt copies over its own CUDA streams into pinned host memory: the
+optimizer state live on the GPU, each step ends by synchronizing the current stream (as a loop
+that reads its loss with ``.item()`` does; a device-wide ``torch.cuda.synchronize()`` would also
+wait for GoCkpt's copy streams), and GoCkpt copies over its own CUDA streams into pinned host memory: the
 D2H copy itself is measured, not emulated. Usage::
 
     python examples/bench_scale.py --sizes-gb 0.3 1.2 3 --modes lazy gockpt_o
@@ -56,7 +57,7 @@ def _run(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.randn(args.batch, WIDTH, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.current_stream().synchronize()) if device.type == "cuda" else (lambda: None)
 
     def step() -> None:
         model(x).square().mean().backward()

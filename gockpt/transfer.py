@@ -110,6 +110,10 @@ class CpuCopier:
         self.bytes_copied = 0
         self.busy_s = 0.0
 
+    def rate_sample(self) -> tuple[int, float]:
+        """(bytes, seconds) of the copies finished so far: what the link moved while busy."""
+        return self.bytes_copied, self.busy_s
+
     def copy(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int,
         check_versions: bool = False,
@@ -237,6 +241,10 @@ class CudaCopier:
     The source tensors are recorded on the copy stream so the caching allocator does not reuse
     their memory before the copy ends (gradients freed by ``zero_grad(set_to_none=True)``).
     Priority: gradient jobs go on a high-priority stream.
+
+    Each job is bracketed by timing events on its stream, so the link's pace is read from the
+    device's own clock once a job has ended (:meth:`rate_sample`), without the host waiting: the
+    host sees a CUDA copy only as queued, so its wall clock cannot time one.
     """
 
     def __init__(self, device: torch.device, chunk_bytes: int, bytes_per_s: float | None = None) -> None:
@@ -245,6 +253,9 @@ class CudaCopier:
         self._grad_stream = torch.cuda.Stream(device=device, priority=-1)
         self.bytes_copied = 0
         self.busy_s = 0.0
+        self._timed_bytes = 0
+        # (start event, end event, bytes) of jobs not yet read, in the order issued.
+        self._pending: collections.deque = collections.deque()
 
     def copy(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int,
@@ -256,15 +267,33 @@ class CudaCopier:
         stream.wait_stream(torch.cuda.current_stream(self._device))
         nbytes = 0
         with torch.cuda.stream(stream):
+            # Recorded after the wait on the compute stream: it fires when the copy can start.
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             for src, dst in pairs:
                 dst.copy_(src.detach(), non_blocking=True)
                 if src.is_cuda:  # host tensors (Adam's ``step`` counts) need no stream record
                     src.record_stream(stream)
                 nbytes += dst.numel() * dst.element_size()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         self.bytes_copied += nbytes
+        self._pending.append((start, event, nbytes))
         return CopyTicket(nbytes, event)
+
+    def rate_sample(self) -> tuple[int, float]:
+        """(bytes, seconds) of the jobs known to have ended, timed on the device between each
+        job's start and end events. Never waits: a job still running is read on a later call."""
+        keep: collections.deque = collections.deque()
+        while self._pending:
+            start, end, n = self._pending.popleft()
+            if end.query():
+                self.busy_s += start.elapsed_time(end) / 1000.0  # milliseconds
+                self._timed_bytes += n
+            else:
+                keep.append((start, end, n))
+        self._pending = keep
+        return self._timed_bytes, self.busy_s
 
     def close(self) -> None:
         self._state_stream.synchronize()

@@ -5,7 +5,9 @@
 #   2. the CUDA-marked tests (checkpoint equals the live state in every mode, Lightning FSDP,
 #      Accelerate FSDP2, DeepSpeed where the package is present);
 #   3. examples/bench_scale.py on the GPU at about 1.2 and 3 GB of fp32 weights + AdamW state
-#      (modes lazy and auto; interval GOCKPT_GPU_INTERVAL steps, default 30).
+#      (modes lazy and auto; interval GOCKPT_GPU_INTERVAL steps, default 30);
+#   4. the same at 1.2 GB with a small batch (steps of about 8 ms on an H200, shorter than the
+#      D2H copy of the state), where only a multi-step plan hides the copy.
 # Logs go to $OUT (or /tmp/gockpt-gpu), the tables last on stdout. Each part has its own time
 # limit so that one slow part cannot take the others' share of the lease.
 set -uo pipefail
@@ -16,6 +18,7 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 TESTS_S=${GOCKPT_GPU_TESTS_S:-200}
 BENCH_S=${GOCKPT_GPU_BENCH_S:-300}
+SMALL_S=${GOCKPT_GPU_SMALL_S:-150}
 
 {
     date -u
@@ -49,6 +52,14 @@ timeout "$BENCH_S" "$PY" examples/bench_scale.py --device cuda --batch 4096 --th
     >"$OUT/bench.txt" 2>"$OUT/bench.err"
 echo "bench_scale: exit $?" | tee -a "$OUT/machine.txt"
 
+# Steps shorter than the copy: K = 1 makes the update wait on the device for the copy (a wait
+# the host does not see as stall); the planner should choose several windows here.
+timeout "$SMALL_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
+    --sizes-gb 1.2 --interval 200 --checkpoints 3 --modes lazy gockpt_o auto \
+    >"$OUT/bench_small.txt" 2>"$OUT/bench_small.err"
+echo "bench_scale, small batch: exit $?" | tee -a "$OUT/machine.txt"
+
 tail -n 25 "$OUT/tests.log"
 cat "$OUT/bench.txt"
-grep -c '^# done' "$OUT/bench.err" | sed 's/^/bench rows finished: /'
+cat "$OUT/bench_small.txt"
+cat "$OUT/bench.err" "$OUT/bench_small.err" | grep -c '^# done' | sed 's/^/bench rows finished: /'

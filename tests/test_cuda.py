@@ -124,3 +124,28 @@ def test_pinned_host_buffers_hold_their_size_not_the_next_power_of_two():
     # ... and ours hold about their own size, and are released.
     assert grown <= 1.1 * n, (grown, ref_grown)
     assert freed <= 0.1 * n, freed
+
+
+def test_cuda_copier_times_its_copies_on_the_device_and_the_probe_agrees():
+    """The copy's pace is read from events on its stream (the host cannot time a queued copy),
+    and the probe the first plan uses reads about the same pace: on an H200 it once read
+    several times the link's, so a copy of three steps was planned into one."""
+    from gockpt._planner import probe_copy_bandwidth
+    from gockpt._direct import aligned_empty
+    from gockpt.transfer import PRIORITY_STATE, CudaCopier
+
+    c = CudaCopier(torch.device("cuda"), 1 << 22)
+    n = 256 << 20
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = aligned_empty(n, pin_memory=True)
+    assert c.rate_sample() == (0, 0.0)
+    for _ in range(3):
+        c.copy([(src, dst)], PRIORITY_STATE).wait()
+    done, seconds = c.rate_sample()
+    assert done == 3 * n and seconds > 0
+    pace = done / seconds
+    assert 1e8 < pace < 1e12, pace  # bytes/s: between a slow PCIe link and any host memory
+    assert torch.equal(dst, src.cpu())
+    probed = probe_copy_bandwidth(c, torch.device("cuda"), None)
+    assert 0.2 * pace < probed < 2.0 * pace, (probed, pace)
+    c.close()

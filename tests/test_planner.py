@@ -30,7 +30,7 @@ def _frozen_model():
 def test_planner_counts_no_gradient_for_frozen_parameters_and_the_static_copy():
     model, opt, sched, scaler = _frozen_model()
     train(model, opt, sched, scaler, 2)  # optimizer state exists
-    planner = Planner(model, [opt], GoCkptConfig(), SimpleNamespace(busy_s=0.0), 1000.0)
+    planner = Planner(model, [opt], GoCkptConfig(), SimpleNamespace(rate_sample=lambda: (0, 0.0)), 1000.0)
     layout, _ = planner.current_layout()
     plan = planner.plan(layout, "gockpt_o", False, None, version=2, window_s=0.5)
     units = [u.state_bytes for u in layout.units]
@@ -441,3 +441,43 @@ def test_plans_are_sized_for_the_configured_forecast_of_recent_windows(
     planned = handles[0].result().planned_window_s
     assert planned is not None
     assert (planned >= 0.08) == above, planned
+
+
+class _IssueCopier:
+    """A copier that does its work inside ``copy()`` and hands back a finished ticket, as a
+    CUDA copy issued on a fast stream can be: the host's clock sees it only before the call
+    returns."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def copy(self, pairs, priority, check_versions=False):
+        for src, dst in pairs:
+            dst.copy_(src)
+        time.sleep(self.seconds)
+        return SimpleNamespace(wait=lambda: None)
+
+
+def test_copy_bandwidth_probe_times_the_copy_from_before_it_is_issued():
+    from gockpt._planner import probe_copy_bandwidth
+
+    copier = _IssueCopier(0.02)
+    bw = probe_copy_bandwidth(copier, torch.device("cpu"), None)
+    # 8 MiB in at least 20 ms: at most about 0.42 GB/s, however fast the host's clock reads the
+    # finished ticket.
+    assert bw <= (8 << 20) / 0.02, bw
+    assert probe_copy_bandwidth(copier, torch.device("cpu"), 1e6) == 1e6  # the cap still holds
+
+
+def test_planner_takes_the_pace_measured_on_finished_copies_over_the_probe():
+    model, opt, sched, scaler = make("adamw")
+    train(model, opt, sched, scaler, 2)
+    sample = [(0, 0.0)]
+    copier = SimpleNamespace(rate_sample=lambda: sample[0])
+    planner = Planner(model, [opt], GoCkptConfig(), copier, 1e12)
+    layout, _ = planner.current_layout()
+    plan = planner.plan(layout, "gockpt_o", False, None, version=2, window_s=0.5)
+    assert plan.copy_bytes_per_s == 1e12  # too little copying seen: the probe's figure
+    sample[0] = (3_000_000, 0.1)  # 30 MB/s, measured over 0.1 s of copying
+    plan = planner.plan(layout, "gockpt_o", False, None, version=3, window_s=0.5)
+    assert plan.copy_bytes_per_s == pytest.approx(3e7)
