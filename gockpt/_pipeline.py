@@ -32,11 +32,11 @@ from .config import GoCkptConfig
 from .errors import CheckpointCancelledError
 from .handle import CheckpointMetrics
 from .layout import Unit
-from .persist import (PersistRequest, io_threads, io_threads_cap, lower_thread_priority, persist,
-                      slot_chunks)
+from .persist import (PersistRequest, PersistResult, io_threads, io_threads_cap,
+                      lower_thread_priority, persist, slot_chunks)
 from .replay import TorchReplay
 from .snapshot import references, resolve
-from .targets import LocalTarget
+from .targets import FileOrigin, LocalTarget
 from .transfer import CopyTicket, Drain, SlotPool
 from .writer import Snapshot
 
@@ -186,11 +186,36 @@ class Pipeline:
                 s.handle._future.set_exception(e)
             s.phase = Phase.FAILED
 
+    @staticmethod
+    def _reusable(s: SaveRecord) -> dict[str, FileOrigin]:
+        """Shard file name -> the published file of an earlier save that holds its bytes: the
+        same header, and the slot held the very same entries (no byte copied again since) when
+        that save and ``s`` were handed off (``frozen_copy="when_changed"``)."""
+        out: dict[str, FileOrigin] = {}
+        for i, entries in (s.held_entries or {}).items():
+            got = s.slot.held.origins.get(i)
+            if got is None:
+                continue
+            header, then, origin = got
+            if header == s.shards[i].header and len(then) == len(entries) and all(
+                    a is b for a, b in zip(then, entries)):
+                out[s.shards[i].file] = origin
+        return out
+
+    @staticmethod
+    def _note_origins(s: SaveRecord, res: PersistResult) -> None:
+        """Where ``s``'s shards of held entries now lie, for the next save into its slot."""
+        for i, entries in (s.held_entries or {}).items():
+            origin = res.origins.get(s.shards[i].file)
+            if origin is not None:
+                s.slot.held.origins[i] = (s.shards[i].header, entries, origin)
+
     def persist(self, s: SaveRecord) -> None:
         """Write ``s`` and resolve its handle (persist pool; the training thread in ``sync``)."""
         m = s.metrics
         s.drain()
         try:
+            m.device_wait_s = sum(t.device_wait_s() for t in s.tickets.values())
             if s.failed is not None:
                 raise s.failed
             if s.cancel.is_set():
@@ -237,7 +262,10 @@ class Pipeline:
                 if not self._slots.make_lendable(s.slot, s.lending):
                     s.lending = None
                     req.on_chunk_read = None
+            req.reuse = self._reusable(s)
             res = persist(req)
+            if res.published and s.held_entries:
+                self._note_origins(s, res)
             if res.published and snap is not None:
                 try:
                     s.writer.after_publish(snap)  # type: ignore[union-attr]
@@ -245,6 +273,7 @@ class Pipeline:
                     log.exception("gockpt: %s: the writer's after_publish failed", s.path)
             m.superseded = not res.published
             m.persist_bytes = res.bytes_written
+            m.linked_bytes = res.bytes_linked
             m.persist_s = res.seconds
             m.persist_gbps = res.bytes_written / res.seconds / 1e9 if res.seconds > 0 else 0.0
             m.time_to_durable_s = perf_counter() - s.t_request

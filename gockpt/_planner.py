@@ -212,8 +212,15 @@ class Planner:
     def slot_layout(self, layout: StateLayout) -> SlotLayout:
         """Where each tensor of ``layout`` lives in a host slot and in the shard files."""
         if self._slot_cache is None or self._slot_cache[0] is not layout:
+            apart: set[str] = set()
+            if self._config.frozen_copy == "when_changed":
+                # Frozen tensors in shards of their own, which a later checkpoint may link.
+                frozen = {f"model.{n}" for n, p in self._model.named_parameters()
+                          if not p.requires_grad}  # stored keys (gockpt.layout.build_layout)
+                apart = {u.param_entry.key for u in layout.units if rememberable(u)}
+                apart |= {e.key for e in layout.static if e.key in frozen}
             self._slot_cache = (layout, plan_slot([e.spec for e in layout.entries],
-                                                  self._config.max_shard_bytes))
+                                                  self._config.max_shard_bytes, apart))
         return self._slot_cache[1]
 
     def grad_layout(self, layout: StateLayout, plan: CopyPlan) -> tuple[dict[int, int], tuple[int, int]]:

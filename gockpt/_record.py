@@ -222,6 +222,10 @@ class SaveRecord:
     # Seconds its copies waited for a borrowed slot's bytes to be written out (part of
     # "slot_wait"): predicted per save (predict_slot_wait_s), so not a fixed cost.
     drain_wait_s: float = 0.0
+    # frozen_copy="when_changed": per shard whose every tensor the slot held unchanged when the
+    # save was handed off, those held entries (HeldTensors.entries): the persist links the
+    # shard's file from the last checkpoint that wrote the same entries.
+    held_entries: dict[int, tuple] | None = None
 
     def __post_init__(self) -> None:
         if self.share is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -58,10 +59,22 @@ def rememberable_static(t: torch.Tensor) -> bool:
 
 class HeldTensors:
     """Per host slot: byte offset in ``slot.data`` -> the :class:`Fingerprint` of the tensor whose
-    data those bytes hold, for views written only by copies."""
+    data those bytes hold, for views written only by copies.
+
+    Each :meth:`remember` makes a new entry object, so the identity of the entries at a set of
+    offsets says whether those bytes were copied again since: :meth:`entries` taken for a
+    shard when one checkpoint was handed to the persist, and again for the next, are the same
+    objects only if no byte of that shard was written in between. Then the file the first
+    wrote holds the bytes the second would write, and the second links it
+    (:attr:`origins`, :meth:`gockpt.targets.StorageTarget.link`).
+    """
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, Fingerprint]] = {}
+        # Shard index -> (its header, its entries() when handed off, where its published file
+        # is: a gockpt.targets.FileOrigin). Written by the persist thread that published it,
+        # read by the next save's persist thread.
+        self.origins: dict[int, tuple[bytes, tuple, Any]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -85,6 +98,17 @@ class HeldTensors:
         got = self._held.get(offset)
         return (got is not None and got[1][1] == versioned._version
                 and got[1][2] == tensor.data_ptr())
+
+    def entries(self, offsets: Iterable[int]) -> tuple | None:
+        """The entries held at ``offsets`` (compared by identity, see the class), or None where
+        one of them holds nothing known."""
+        out = []
+        for off in offsets:
+            e = self._held.get(off)
+            if e is None:
+                return None
+            out.append(e)
+        return tuple(out)
 
     def forget(self, offsets: Iterable[int]) -> None:
         """The bytes at ``offsets`` are about to be written (a copy, a replay)."""

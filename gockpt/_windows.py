@@ -175,6 +175,7 @@ class Windows:
             metrics.add_stall("copy", perf_counter() - t0 - metrics.stall_s - s.flushed_others_s)
             if not s.cold:
                 self.storage_lag.note(metrics)
+            self._note_held(s)
             if plan.mode == "sync":
                 ts = perf_counter()
                 self._pipeline.persist(s)
@@ -425,7 +426,20 @@ class Windows:
             return
         self._overheads.add(w - nbytes / bw - margin, cold=False)
 
+    def _note_held(self, s: SaveRecord) -> None:
+        """Before ``s`` goes to the pipeline (training thread, which alone reads ``held``): the
+        held entries of each of its shards that holds only tensors copied by an earlier save."""
+        if not self._when_changed or s.writer is not None or s.shard_segments is not None:
+            return
+        held, out = s.slot.held, {}
+        for i, (sh, base) in enumerate(zip(s.shards, s.shard_bases, strict=True)):
+            got = held.entries(base + b for b, _ in sh.offsets.values()) if sh.offsets else None
+            if got is not None:
+                out[i] = got
+        s.held_entries = out
+
     def _hand_off(self, s: SaveRecord) -> None:
+        self._note_held(s)
         s.phase = Phase.FINALIZED
         s.handle._flush = None  # waiting for it now needs no training: no flush of the others
         self._pipeline.finalize(s)

@@ -158,8 +158,16 @@ class GoCkptConfig:
     momentum-encoder code does) does not. Leave ``"always"`` where frozen tensors are edited
     that way: such an edit would be missing from the checkpoint. Buffers are always copied:
     native kernels update some of them in place without moving their version counter
-    (BatchNorm's running statistics). The files written are the same either way;
-    :attr:`gockpt.CheckpointMetrics.unchanged_bytes` reports the bytes not copied again."""
+    (BatchNorm's running statistics). :attr:`gockpt.CheckpointMetrics.unchanged_bytes` reports
+    the bytes not copied again.
+
+    With ``"when_changed"`` frozen parameters are also stored in shard files of their own, and
+    on a local filesystem a shard none of whose bytes was copied again since the checkpoint
+    before is hard-linked from that checkpoint's file rather than written
+    (:attr:`gockpt.CheckpointMetrics.linked_bytes`), if that file is still the one it published
+    (same inode, size and modification time). Every checkpoint directory still holds all of
+    its files: removing the one it links from leaves it whole. An in-place edit of that file
+    changes both (as with any hard link); GoCkpt never edits a published file."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -31,6 +31,9 @@ class CheckpointMetrics:
         unchanged_bytes: bytes of tensors not copied to the host again because the host slot
             still held them unchanged from an earlier checkpoint (``frozen_copy="when_changed"``).
         persist_bytes: bytes written to storage.
+        linked_bytes: bytes of shard files not written but hard-linked from the checkpoint
+            before it, which holds the very same bytes (``frozen_copy="when_changed"``, local
+            filesystems: shards of frozen tensors unchanged since).
         host_bytes: host memory this checkpoint held while in flight, in bytes (its snapshot slot
             and gradient buffers, as allocated: a reused slot may be larger than needed). Saves
             sharing one snapshot each report the same buffers (counted once in
@@ -81,6 +84,11 @@ class CheckpointMetrics:
         window_margins_s: per copy window that ran to its end, seconds from its copy finishing
             to the window end (negative: the training thread waited that long at the
             ``window_end``); empty where the host cannot see when a copy ended (CUDA).
+        device_wait_s: CUDA: seconds the compute stream waited on the device, at this save's
+            window ends, for copies still running (timed with CUDA events: the update queued
+            behind the copy, while the host went on). Not part of ``stall_s``, which is the
+            host's; a training loop that reads its loss each step waits for it too. 0.0 on
+            the CPU, where that wait is the host's ``window_end``.
     """
 
     path: str
@@ -94,6 +102,7 @@ class CheckpointMetrics:
     grad_bytes: int = 0
     unchanged_bytes: int = 0
     persist_bytes: int = 0
+    linked_bytes: int = 0
     host_bytes: int = 0
     host_shared: bool = False
     slot_borrowed: bool = False
@@ -110,6 +119,7 @@ class CheckpointMetrics:
     superseded: bool = False
     planned_window_s: float | None = None
     window_margins_s: list[float] = field(default_factory=list)
+    device_wait_s: float = 0.0
 
     def add_stall(self, phase: str, seconds: float) -> None:
         self.stall_by_phase_s[phase] = self.stall_by_phase_s.get(phase, 0.0) + seconds

@@ -52,7 +52,7 @@ from gockpt.errors import (
 )
 from gockpt.format import ShardLayout
 from gockpt.manifest import build_manifest, check_name
-from gockpt.targets import LocalTarget, StorageTarget, open_target
+from gockpt.targets import FileOrigin, LocalTarget, StorageTarget, open_target
 
 __all__ = [
     "CheckpointCancelledError", "PersistRequest", "PersistResult", "lower_thread_priority", "persist",
@@ -106,6 +106,10 @@ class PersistRequest:
             after this. Not called when a write fails first; it must not raise.
         on_chunk_read: called with ``(begin, end)`` on an io thread each time one of the
             :func:`slot_chunks` ranges has been written and checksummed; it must not raise.
+        reuse: shard file name -> the file of an earlier checkpoint that holds the very bytes
+            this shard would be written with (the caller's guarantee): it is hard-linked where
+            the target can (:meth:`gockpt.targets.StorageTarget.link`), else written. Its
+            slot ranges count as read once linked.
     """
 
     path: str
@@ -132,6 +136,7 @@ class PersistRequest:
     direct_io: bool = True
     on_slot_read: Callable[[], None] | None = None
     on_chunk_read: Callable[[int, int], None] | None = None
+    reuse: Mapping[str, FileOrigin] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +148,10 @@ class PersistResult:
         bytes_written: bytes of all files written, the manifest included once published.
         seconds: wall time of :func:`persist`.
         files: name -> {"bytes": int, "xxh3_64": 16 hex digits}, as in the manifest.
+        bytes_linked: bytes of the shard files linked from an earlier checkpoint (``reuse``),
+            not written (nor counted in ``bytes_written``).
+        origins: shard file name -> where it lies once published, for a later save's
+            ``reuse``; empty where the target links nothing, or nothing was published.
         latest_error: None, or why ``latest`` could not be moved to this published checkpoint
             (e.g. ``ENOSPC``); the checkpoint is durable and
             :func:`gockpt.storage.latest_checkpoint` still finds it (see
@@ -154,6 +163,8 @@ class PersistResult:
     seconds: float
     files: dict[str, dict]
     latest_error: str | None = None
+    bytes_linked: int = 0
+    origins: dict[str, FileOrigin] = field(default_factory=dict)
 
 
 class _Aborted(Exception):
@@ -197,8 +208,9 @@ def persist(req: PersistRequest) -> PersistResult:
     except Exception as e:
         raise storage.storage_error(e, req.path, None) from e
     published = False
+    linked: set[str] = set()
     try:
-        files = _write_files(req, target, extra_name)
+        files = _write_files(req, target, extra_name, linked)
         manifest = build_manifest(req.shards, files, req.aliases, extra_name, req.meta)
         # Compact, so json's C encoder writes it (with ``indent`` the pure-Python encoder ran on
         # the persist thread, holding the GIL for ~3 ms per 100 tensors); ``python -m json.tool``
@@ -218,6 +230,15 @@ def persist(req: PersistRequest) -> PersistResult:
                 req.on_published()
     finally:
         target.cleanup(published)
+    origins: dict[str, FileOrigin] = {}
+    if published:
+        for shard in req.shards:
+            path = target.local_path(shard.file)
+            if path is not None:
+                try:
+                    origins[shard.file] = FileOrigin.of(path, files[shard.file]["xxh3_64"])
+                except OSError:  # moved away already: nothing to link from
+                    pass
     latest_error = None
     if published and captured_step is not None:  # captured_step is set iff update_latest
         try:
@@ -234,13 +255,15 @@ def persist(req: PersistRequest) -> PersistResult:
             )
             log.warning("%s", message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-    written = sum(f["bytes"] for f in files.values())
+    written = sum(f["bytes"] for n, f in files.items() if n not in linked)
     return PersistResult(
         published=published,
         bytes_written=written + (len(manifest_bytes) if published else 0),
         seconds=perf_counter() - start,
         files=files,
         latest_error=latest_error,
+        bytes_linked=sum(files[n]["bytes"] for n in linked),
+        origins=origins,
     )
 
 
@@ -406,7 +429,10 @@ def _chunks(data: memoryview, begin: int, end: int, chunk_bytes: int) -> Iterato
         yield data[lo:hi]
 
 
-def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) -> dict[str, dict]:
+def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str,
+                 linked: set[str]) -> dict[str, dict]:
+    """Write every file of ``req`` (linking those of ``req.reuse`` where the target can, their
+    names added to ``linked``); name -> {"bytes", "xxh3_64"}."""
     slot_view = req.slot.numpy().data
     extra_view = memoryview(req.extra)
     jobs: list[tuple[int, str, Callable[[], Iterator[memoryview | bytes]]]] = []
@@ -445,6 +471,13 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str) ->
         try:
             check()
             try:
+                origin = req.reuse.get(name)
+                got = None if origin is None else target.link(name, origin)
+                if got is not None:
+                    for _ in pieces():  # its slot ranges count as read (read callbacks)
+                        check()
+                    linked.add(name)
+                    return got
                 return target.write(name, pieces(), check)
             except (CheckpointError, _Aborted):
                 raise

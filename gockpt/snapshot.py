@@ -205,13 +205,22 @@ class SlotLayout:
                 for s in self.shards]
 
 
-def plan_slot(specs: list[TensorSpec], max_shard_bytes: int) -> SlotLayout:
+def plan_slot(specs: list[TensorSpec], max_shard_bytes: int,
+              apart: frozenset[str] | set[str] = frozenset()) -> SlotLayout:
     """Lay out tensors in shards of at most ``max_shard_bytes`` and the shards in one host slot.
+
+    ``apart``: keys laid out in shards of their own (``shard-frozen-*``, after the others):
+    frozen tensors, so that a shard holding only tensors that did not change since the last
+    checkpoint can be linked rather than written again (``frozen_copy="when_changed"``).
 
     Raises:
         ValueError, TypeError: from :func:`gockpt.format.plan_shards`.
     """
-    shards = plan_shards(specs, max_shard_bytes, "shard")
+    rest = [sp for sp in specs if sp.key not in apart]
+    kept = [sp for sp in specs if sp.key in apart]
+    shards = plan_shards(rest, max_shard_bytes, "shard") if rest or not kept else []
+    if kept:
+        shards += plan_shards(kept, max_shard_bytes, "shard-frozen")
     bases, off = [], 0
     offsets: dict[str, int] = {}
     for sh in shards:

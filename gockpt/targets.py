@@ -20,8 +20,10 @@ import json
 import logging
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from time import monotonic
 from typing import Any
 
@@ -32,7 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 from gockpt import _direct, _trace, fsutil, storage
 from gockpt.manifest import check_name
 
-__all__ = ["LocalTarget", "ObjectTarget", "StorageTarget", "open_target"]
+__all__ = ["FileOrigin", "LocalTarget", "ObjectTarget", "StorageTarget", "open_target"]
 
 log = logging.getLogger("gockpt.persist")
 
@@ -55,6 +57,43 @@ def open_target(
     if storage.is_local(fs):
         return LocalTarget(fs, root)
     return ObjectTarget(fs, root, names, timeout_s)
+
+
+@dataclass(frozen=True)
+class FileOrigin:
+    """A file a published checkpoint holds, as it was right after the publish: a later save
+    that would write the same bytes links it instead (:meth:`StorageTarget.link`).
+
+    Attributes:
+        path: its path in the local filesystem.
+        dev, ino, size, mtime_ns: its ``lstat`` then (device, inode, bytes, modification time
+            in nanoseconds): a link is kept only to that very file, unmodified.
+        digest: xxh3-64 hex digest of its bytes, as in that checkpoint's manifest.
+    """
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    digest: str
+
+    @classmethod
+    def of(cls, path: str, digest: str) -> FileOrigin:
+        """The origin of the regular file at ``path``, which holds bytes of ``digest``.
+
+        Raises:
+            OSError: it cannot be ``lstat``-ed, or it is not a regular file.
+        """
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, digest)
+
+    def same_file(self, st: os.stat_result) -> bool:
+        """Whether ``st`` is this very file, unmodified since."""
+        return (stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                == (self.dev, self.ino, self.size, self.mtime_ns))
 
 
 class StorageTarget:
@@ -80,6 +119,18 @@ class StorageTarget:
         """Write ``pieces`` as file ``name``; call ``check()`` before each piece (it raises
         to abort). Returns (bytes written, xxh3-64 hex digest of them)."""
         raise NotImplementedError
+
+    def link(self, name: str, origin: FileOrigin) -> tuple[int, str] | None:
+        """Make file ``name`` the file of ``origin`` without writing it (a hard link), where
+        the target can and the file is still as it was published. Returns (bytes, xxh3-64 hex
+        digest) as :meth:`write` does, or None: then the caller writes the file. Never raises
+        for a link that cannot be made. The default links nothing."""
+        return None
+
+    def local_path(self, name: str) -> str | None:
+        """Where file ``name`` of the published checkpoint lies in the local filesystem, for a
+        later save's :meth:`link`; None where the target links nothing."""
+        return None
 
     def prepare(self, manifest: bytes) -> None:
         """Make the manifest ready to publish (outside the publish lock)."""
@@ -166,6 +217,28 @@ class LocalTarget(StorageTarget):
                 f.flush()
                 os.fsync(f.fileno())
         return nbytes, digest.hexdigest()
+
+    def link(self, name: str, origin: FileOrigin) -> tuple[int, str] | None:
+        # fsspec's own local filesystem only: a subclass (a test's fault-injecting one) writes.
+        if type(self.fs) is not LocalFileSystem:
+            return None
+        dst = self.file_path(name)
+        try:
+            # Not following a symlink: one put in the origin's place is linked as itself and
+            # then refused below, never the file it points to.
+            os.link(origin.path, dst, follow_symlinks=False)
+        except OSError:  # gone (rotated away), another device, links not supported: write
+            return None
+        try:
+            if origin.same_file(os.lstat(dst)):
+                return origin.size, origin.digest
+            os.unlink(dst)  # another file (replaced, modified since): write ours instead
+        except OSError as e:
+            raise storage.storage_error(e, self.root, dst) from e
+        return None
+
+    def local_path(self, name: str) -> str | None:
+        return os.path.join(self.root, name) if type(self.fs) is LocalFileSystem else None
 
     def prepare(self, manifest: bytes) -> None:
         with self.fs.open(self.manifest_path, "wb") as f:

@@ -52,6 +52,9 @@ class CopyTicket:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._cuda_event = event
+        # CUDA: timing events on the compute stream around its wait for this copy, when the
+        # copy had not ended at the fence (the device waits; the host does not).
+        self._device_wait: tuple[Any, Any] | None = None
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -84,9 +87,27 @@ class CopyTicket:
         read. On CUDA this costs the host nothing.
         """
         if self._cuda_event is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_event)  # type: ignore[arg-type]
+            stream = torch.cuda.current_stream()
+            if self._cuda_event.query():  # type: ignore[attr-defined]
+                return  # ended: nothing to order
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(self._cuda_event)  # type: ignore[arg-type]
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self._device_wait = (before, after)
         else:
             self.wait()
+
+    def device_wait_s(self) -> float:
+        """Seconds the device's compute stream waited at :meth:`fence_compute` for this copy
+        (CUDA; 0.0 where it had ended by then, and on the CPU, where the wait is the host's).
+        Blocks until the compute stream has passed the fence: call it off the training thread."""
+        if self._device_wait is None:
+            return 0.0
+        before, after = self._device_wait
+        after.synchronize()
+        return before.elapsed_time(after) / 1000.0  # milliseconds
 
 
 class CpuCopier:

@@ -149,3 +149,27 @@ def test_cuda_copier_times_its_copies_on_the_device_and_the_probe_agrees():
     probed = probe_copy_bandwidth(c, torch.device("cuda"), None)
     assert 0.2 * pace < probed < 2.0 * pace, (probed, pace)
     c.close()
+
+
+def test_cuda_device_wait_at_a_window_end_is_timed_and_zero_for_an_ended_copy():
+    """A fence on a copy still running makes the compute stream wait on the device: the wait is
+    timed with events (``CheckpointMetrics.device_wait_s``); a copy that has ended costs none."""
+    from gockpt._direct import aligned_empty
+    from gockpt.transfer import PRIORITY_STATE, CudaCopier
+
+    c = CudaCopier(torch.device("cuda"), 1 << 22)
+    n = 512 << 20
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = aligned_empty(n, pin_memory=True)
+    torch.cuda.synchronize()
+    running = c.copy([(src, dst)], PRIORITY_STATE)
+    running.fence_compute()  # 512 MiB over a host link: still running
+    torch.cuda.synchronize()
+    waited = running.device_wait_s()
+    _, seconds = c.rate_sample()
+    assert 0.0 < waited <= seconds * 1.05 + 1e-3, (waited, seconds)
+    ended = c.copy([(src, dst)], PRIORITY_STATE)
+    ended.wait()
+    ended.fence_compute()
+    assert ended.device_wait_s() == 0.0
+    c.close()

@@ -153,3 +153,126 @@ def test_a_slot_regrown_for_more_gradient_windows_keeps_what_it_holds(tmp_path):
         assert_state_equal(state.model_state_dict, live[v]["model"], f"model@{v}")
         assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"optim@{v}")
     assert [m.unchanged_bytes for m in metrics] == [0, _frozen_bytes(model)]
+
+
+# --- shards of unchanged frozen tensors: linked from the checkpoint before, not written ------
+
+def _frozen_shard(path) -> str:
+    """The one shard file of frozen tensors in checkpoint ``path``."""
+    import os
+
+    names = [n for n in os.listdir(path) if "-frozen-" in n]
+    assert len(names) == 1, os.listdir(path)
+    return os.path.join(path, names[0])
+
+
+def _run_saves(tmp_path, mode, paths_at, *, between=None, config=None, steps=14):
+    """Train ``Adapted`` for ``steps`` steps, saving at ``paths_at`` (step -> path, waiting for
+    each); ``between(it)`` runs before the save of step ``it``. Returns the metrics and the
+    live state per version."""
+    torch.manual_seed(0)
+    model = Adapted()
+    opt = torch.optim.AdamW([*model.mid.parameters(), model.a, model.b], lr=1e-2)
+    eng = Engine(model, opt, config or GoCkptConfig(
+        mode=mode, frozen_copy="when_changed", min_overlap_steps=3, max_overlap_steps=3,
+        max_shard_bytes=4096))
+    live: dict[int, dict] = {}
+    metrics = []
+
+    def on_step_end(it: int) -> None:
+        live[eng.version] = snapshot(model, opt)
+        if between is not None:
+            between(it, model)
+        if it in paths_at:
+            metrics.append(eng.save(str(paths_at[it])).result())
+            loaded = gockpt.load_checkpoint(metrics[-1].path)  # as it is now, before later saves
+            v = loaded.captured_step
+            assert_state_equal(loaded.model_state_dict, live[v]["model"], f"{mode}:model@{v}")
+            assert_state_equal(loaded.optimizer_state_dicts[0], live[v]["optim"], f"{mode}:optim@{v}")
+
+    _train(model, opt, eng, steps, on_step_end=on_step_end)
+    eng.close()
+    return metrics, live
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy", "gockpt_o"])
+def test_shards_of_unchanged_frozen_tensors_are_linked_and_every_checkpoint_loads_exactly(tmp_path, mode):
+    import os
+
+    def between(it, model):
+        if it == 6:  # an edit of a frozen tensor: the next save writes its shard again
+            with torch.no_grad():
+                model.base.weight.mul_(2)
+
+    paths = {it: tmp_path / f"ckpt-{it}" for it in (1, 4, 7, 10)}
+    metrics, live = _run_saves(tmp_path, mode, paths, between=between)
+    files = [_frozen_shard(p) for p in paths.values()]
+    size = os.path.getsize(files[0])
+    assert [m.linked_bytes for m in metrics] == [0, size, 0, size]
+    ino = [os.stat(f).st_ino for f in files]
+    assert ino[0] == ino[1] and ino[2] == ino[3] and ino[1] != ino[2]
+    assert metrics[1].persist_bytes < metrics[0].persist_bytes  # not counted as written
+    # Each checkpoint still loads exactly once the others are gone (rotation).
+    for m in metrics[:-1]:
+        gockpt.remove_checkpoint(m.path)
+    state = gockpt.load_checkpoint(metrics[-1].path)
+    v = state.captured_step
+    assert_state_equal(state.model_state_dict, live[v]["model"], f"{mode}:model@{v} alone")
+
+
+def test_saves_to_one_path_link_from_the_checkpoint_they_replace(tmp_path):
+    """``last``-style: every save replaces the checkpoint its frozen shard links to."""
+    import os
+
+    path = tmp_path / "last"
+    metrics, _ = _run_saves(tmp_path, "lazy", {1: path, 4: path, 7: path})  # each loads exactly
+    assert [m.linked_bytes > 0 for m in metrics] == [False, True, True]
+    assert os.stat(_frozen_shard(path)).st_nlink == 1  # the replaced checkpoints are gone
+    assert sorted(os.listdir(tmp_path)) == ["last", "latest"]  # no staging left behind
+
+
+def test_an_origin_removed_replaced_or_modified_since_is_written_not_linked(tmp_path):
+    import os
+    import shutil
+
+    paths = {it: tmp_path / f"ckpt-{it}" for it in (1, 3, 5, 7, 9)}
+
+    def between(it, model):
+        if it == 3:  # rotated away before the next save
+            shutil.rmtree(paths[1])
+        elif it == 5:  # replaced by a copy (another inode, same bytes)
+            f = _frozen_shard(paths[3])
+            shutil.copyfile(f, f + ".tmp")
+            os.replace(f + ".tmp", f)
+        elif it == 7:  # modified in place since (its modification time moved)
+            f = _frozen_shard(paths[5])
+            st = os.stat(f)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        elif it == 9:  # a symlink to a regular copy in its place
+            f = _frozen_shard(paths[7])
+            shutil.copyfile(f, str(tmp_path / "elsewhere"))
+            os.remove(f)
+            os.symlink(tmp_path / "elsewhere", f)
+
+    metrics, _ = _run_saves(tmp_path, "lazy", paths, between=between, steps=11)
+    assert [m.linked_bytes for m in metrics[1:]] == [0, 0, 0, 0]  # each written, each exact
+    assert not os.path.islink(_frozen_shard(paths[9]))
+
+
+def test_object_stores_write_every_shard(tmp_path):
+    """No links outside the local filesystem (``memory://`` here): the shards are written."""
+    import uuid
+
+    root = f"memory://frozen-{uuid.uuid4().hex}"
+    metrics, _ = _run_saves(tmp_path, "lazy", {1: f"{root}/a", 4: f"{root}/b"})
+    assert [m.linked_bytes for m in metrics] == [0, 0]
+    assert metrics[1].unchanged_bytes > 0  # the copy is still skipped
+
+
+def test_without_when_changed_frozen_tensors_share_shards_as_before(tmp_path):
+    import os
+
+    paths = {1: tmp_path / "a", 4: tmp_path / "b"}
+    metrics, _ = _run_saves(tmp_path, "lazy", paths, config=GoCkptConfig(mode="lazy", max_shard_bytes=4096))
+    assert [m.linked_bytes for m in metrics] == [0, 0]
+    assert not [n for p in paths.values() for n in os.listdir(p) if "-frozen-" in n]
