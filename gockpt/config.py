@@ -148,8 +148,10 @@ class GoCkptConfig:
     """Whether a frozen parameter (``requires_grad=False``, no optimizer state) that the reused
     host slot already holds from an earlier checkpoint is copied again: ``"always"``, or
     ``"when_changed"``: only while it changed, which removes most of each later checkpoint's
-    device-to-host copy for a mostly frozen model (LoRA-style fine-tuning). Opt-in, because an
-    in-place edit made through ``tensor.data`` is not seen as a change.
+    device-to-host copy for a mostly frozen model (LoRA-style fine-tuning), and on a local
+    filesystem most of its write (unchanged frozen shards are hard-linked from the checkpoint
+    before). Opt-in, because an in-place edit made through ``tensor.data`` is not seen as a
+    change.
 
     Unchanged means the same tensor at the same address with the same dtype, shape and strides,
     and a version counter that has not moved. Every in-place operation on a tensor or on a view
