@@ -196,7 +196,7 @@ class Pipeline:
             got = s.slot.held.origins.get(i)
             if got is None:
                 continue
-            header, then, origin = got
+            header, then, origin, _ = got
             if header == s.shards[i].header and len(then) == len(entries) and all(
                     a is b for a, b in zip(then, entries)):
                 out[s.shards[i].file] = origin
@@ -205,21 +205,24 @@ class Pipeline:
     @staticmethod
     def _note_origins(s: SaveRecord, res: PersistResult) -> None:
         """Where ``s``'s shards of held entries now lie, for the next save into its slot."""
+        origins = s.slot.held.origins
         for i, entries in (s.held_entries or {}).items():
             origin = res.origins.get(s.shards[i].file)
-            if origin is not None:
-                s.slot.held.origins[i] = (s.shards[i].header, entries, origin)
+            known = origins.get(i)
+            # The newest save's file: an older one (a borrowed slot) may publish after it.
+            if origin is not None and (known is None or known[3] < s.seq):
+                origins[i] = (s.shards[i].header, entries, origin, s.seq)
 
     def persist(self, s: SaveRecord) -> None:
         """Write ``s`` and resolve its handle (persist pool; the training thread in ``sync``)."""
         m = s.metrics
         s.drain()
         try:
-            m.device_wait_s = sum(t.device_wait_s() for t in s.tickets.values())
             if s.failed is not None:
                 raise s.failed
             if s.cancel.is_set():
                 raise CheckpointCancelledError(f"{s.path}: cancelled")
+            m.device_wait_s = sum(t.device_wait_s() for t in s.tickets.values())
             meta = {
                 "requested_step": m.requested_step,
                 "captured_step": m.captured_step,
@@ -258,10 +261,10 @@ class Pipeline:
             if s.writer is None:
                 # Set first: find_leader must see it as soon as a borrow is possible.
                 s.lending = Drain(slot_chunks(req), threads=io_threads(req))
-                req.on_chunk_read = s.lending.read
+                req.on_chunk_read, req.on_chunk_linked = s.lending.read, s.lending.skip
                 if not self._slots.make_lendable(s.slot, s.lending):
                     s.lending = None
-                    req.on_chunk_read = None
+                    req.on_chunk_read = req.on_chunk_linked = None
             req.reuse = self._reusable(s)
             res = persist(req)
             if res.published and s.held_entries:

@@ -72,9 +72,9 @@ class HeldTensors:
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, Fingerprint]] = {}
         # Shard index -> (its header, its entries() when handed off, where its published file
-        # is: a gockpt.targets.FileOrigin). Written by the persist thread that published it,
-        # read by the next save's persist thread.
-        self.origins: dict[int, tuple[bytes, tuple, Any]] = {}
+        # is: a gockpt.targets.FileOrigin, the save's seq). Written by the persist thread that
+        # published it, read by the next save's persist thread.
+        self.origins: dict[int, tuple[bytes, tuple, Any, int]] = {}
 
     def __len__(self) -> int:
         return len(self._held)

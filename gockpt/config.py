@@ -169,7 +169,9 @@ class GoCkptConfig:
     (:attr:`gockpt.CheckpointMetrics.linked_bytes`), if that file is still the one it published
     (same inode, size and modification time). Every checkpoint directory still holds all of
     its files: removing the one it links from leaves it whole. An in-place edit of that file
-    changes both (as with any hard link); GoCkpt never edits a published file."""
+    changes both (as with any hard link); GoCkpt never edits a published file. Saves through a
+    :class:`gockpt.writer.CheckpointWriter` (the sharded and replicated engines) write every
+    file."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

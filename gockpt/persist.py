@@ -109,7 +109,8 @@ class PersistRequest:
         reuse: shard file name -> the file of an earlier checkpoint that holds the very bytes
             this shard would be written with (the caller's guarantee): it is hard-linked where
             the target can (:meth:`gockpt.targets.StorageTarget.link`), else written. Its
-            slot ranges count as read once linked.
+            slot ranges count as read once linked: ``on_chunk_linked`` is called for them
+            where set (else ``on_chunk_read``), since no write took its time.
     """
 
     path: str
@@ -137,6 +138,7 @@ class PersistRequest:
     on_slot_read: Callable[[], None] | None = None
     on_chunk_read: Callable[[int, int], None] | None = None
     reuse: Mapping[str, FileOrigin] = field(default_factory=dict)
+    on_chunk_linked: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -441,6 +443,8 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str,
         def pieces(shard: ShardLayout = shard, i: int = i) -> Iterator[memoryview | bytes]:
             yield shard.header
             read = req.on_chunk_read
+            if shard.file in linked and req.on_chunk_linked is not None:
+                read = req.on_chunk_linked  # freed, but not written: no part of the pace
             for lo, hi in _slot_pieces(req, i):
                 yield slot_view[lo:hi]
                 if read is not None:  # asked for the next piece: this one is written
@@ -474,9 +478,9 @@ def _write_files(req: PersistRequest, target: StorageTarget, extra_name: str,
                 origin = req.reuse.get(name)
                 got = None if origin is None else target.link(name, origin)
                 if got is not None:
+                    linked.add(name)
                     for _ in pieces():  # its slot ranges count as read (read callbacks)
                         check()
-                    linked.add(name)
                     return got
                 return target.write(name, pieces(), check)
             except (CheckpointError, _Aborted):

@@ -88,6 +88,9 @@ class CopyTicket:
         """
         if self._cuda_event is not None:
             stream = torch.cuda.current_stream()
+            if torch.cuda.is_current_stream_capturing():  # a graph capture: no query, no timing
+                stream.wait_event(self._cuda_event)  # type: ignore[arg-type]
+                return
             if self._cuda_event.query():  # type: ignore[attr-defined]
                 return  # ended: nothing to order
             before = torch.cuda.Event(enable_timing=True)
@@ -403,6 +406,15 @@ class Drain:
                 self._read_bytes += end - begin
                 self._cv.notify_all()
 
+    def skip(self, begin: int, end: int) -> None:
+        """``[begin, end)`` is free without having been written (its file was linked): as
+        :meth:`read`, but not part of the persist's pace."""
+        with self._cv:
+            i = bisect.bisect_left(self._begins, begin)
+            if i < len(self._begins) and self._begins[i] == begin and self._ends[i] == end:
+                del self._begins[i], self._ends[i]
+                self._cv.notify_all()
+
     def finish(self) -> None:
         """The persist ended (written, failed or cancelled): it reads nothing more."""
         with self._cv:
@@ -614,7 +626,7 @@ class SlotPool:
                 if keep is not None and sizes[0] <= keep.numel() and self._fits(sum(sizes) - sizes[0] + keep.numel()):
                     sizes[0] = keep.numel()
                 else:
-                    keep = None
+                    keep = keep_held = None
                 if self._count < self._max and self._fits(sum(sizes)):
                     self._count += 1
                     self._bytes += sum(sizes)
@@ -624,13 +636,15 @@ class SlotPool:
                     lent = self._lend(slot_bytes, grad_bytes)
                     if lent is not None:
                         return lent
-                keep = None  # not counted while waiting: let it go
+                keep = keep_held = None  # not counted while waiting: let it go
                 left = None if deadline is None else deadline - monotonic()
                 if not block or (left is not None and left <= 0):
                     return None
                 self._cv.wait(left)
         try:
-            slot = Slot(sizes[0], sizes[1:], self._pin, data=keep, held=keep_held)
+            # What a kept buffer holds goes with it, and only with it: a new buffer holds nothing.
+            slot = Slot(sizes[0], sizes[1:], self._pin, data=keep,
+                        held=keep_held if keep is not None else None)
         except BaseException:
             with self._cv:
                 self._count -= 1

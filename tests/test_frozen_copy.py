@@ -276,3 +276,45 @@ def test_without_when_changed_frozen_tensors_share_shards_as_before(tmp_path):
     metrics, _ = _run_saves(tmp_path, "lazy", paths, config=GoCkptConfig(mode="lazy", max_shard_bytes=4096))
     assert [m.linked_bytes for m in metrics] == [0, 0]
     assert not [n for p in paths.values() for n in os.listdir(p) if "-frozen-" in n]
+
+
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_a_slot_rebuilt_on_new_memory_holds_nothing_of_the_old_one(tmp_path, mode):
+    """A frozen module attached mid-run grows the layout past the slot's data buffer: the new
+    buffer is fresh memory, so nothing the dropped slot held may be taken as held (its frozen
+    tensors would be written from uninitialized memory once the checkpoint they could link
+    from is gone)."""
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Linear(64, 64).requires_grad_(False)  # frozen, outside the optimizer
+            self.a = nn.Parameter(torch.randn(64, 64) / 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + x @ self.a
+
+    model = M()
+    opt = torch.optim.AdamW([model.a], lr=1e-2)
+    # One shard per module: the attached one gets a shard of its own, base's keeps its offsets.
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, frozen_copy="when_changed",
+                                          max_shard_bytes=64 * 64 * 4 + 64 * 4))
+    g = torch.Generator().manual_seed(3)
+    live, metrics = {}, []
+    for it in range(6):
+        model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        if it == 2:
+            model.extra = nn.Linear(64, 64).requires_grad_(False)  # e.g. a frozen head attached
+        if it == 3:
+            gockpt.remove_checkpoint(str(tmp_path / "ckpt-1"))  # rotation
+        live[eng.version] = snapshot(model, opt)
+        if it in (1, 4):
+            metrics.append(eng.save(str(tmp_path / f"ckpt-{it}")).result())
+    eng.close()
+    state = gockpt.load_checkpoint(metrics[-1].path)
+    assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], mode)
+    assert metrics[-1].unchanged_bytes == 0  # a new buffer: everything copied

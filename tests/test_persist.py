@@ -379,3 +379,49 @@ def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once
     else:
         assert said == [], waits
         assert predicted == [0.0] * len(ms)
+
+
+def test_a_reused_file_is_linked_its_ranges_freed_apart_from_the_pace_and_a_changed_one_written(
+        tmp_path, make_request):
+    """``PersistRequest.reuse``: a shard whose origin is the very file published before is
+    hard-linked (not written, not counted in ``bytes_written``), its slot ranges reported
+    through ``on_chunk_linked``, and the checkpoint loads; an origin modified since is
+    written instead."""
+    from gockpt.persist import slot_chunks
+
+    tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}  # two shards
+    req = make_request(str(tmp_path / "a"), tensors)
+    first = persist(req)
+    assert first.published and first.bytes_linked == 0
+    assert set(first.origins) == {sh.file for sh in req.shards}
+    origin = first.origins[req.shards[0].file]
+
+    req = make_request(str(tmp_path / "b"), tensors)
+    assert len(req.shards) == 2
+    name = req.shards[0].file  # another name: the link gets this save's
+    req.reuse = {name: origin}
+    calls: dict[str, list] = {"read": [], "linked": []}
+    req.on_chunk_read = lambda b, e: calls["read"].append((b, e))
+    req.on_chunk_linked = lambda b, e: calls["linked"].append((b, e))
+    second = persist(req)
+    assert second.bytes_linked == req.shards[0].file_bytes
+    assert os.stat(tmp_path / "b" / name).st_ino == origin.ino
+    assert calls["linked"] == list(slot_chunks(req)[0])
+    assert calls["read"] == [r for f in slot_chunks(req)[1:] for r in f]
+    assert second.files[name] == first.files[origin.path.rsplit("/", 1)[1]]  # bytes, digest
+    written = sum(f["bytes"] for n, f in second.files.items() if n != name)
+    assert written < second.bytes_written < written + 4096  # the others and the manifest
+    assert_loads_as(str(tmp_path / "b"), tensors, 1)
+    gockpt.remove_checkpoint(str(tmp_path / "a"))
+    assert_loads_as(str(tmp_path / "b"), tensors, 1)  # whole without the one it linked from
+
+    # Modified since (its modification time moved): written, not linked.
+    origin = second.origins[name]
+    st = os.stat(origin.path)
+    os.utime(origin.path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    req = make_request(str(tmp_path / "c"), tensors)
+    req.reuse = {req.shards[0].file: origin}
+    third = persist(req)
+    assert third.bytes_linked == 0
+    assert os.stat(tmp_path / "c" / req.shards[0].file).st_ino != origin.ino
+    assert_loads_as(str(tmp_path / "c"), tensors, 1)

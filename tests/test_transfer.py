@@ -212,3 +212,17 @@ def test_a_shared_slot_is_not_lent_while_the_sharer_still_has_to_read_it():
     pool.end_lending(a, drain)
     pool.release(a)
     assert pool.acquire(1024, 0, block=False, lend=True) is a and a.drain is None
+
+
+def test_drain_skip_frees_a_range_without_counting_it_in_the_pace():
+    """A linked file's ranges are free at once, but no write took their time: the pace a
+    borrower's wait is predicted from counts only what was written."""
+    from gockpt.transfer import Drain
+
+    d = Drain([[(0, 100)], [(100, 300)]])
+    d.skip(0, 100)
+    assert d.pace() == (0, 0.0)
+    assert d.wait_free([(0, 100)], timeout_s=0.0)
+    assert not d.wait_free([(100, 300)], timeout_s=0.0)
+    d.read(100, 300)
+    assert d.pace()[0] == 200 and d.done
