@@ -82,7 +82,7 @@ class StorageLag:
             if done:
                 m = done[-1]
                 took = (f" Each takes about {m.persist_s:.2f} s to write out "
-                        f"({m.persist_bytes / 1e6:.0f} MB at {m.persist_gbps * 1e3:.0f} MB/s): "
+                        f"({m.persist_bytes / 1e6:.3g} MB at {m.persist_gbps * 1e3:.3g} MB/s): "
                         "request them at least that far apart, or write to faster storage;")
             log.warning(
                 "gockpt: %d checkpoints in a row each waited over %.2f s (the latest "

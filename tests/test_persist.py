@@ -370,6 +370,9 @@ def test_checkpoints_requested_faster_than_storage_persists_them_are_warned_once
         # It says how long one checkpoint takes to write out: at least the store's 0.2 s.
         took = re.search(r"Each takes about ([\d.]+) s to write out", said[0].getMessage())
         assert took and float(took.group(1)) >= 0.2, said[0].getMessage()
+        # And how much it writes: a small checkpoint is not rounded down to "0 MB".
+        size = re.search(r"\(([\d.e+-]+) MB at ([\d.e+-]+) MB/s\)", said[0].getMessage())
+        assert size and float(size.group(1)) > 0 and float(size.group(2)) > 0, said[0].getMessage()
         # From the third on, a persist before has written everything: its pace predicts the
         # wait. Broad bounds: the pace is the store's sleeps, but when the request comes into
         # the persist it waits for (a slow step) is this machine's.
