@@ -170,8 +170,8 @@ class GoCkptConfig:
     (same inode, size and modification time). Every checkpoint directory still holds all of
     its files: removing the one it links from leaves it whole. An in-place edit of that file
     changes both (as with any hard link); GoCkpt never edits a published file. Saves through a
-    :class:`gockpt.writer.CheckpointWriter` (the sharded and replicated engines) write every
-    file."""
+    :class:`gockpt.writer.CheckpointWriter` (Accelerate's folder layout, the sharded and
+    replicated engines) write every file; they still skip the copy."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
