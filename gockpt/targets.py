@@ -197,9 +197,7 @@ class LocalTarget(StorageTarget):
         self, name: str, pieces: Iterator[memoryview | bytes], check: Callable[[], None]
     ) -> tuple[int, str]:
         digest = xxhash.xxh3_64()
-        if type(self.fs) is LocalFileSystem:
-            # fsspec's own local filesystem: around the page cache (a subclass, such as a test's
-            # fault-injecting one, keeps its own ``open``).
+        if self._plain_local:  # around the page cache
             nbytes = _direct.write_file(self.file_path(name), pieces, check, digest,
                                         direct=self.direct_io)
             return nbytes, digest.hexdigest()
@@ -218,9 +216,14 @@ class LocalTarget(StorageTarget):
                 os.fsync(f.fileno())
         return nbytes, digest.hexdigest()
 
+    @property
+    def _plain_local(self) -> bool:
+        """fsspec's own local filesystem: direct writes and links. A subclass (such as a test's
+        fault-injecting one) keeps its own ``open`` and links nothing."""
+        return type(self.fs) is LocalFileSystem
+
     def link(self, name: str, origin: FileOrigin) -> tuple[int, str] | None:
-        # fsspec's own local filesystem only: a subclass (a test's fault-injecting one) writes.
-        if type(self.fs) is not LocalFileSystem:
+        if not self._plain_local:
             return None
         dst = self.file_path(name)
         try:
@@ -238,7 +241,7 @@ class LocalTarget(StorageTarget):
         return None
 
     def local_path(self, name: str) -> str | None:
-        return os.path.join(self.root, name) if type(self.fs) is LocalFileSystem else None
+        return os.path.join(self.root, name) if self._plain_local else None
 
     def prepare(self, manifest: bytes) -> None:
         with self.fs.open(self.manifest_path, "wb") as f:

@@ -398,21 +398,21 @@ class Drain:
 
     def read(self, begin: int, end: int) -> None:
         """The persist has read (written out) ``[begin, end)``, one of the ranges given."""
-        with self._cv:
-            i = bisect.bisect_left(self._begins, begin)
-            if i < len(self._begins) and self._begins[i] == begin and self._ends[i] == end:
-                del self._begins[i], self._ends[i]
-                self._t_last = perf_counter()
-                self._read_bytes += end - begin
-                self._cv.notify_all()
+        self._free(begin, end, written=True)
 
     def skip(self, begin: int, end: int) -> None:
         """``[begin, end)`` is free without having been written (its file was linked): as
         :meth:`read`, but not part of the persist's pace."""
+        self._free(begin, end, written=False)
+
+    def _free(self, begin: int, end: int, *, written: bool) -> None:
         with self._cv:
             i = bisect.bisect_left(self._begins, begin)
             if i < len(self._begins) and self._begins[i] == begin and self._ends[i] == end:
                 del self._begins[i], self._ends[i]
+                if written:
+                    self._t_last = perf_counter()
+                    self._read_bytes += end - begin
                 self._cv.notify_all()
 
     def finish(self) -> None:
@@ -626,7 +626,7 @@ class SlotPool:
                 if keep is not None and sizes[0] <= keep.numel() and self._fits(sum(sizes) - sizes[0] + keep.numel()):
                     sizes[0] = keep.numel()
                 else:
-                    keep = keep_held = None
+                    keep = None
                 if self._count < self._max and self._fits(sum(sizes)):
                     self._count += 1
                     self._bytes += sum(sizes)
@@ -636,7 +636,7 @@ class SlotPool:
                     lent = self._lend(slot_bytes, grad_bytes)
                     if lent is not None:
                         return lent
-                keep = keep_held = None  # not counted while waiting: let it go
+                keep = None  # not counted while waiting: let it go
                 left = None if deadline is None else deadline - monotonic()
                 if not block or (left is not None and left <= 0):
                     return None
