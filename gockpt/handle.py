@@ -126,9 +126,11 @@ class CheckpointMetrics:
         self.stall_s += seconds
 
     def log_dict(self) -> dict[str, float]:
-        """The scalars adapters send to the user's loggers, under ``gockpt/``: stall (s), bytes,
-        throughput (GB/s), time to durable (s), K, mode (index in :data:`gockpt.MODES`),
-        requested and captured step (0 when none)."""
+        """The scalars adapters send to the user's loggers, under ``gockpt/``: stall (s), bytes
+        written, throughput (GB/s), time to durable (s), K, mode (index in
+        :data:`gockpt.MODES`), requested and captured step (0 when none), bytes not copied
+        again (``unchanged_bytes``) and linked instead of written (``linked_bytes``), and the
+        device's wait at window ends (``device_wait_s``, s; 0.0 on the CPU)."""
         return {
             "gockpt/stall_s": self.stall_s,
             "gockpt/bytes": float(self.persist_bytes),
@@ -138,6 +140,9 @@ class CheckpointMetrics:
             "gockpt/mode": float(MODES.index(self.mode)) if self.mode in MODES else -1.0,
             "gockpt/requested_step": float(self.requested_step),
             "gockpt/captured_step": float(self.captured_step or 0),
+            "gockpt/unchanged_bytes": float(self.unchanged_bytes),
+            "gockpt/linked_bytes": float(self.linked_bytes),
+            "gockpt/device_wait_s": self.device_wait_s,
         }
 
     def as_dict(self) -> dict[str, Any]:

@@ -35,6 +35,40 @@ PRIORITY_GRAD = 0
 PRIORITY_STATE = 1
 
 
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_blocking: bool) -> None:
+    """``dst.copy_(src)`` for each (src, dst) of ``pairs``, autograd off, in one dispatch.
+
+    One ``torch._foreach_copy_`` call issues every copy from C++. On the CUDA path a job's copies
+    are issued on the training thread, inside the request; with a Python loop (``copy_`` and
+    ``detach`` per tensor) the request took 4 ms for 145 tensors on an H200 against 1.5 ms on
+    the CPU path, which queues the job to a thread (1.2 GB of state; the difference is inferred
+    to be the loop, not timed apart). Sources and destinations on different devices go through
+    the foreach kernel's per-tensor fallback, still in C++. Where ``torch`` lacks the op or
+    refuses the lists, the copies are issued one by one (a copy already made is made again).
+
+    Args:
+        pairs: (source, destination) tensors of the same shape; the destination's dtype wins.
+        non_blocking: passed to ``copy_``: a device-to-pinned-host copy is only queued.
+
+    Raises:
+        RuntimeError: a copy the per-tensor path also refuses (shapes that do not match).
+    """
+    if not pairs:
+        return
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    with torch.no_grad():
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None:
+            try:
+                foreach(dsts, srcs, non_blocking=non_blocking)
+                return
+            except (RuntimeError, TypeError):
+                pass  # nothing was written that the loop does not write again
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=non_blocking)
+
+
 class CopyTicket:
     """Completion of one copy job. ``wait()`` blocks until done and re-raises its error.
 
@@ -294,11 +328,11 @@ class CudaCopier:
             # Recorded after the wait on the compute stream: it fires when the copy can start.
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
+            copy_tensors(pairs, non_blocking=True)
             for src, dst in pairs:
-                dst.copy_(src.detach(), non_blocking=True)
                 if src.is_cuda:  # host tensors (Adam's ``step`` counts) need no stream record
                     src.record_stream(stream)
-                nbytes += dst.numel() * dst.element_size()
+                nbytes += dst.nbytes
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         self.bytes_copied += nbytes

@@ -61,7 +61,9 @@ class GoCkptIO(CheckpointIO):
 
     With ``log_metrics=True``, per checkpoint the loggers get ``gockpt/stall_s``,
     ``gockpt/bytes``, ``gockpt/gbps``, ``gockpt/time_to_durable_s``, ``gockpt/num_overlap_steps``
-    (K), ``gockpt/requested_step``, ``gockpt/captured_step`` and ``gockpt/mode`` (an index into :data:`gockpt.MODES`), once,
+    (K), ``gockpt/requested_step``, ``gockpt/captured_step``, ``gockpt/mode`` (an index into
+    :data:`gockpt.MODES`), ``gockpt/unchanged_bytes``, ``gockpt/linked_bytes`` and
+    ``gockpt/device_wait_s`` (:meth:`gockpt.CheckpointMetrics.log_dict`), once,
     at the first step Lightning logs at (``log_every_n_steps``) after it became durable, or at
     the end of the run. They go to the loggers directly, as ``LearningRateMonitor``'s do, so
     ``trainer.callback_metrics`` holds only the run's own metrics.

@@ -209,6 +209,7 @@ def test_shards_of_unchanged_frozen_tensors_are_linked_and_every_checkpoint_load
     files = [_frozen_shard(p) for p in paths.values()]
     size = os.path.getsize(files[0])
     assert [m.linked_bytes for m in metrics] == [0, size, 0, size]
+    assert [m.log_dict()["gockpt/linked_bytes"] for m in metrics] == [0, size, 0, size]
     ino = [os.stat(f).st_ino for f in files]
     assert ino[0] == ino[1] and ino[2] == ino[3] and ino[1] != ino[2]
     assert metrics[1].persist_bytes < metrics[0].persist_bytes  # not counted as written

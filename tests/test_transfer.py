@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from gockpt.transfer import PRIORITY_GRAD, PRIORITY_STATE, CpuCopier, SlotPool
@@ -226,3 +227,38 @@ def test_drain_skip_frees_a_range_without_counting_it_in_the_pace():
     assert not d.wait_free([(100, 300)], timeout_s=0.0)
     d.read(100, 300)
     assert d.pace()[0] == 200 and d.done
+
+
+def test_copy_tensors_copies_every_pair_bit_for_bit_outside_autograd():
+    from gockpt.transfer import copy_tensors
+
+    g = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(5, 3, generator=g))
+    strided = torch.randn(4, 6, generator=g).t()  # not contiguous
+    half = torch.randn(7, generator=g).to(torch.bfloat16)
+    step = torch.tensor(12.0)
+    srcs = [param, strided, half, step]
+    dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+    copy_tensors(list(zip(srcs, dsts, strict=True)), non_blocking=True)
+    def bits(t):
+        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    for s, d in zip(srcs, dsts, strict=True):
+        assert torch.equal(bits(d), bits(s))
+        assert d.grad_fn is None and not d.requires_grad
+    copy_tensors([], non_blocking=False)  # nothing to copy: no error
+
+
+def test_copy_tensors_falls_back_to_one_copy_per_pair_where_the_foreach_op_refuses(monkeypatch):
+    from gockpt.transfer import copy_tensors
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", refuse)
+    srcs = [torch.arange(6.0), torch.arange(4, dtype=torch.int64)]
+    dsts = [torch.zeros(6), torch.zeros(4, dtype=torch.int64)]
+    copy_tensors(list(zip(srcs, dsts, strict=True)), non_blocking=False)
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
+    with pytest.raises(RuntimeError):  # a mismatch the per-tensor path refuses too
+        copy_tensors([(torch.zeros(3), torch.zeros(4))], non_blocking=False)

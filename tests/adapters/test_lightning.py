@@ -460,6 +460,8 @@ def test_metrics_reach_the_logger_per_checkpoint(tmp_path):
         assert m["gockpt/captured_step"] == m["gockpt/requested_step"] + k - 1 <= step
         assert m["gockpt/bytes"] > 0 and m["gockpt/stall_s"] >= 0 and m["gockpt/gbps"] > 0
         assert m["gockpt/time_to_durable_s"] > 0
+        # Every tensor copied and written (frozen_copy="always"); no device on the CPU.
+        assert m["gockpt/unchanged_bytes"] == m["gockpt/linked_bytes"] == m["gockpt/device_wait_s"] == 0
 
 
 def test_loggers_get_only_the_runs_own_metrics_by_default(tmp_path):
