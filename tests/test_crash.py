@@ -93,30 +93,40 @@ def _delete_in_a_child(path: str, delay_s: float | None) -> float:
 
 def test_sigkill_during_deletion_never_leaves_a_torn_checkpoint(tmp_path, make_request):
     # Many small shards: deleting them takes long enough to be killed in the middle of it.
-    tensors = {f"t{i:03d}": torch.full((16,), float(i)) for i in range(200)}
+    tensors = {f"t{i:03d}": torch.full((16,), float(i)) for i in range(600)}
     template = tmp_path / "template"
     persist(make_request(str(template / "old"), tensors, step=1, max_shard_bytes=64))
     persist(make_request(str(template / "new"), tensors, step=2, max_shard_bytes=64))
-    assert len(os.listdir(template / "new")) == 202
+    assert len(os.listdir(template / "new")) == 602
     probe = tmp_path / "probe"
     shutil.copytree(template, probe, copy_function=os.link)
     duration = _delete_in_a_child(str(probe / "new"), None)
     assert not (probe / "new").exists()
 
     rng = random.Random(20240610)
-    hi = 1.5 * duration
+    # Kill delays are drawn between the latest that came too early (the directory intact) and
+    # the earliest that came too late (deleted): a bisection that closes on the deletion
+    # whatever this machine's speed, rather than a fixed range that a loaded machine's start-up
+    # jitter can straddle without ever landing inside the deletion.
+    lo, hi = 0.0, 1.5 * duration
     outcomes = {"intact": 0, "interrupted": 0, "deleted": 0}
-    for trial in range(24):
+    for trial in range(60):
+        if trial >= 24 and outcomes["interrupted"]:
+            break
         root = tmp_path / f"trial{trial}"
         shutil.copytree(template, root, copy_function=os.link)  # hard links: fast, same bytes
-        _delete_in_a_child(str(root / "new"), rng.uniform(0, hi))
+        delay = rng.uniform(lo, hi)
+        _delete_in_a_child(str(root / "new"), delay)
 
         scratch = [n for n in os.listdir(root) if n.startswith(".")]
         outcome = "interrupted" if scratch else "intact" if (root / "new").exists() else "deleted"
         outcomes[outcome] += 1
-        # Keep the kills around the deletion whatever this machine's speed: earlier after a
-        # kill that came too late, later after one that came too early.
-        hi *= {"deleted": 0.8, "intact": 1.25, "interrupted": 1.0}[outcome]
+        if outcome == "deleted":
+            hi = delay
+        elif outcome == "intact":
+            lo = delay
+        if hi - lo < 0.05 * duration:  # jitter closed (or crossed) the range: open it again
+            lo, hi = max(0.0, min(lo, hi) - 0.25 * duration), max(lo, hi) + 0.25 * duration
         # Torn = a visible directory with a manifest (or one is_complete accepts) missing a
         # file it names; 'latest' never names one.
         for entry in os.listdir(root):
