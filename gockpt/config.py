@@ -150,15 +150,18 @@ class GoCkptConfig:
     ``"when_changed"``: only while it changed, which removes most of each later checkpoint's
     device-to-host copy for a mostly frozen model (LoRA-style fine-tuning), and on a local
     filesystem most of its write (unchanged frozen shards are hard-linked from the checkpoint
-    before). Opt-in, because an in-place edit made through ``tensor.data`` is not seen as a
-    change.
+    before). Opt-in, because a write that bypasses the tensor's version counter (through
+    ``tensor.data``, a NumPy or DLPack alias, or its untyped storage) is not seen as a change.
 
     Unchanged means the same tensor at the same address with the same dtype, shape and strides,
     and a version counter that has not moved. Every in-place operation on a tensor or on a view
     of it (``copy_``, ``load_state_dict``, optimizer steps, ``torch.no_grad()`` edits) moves
-    that counter; a write through ``tensor.data`` (``p.data.mul_(m)``, as some older EMA and
-    momentum-encoder code does) does not. Leave ``"always"`` where frozen tensors are edited
-    that way: such an edit would be missing from the checkpoint. Buffers are always copied:
+    that counter. These writes do not: through ``tensor.data`` (``p.data.mul_(m)``, as some
+    older EMA and momentum-encoder code does), through a NumPy array or DLPack capsule that
+    shares the tensor's memory (``p.numpy()[:] = w``, ``np.add(..., out=p.numpy())``), and
+    through ``p.untyped_storage()``. Leave ``"always"`` where frozen tensors are edited that
+    way, or call ``p.copy_(...)`` instead: such an edit would be missing from the checkpoint,
+    and from every later one until the tensor is edited in a way that is seen. Buffers are always copied:
     native kernels update some of them in place without moving their version counter
     (BatchNorm's running statistics). :attr:`gockpt.CheckpointMetrics.unchanged_bytes` reports
     the bytes not copied again.
@@ -168,8 +171,11 @@ class GoCkptConfig:
     before is hard-linked from that checkpoint's file rather than written
     (:attr:`gockpt.CheckpointMetrics.linked_bytes`), if that file is still the one it published
     (same inode, size and modification time). Every checkpoint directory still holds all of
-    its files: removing the one it links from leaves it whole. An in-place edit of that file
-    changes both (as with any hard link); GoCkpt never edits a published file. Saves through a
+    its files: removing the one it links from leaves it whole. Checkpoints that link one file
+    share its disk blocks: damage to that file (an in-place edit, a flipped bit on disk) reaches
+    every one of them, which loading reports as a checksum error (``CheckpointCorruptError``).
+    GoCkpt never edits a published file. Keep ``"always"`` where each checkpoint must be an
+    independent copy. Saves through a
     :class:`gockpt.writer.CheckpointWriter` (Accelerate's folder layout, the sharded and
     replicated engines) write every file; they still skip the copy."""
 

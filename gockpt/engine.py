@@ -44,6 +44,7 @@ from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_c
 from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
+from .fsutil import path_key
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
@@ -341,14 +342,15 @@ class Engine:
         Raises:
             OSError: the storage refused the deletion.
         """
-        for s in [s for s in self._all if s.path == path]:
+        key = path_key(path)  # any spelling of the directory a save in flight writes
+        for s in [s for s in self._all if s.path_key == key]:
             self._windows.cancel(s)
-        for s in [s for s in self._all if s.path == path]:
+        for s in [s for s in self._all if s.path_key == key]:
             try:
                 s.handle.result()
             except BaseException:  # noqa: BLE001 - the save was cancelled on purpose
                 pass
-        self._all = [s for s in self._all if not (s.path == path and s.handle.done())]
+        self._all = [s for s in self._all if not (s.path_key == key and s.handle.done())]
         # The checkpoint is gone when this returns (renamed aside); a large one's files are
         # deleted on a thread: unlinking them takes the kernel long enough to stall a step.
         remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s,

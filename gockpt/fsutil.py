@@ -33,6 +33,7 @@ __all__ = [
     "is_local",
     "join",
     "join_user",
+    "path_key",
     "remove_file",
     "remove_local",
     "remove_local_checkpoint",
@@ -133,6 +134,26 @@ def split(root: str) -> tuple[str, str]:
     if not name:
         raise ValueError(f"{root!r} is not a checkpoint path (it has no final name)")
     return parent or "/", name
+
+
+def path_key(path: str) -> str:
+    """One key per checkpoint directory, however ``path`` spells it (str, no I/O beyond
+    resolving the parent's symlinks).
+
+    A local path (plain or ``file://``) becomes absolute with its parent's symlinks and ``.``
+    and ``..`` segments resolved as the filesystem resolves them: ``ckpt/last``,
+    ``./ckpt/last`` and ``/run/ckpt/last`` name one directory. The last component is kept as
+    written: a checkpoint directory that is itself a symlink stays its own name. A URL of any
+    other protocol only loses its trailing ``/``: object-store keys are not resolved.
+    """
+    if "://" in path and not path.startswith("file://"):
+        return path.rstrip("/") or path
+    local = path[len("file://"):] if path.startswith("file://") else path
+    local = local.rstrip("/") or local
+    parent, name = os.path.split(local)
+    if name in ("", ".", ".."):
+        return os.path.realpath(local)
+    return os.path.join(os.path.realpath(parent or "."), name)
 
 
 def scratch_path(parent: str, name: str, kind: str = "tmp") -> str:

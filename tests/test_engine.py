@@ -829,3 +829,52 @@ def test_optimizer_state_that_changes_during_the_windows_is_taken_live(tmp_path,
     assert set(state.optimizer_state_dicts[0]["state"]) == set(live[v]["optim"]["state"])
     assert_state_equal(state.model_state_dict, live[v]["model"])
     assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"])
+
+
+def test_a_newer_save_of_the_same_directory_spelled_otherwise_is_not_overwritten(tmp_path):
+    # An older multi-step save of d/ckpt is still in its copy windows when a newer blocking
+    # save of the same directory, spelled through a symlinked parent, publishes. The older one
+    # must be dropped as superseded, not published over the newer checkpoint.
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "alias")
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                                          max_inflight=2, host_buffer_bytes=1 << 20))
+    handles = {}
+
+    def on_step_end(it):
+        eng.step_end()
+        if it == 2:
+            handles["older"] = eng.save(str(tmp_path / "d" / "ckpt"))
+        if it == 3:
+            handles["newer"] = eng.save(str(tmp_path / "alias" / "." / "ckpt"), mode="sync")
+            handles["newer"].result()  # published while the older one is still copying
+            handles["live"] = snapshot(model, opt)
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end)
+    eng.close()
+    older, newer = handles["older"].result(), handles["newer"].result()
+    assert newer.num_overlap_steps == 1 and older.num_overlap_steps == 3
+    assert older.superseded and not newer.superseded
+    state = gockpt.load_checkpoint(str(tmp_path / "d" / "ckpt"))
+    assert state.captured_step == newer.captured_step > older.requested_step
+    assert_state_equal(state.optimizer_state_dicts[0], handles["live"]["optim"])
+
+
+def test_remove_cancels_a_save_in_flight_of_the_same_directory_spelled_otherwise(tmp_path):
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    handles = []
+
+    def on_step_end(it):
+        eng.step_end()
+        if it == 2:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+        if it == 3:  # still in its copy windows
+            assert not handles[0].done()
+            eng.remove(str(tmp_path / "." / "ckpt") + "/")
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end)
+    eng.close()
+    assert handles[0].done() and not (tmp_path / "ckpt").exists()
+    assert gockpt.latest_checkpoint(str(tmp_path)) is None

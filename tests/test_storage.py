@@ -489,3 +489,20 @@ def test_background_deleter_deletes_small_trees_at_once_and_large_ones_by_drain(
     assert not large.exists()
     deleter.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_path_key_names_one_directory_however_it_is_spelled(tmp_path, monkeypatch):
+    from gockpt.fsutil import path_key
+
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "alias")
+    os.symlink(tmp_path / "d" / "real", tmp_path / "d" / "link")  # a checkpoint that is a symlink
+    monkeypatch.chdir(tmp_path)
+    want = str(tmp_path.resolve() / "d" / "ckpt")
+    for spelling in ("d/ckpt", "./d/ckpt", "d/ckpt/", "alias/ckpt", "d/../alias/./ckpt",
+                     str(tmp_path / "d" / "ckpt"), f"file://{tmp_path}/d/ckpt"):
+        assert path_key(spelling) == want, spelling
+    assert path_key("d/link") == str(tmp_path.resolve() / "d" / "link")  # not its target
+    assert path_key("d/other") != want
+    assert path_key("s3://bucket/run/ckpt/") == "s3://bucket/run/ckpt"  # keys are not resolved
+    assert path_key("memory://a/./b") == "memory://a/./b"
