@@ -162,12 +162,14 @@ class Unit:
     param_entry: Entry
     state_entries: dict[str, Entry]
 
-    @property
+    # A unit is not changed once built (a new optimizer state or storage makes a new layout),
+    # and these are read for every unit at every request: computed once.
+    @cached_property
     def entries(self) -> tuple[Entry, ...]:
         """The stored parameter, then its optimizer state tensors."""
         return (self.param_entry, *self.state_entries.values())
 
-    @property
+    @cached_property
     def state_bytes(self) -> int:
         """Bytes of the parameter plus its optimizer state."""
         return sum(e.spec.nbytes for e in self.entries)
@@ -205,14 +207,14 @@ class StateLayout:
     signature: tuple = field(default=())
     partition: Partition | None = None
 
-    @property
-    def entries(self) -> list[Entry]:
+    @cached_property
+    def entries(self) -> tuple[Entry, ...]:
         """Every stored tensor (units first, then static)."""
         out = []
         for u in self.units:
             out.extend(u.entries)
         out.extend(self.static)
-        return out
+        return tuple(out)
 
 
 def _entry(key: str, t: torch.Tensor) -> Entry:
