@@ -161,10 +161,10 @@ class GoCkptConfig:
     shares the tensor's memory (``p.numpy()[:] = w``, ``np.add(..., out=p.numpy())``), and
     through ``p.untyped_storage()``. Leave ``"always"`` where frozen tensors are edited that
     way, or call ``p.copy_(...)`` instead: such an edit would be missing from the checkpoint,
-    and from every later one until the tensor is edited in a way that is seen. Buffers are always copied:
-    native kernels update some of them in place without moving their version counter
-    (BatchNorm's running statistics). :attr:`gockpt.CheckpointMetrics.unchanged_bytes` reports
-    the bytes not copied again.
+    and from every later one until the tensor is edited in a way that is seen. Buffers are
+    always copied: native kernels update some of them in place without moving their version
+    counter (BatchNorm's running statistics). :attr:`gockpt.CheckpointMetrics.unchanged_bytes`
+    reports the bytes not copied again.
 
     With ``"when_changed"`` frozen parameters are also stored in shard files of their own, and
     on a local filesystem a shard none of whose bytes was copied again since the checkpoint
@@ -175,9 +175,9 @@ class GoCkptConfig:
     share its disk blocks: damage to that file (an in-place edit, a flipped bit on disk) reaches
     every one of them, which loading reports as a checksum error (``CheckpointCorruptError``).
     GoCkpt never edits a published file. Keep ``"always"`` where each checkpoint must be an
-    independent copy. Saves through a
-    :class:`gockpt.writer.CheckpointWriter` (Accelerate's folder layout, the sharded and
-    replicated engines) write every file; they still skip the copy."""
+    independent copy. Saves through a :class:`gockpt.writer.CheckpointWriter` (Accelerate's
+    folder layout, the sharded and replicated engines) write every file; they still skip the
+    copy."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
