@@ -16,6 +16,7 @@ from gockpt import Engine, SaveHandle, _exit
 from gockpt.layout import shared_parameters
 from gockpt.plan import MULTI_STEP_MODES
 from gockpt.sharded import ShardedHandle
+from gockpt.fsutil import path_key
 from gockpt.storage import cleanup_staging
 
 from . import deepspeed, fsdp, sharded
@@ -295,7 +296,8 @@ class GoCkptCallback(Callback):
         if self.engine is None:
             gockpt.remove_checkpoint(path, self.io.config.storage_options)
             return
-        own = [h for h in self._pending if h.path == path and not h.done()]
+        key = path_key(path)  # the directory, however this call spells it
+        own = [h for h in self._pending if path_key(h.path) == key and not h.done()]
         if own:
             later = self._pending[self._pending.index(own[-1]) + 1:]
             if any(h.done() and _durable(h) for h in later):
@@ -343,7 +345,8 @@ class GoCkptCallback(Callback):
         Raises:
             The error of such a save.
         """
-        for h in [h for h in self._pending if h.path == path and not h.done()]:
+        key = path_key(path)  # a load of ./ckpt must wait for a save of ckpt in flight
+        for h in [h for h in self._pending if path_key(h.path) == key and not h.done()]:
             h.result()
 
     # ------------------------------------------------------------------ helpers
@@ -389,13 +392,14 @@ class GoCkptCallback(Callback):
         assert self.io is not None
         keep, ready = [], []
         for path, newer in self._deferred:
-            others = [h for h in newer if h.path != path]
+            key = path_key(path)  # a save of this directory spelled otherwise is no other one
+            others = [h for h in newer if path_key(h.path) != key]
             if any(_durable(h) for h in others):
                 ready.append(path)
             elif not all(h.done() for h in newer):
                 keep.append((path, newer))
             else:
-                later = [h for h in self._pending if not h.done() and h.path != path]
+                later = [h for h in self._pending if not h.done() and path_key(h.path) != key]
                 if later:
                     keep.append((path, later))
         self._deferred = keep

@@ -717,3 +717,50 @@ def test_a_run_leaves_trainer_callbacks_as_it_found_them(tmp_path):
     trainer.fit(TinyNet(), train_dataloaders=Batches())
     assert [id(cb) for cb in trainer.callbacks] == [id(cb) for cb in before]
     assert is_complete(str(tmp_path / "epoch=0-step=4.ckpt"))
+
+
+def test_a_load_right_after_a_save_waits_for_it_whatever_the_path_spelling(tmp_path):
+    # The same file saved twice; the second save is still in its copy windows when the script
+    # loads it through another spelling of the path. The load must read the second save, not
+    # the first one the directory still holds.
+    from lightning.pytorch.callbacks import Callback
+
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "alias")
+    seen = {}
+
+    class SaveThenLoad(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            path = str(tmp_path / "d" / "x.ckpt")
+            if batch_idx == 2:
+                trainer.save_checkpoint(path)
+            if batch_idx == 6:
+                trainer.save_checkpoint(path)
+                seen["requested"] = trainer.global_step
+                other = str(tmp_path / "alias" / "." / "x.ckpt")
+                seen["loaded"] = trainer.strategy.checkpoint_io.load_checkpoint(other)["global_step"]
+
+    fit(str(tmp_path), io=gockpt_io("gockpt"), max_steps=9, callbacks=(SaveThenLoad(),))
+    assert seen["loaded"] == seen["requested"] == 7
+    assert GoCkptIO().load_checkpoint(str(tmp_path / "d" / "x.ckpt"))["global_step"] == 7
+
+
+def test_removing_the_newest_checkpoint_by_another_spelling_keeps_it_as_stock_would_not_lose_it(tmp_path):
+    # A removal of the only checkpoint while its save is in flight is deferred until a newer
+    # checkpoint is durable; none comes, so it stays. Spelled otherwise, the save of the same
+    # file is not "a newer checkpoint" whose durability would allow the removal.
+    from lightning.pytorch.callbacks import Callback
+
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "alias")
+
+    class SaveThenRemove(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                trainer.save_checkpoint(str(tmp_path / "d" / "x.ckpt"))
+                trainer.strategy.remove_checkpoint(str(tmp_path / "alias" / "x.ckpt"))
+
+    fit(str(tmp_path), io=gockpt_io("gockpt"), max_steps=9, callbacks=(SaveThenRemove(),))
+    assert is_complete(str(tmp_path / "d" / "x.ckpt"))
+    # Requested at step 3 with K = 3: it holds step 5.
+    assert GoCkptIO().load_checkpoint(str(tmp_path / "d" / "x.ckpt"))["global_step"] == 5
