@@ -573,6 +573,14 @@ class Slot:
             g.numel() >= n for g, n in zip(self.grads, _grad_sizes(grad_bytes), strict=True))
 
 
+def _headroom(want: int, old: int) -> int:
+    """The size for a buffer of ``old`` bytes that must hold ``want``: ``old`` if it does, else
+    at least half as large again as ``old`` (``want`` for a first allocation)."""
+    if want <= old or old == 0:
+        return max(want, old)
+    return max(want, old + old // 2)
+
+
 def _grad_sizes(grad_bytes: int | Sequence[int]) -> tuple[int, int]:
     """Per-turn gradient buffer bytes: an int is the size of both."""
     if isinstance(grad_bytes, int):
@@ -646,13 +654,17 @@ class SlotPool:
                 grown = list(want)
                 while self._free:
                     s = self._free.pop()
-                    if s.fits(slot_bytes, grad_bytes):
+                    if s.fits(slot_bytes, grad_bytes) or (
+                            s.data.numel() >= slot_bytes
+                            and self._grow_grads(s, _grad_sizes(grad_bytes))):
                         s.refs = 1
                         return s
                     self._count -= 1
                     self._bytes -= s.nbytes
                     old = [s.data.numel(), *(g.numel() for g in s.grads)]
                     grown = [max(a, b) for a, b in zip(grown, old, strict=True)]
+                    # Gradient buffers grow by half at least, as in _grow_grads.
+                    grown[1:] = [_headroom(w, o) for w, o in zip(grown[1:], old[1:], strict=True)]
                     if keep is None or s.data.numel() > keep.numel():
                         keep, keep_held = s.data, s.held
                     s = None  # type: ignore[assignment]  # its other buffers are freed now
@@ -696,20 +708,35 @@ class SlotPool:
             d = s.drain
             if d is None or d.lent or s.refs != 1 or s.data.numel() < slot_bytes:
                 continue
-            grow = sum(max(0, n - g.numel()) for g, n in zip(s.grads, need, strict=True))
-            if grow and not self._fits(grow):
+            if not self._grow_grads(s, need):
                 continue
-            for t, n in enumerate(need):
-                if s.grads[t].numel() < n:
-                    self._bytes += n - s.grads[t].numel()
-                    s.grads[t] = host_empty(n, pin_memory=self._pin)
-                    s.fresh = True
-                    s.grad_view_cache = None  # its views would keep the old buffer alive
-            self._peak = max(self._peak, self._bytes)
             d.lent = True
             s.refs += 1
             return s
         return None
+
+    def _grow_grads(self, s: Slot, need: tuple[int, int]) -> bool:
+        """Grow ``s``'s gradient buffers that are smaller than ``need`` (bytes per turn), in
+        place, under the lock; its data buffer, and what it holds, stay. Each grows by half at
+        least where that fits within ``max_bytes``, else to ``need`` exactly. Plans ask for a
+        little more each save as K and the blocks move: at exact sizes every save paid a new
+        pinned buffer, 0.1-0.2 s per 300 MB on the training thread (``cudaHostRegister``,
+        measured on an H200). False, nothing changed, where even ``need`` does not fit."""
+        for sizes in ([_headroom(n, g.numel()) for g, n in zip(s.grads, need, strict=True)],
+                      list(need)):
+            grow = sum(max(0, n - g.numel()) for g, n in zip(s.grads, sizes, strict=True))
+            if self._fits(grow):
+                break
+        else:
+            return False
+        for t, n in enumerate(sizes):
+            if s.grads[t].numel() < n:
+                self._bytes += n - s.grads[t].numel()
+                s.grads[t] = host_empty(n, pin_memory=self._pin)
+                s.fresh = True
+                s.grad_view_cache = None  # its views would keep the old buffer alive
+        self._peak = max(self._peak, self._bytes)
+        return True
 
     def _fits(self, nbytes: int) -> bool:
         return self._max_bytes is None or self._bytes + nbytes <= self._max_bytes

@@ -187,11 +187,11 @@ def test_cuda_copier_issues_many_tensors_of_mixed_dtypes_into_pinned_views_exact
     srcs += [torch.randn(33, 5, device="cuda", generator=g).to(torch.bfloat16).t(),
              torch.arange(9, device="cuda", dtype=torch.int64), torch.tensor(3.0)]
     sizes = [s.numel() * s.element_size() for s in srcs]
-    buf = aligned_empty(sum(sizes), pin_memory=True)
+    buf = aligned_empty(sum(-(-n // 64) * 64 for n in sizes), pin_memory=True)
     dsts, off = [], 0
-    for s, n in zip(srcs, sizes, strict=True):
+    for s, n in zip(srcs, sizes, strict=True):  # each view at a 64-byte boundary, as a slot's
         dsts.append(buf[off:off + n].view(s.dtype).view(s.shape))
-        off += n
+        off += -(-n // 64) * 64
     c.copy(list(zip(srcs, dsts, strict=True)), PRIORITY_STATE).wait()
     for s, d in zip(srcs, dsts, strict=True):
         assert torch.equal(d, s.detach().cpu()) and d.grad_fn is None

@@ -321,8 +321,8 @@ def test_slot_pool_counts_holds_and_keeps_the_data_buffer_when_only_gradients_gr
     pool.release(a)
     assert not pool.share(a)  # released by every save: no longer shareable
     data = a.data
-    b = pool.acquire(800, (300, 200), block=False)  # gradients grew: the data buffer is kept
-    assert b is not a and b.data is data and b.nbytes == 1000 + 300 + 200
+    b = pool.acquire(800, (300, 200), block=False)  # gradients grew: grown in place, data kept
+    assert b is a and b.data is data and b.nbytes == 1000 + 300 + 200
     assert pool.bytes == pool.peak_bytes == 1500 and pool.num_slots == 1
 
 

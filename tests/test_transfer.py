@@ -262,3 +262,31 @@ def test_copy_tensors_falls_back_to_one_copy_per_pair_where_the_foreach_op_refus
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
     with pytest.raises(RuntimeError):  # a mismatch the per-tensor path refuses too
         copy_tensors([(torch.zeros(3), torch.zeros(4))], non_blocking=False)
+
+
+def test_gradient_buffers_grow_in_place_by_half_and_are_not_reallocated_for_small_increases():
+    # Plans ask for a little more gradient room at each save; a new pinned buffer costs 0.1-0.2
+    # s per 300 MB on a GPU host, so a growing buffer grows by half and the data buffer stays.
+    pool = SlotPool(max_slots=1, pin=False)
+    s = pool.acquire(4096, (1000, 800), block=False)
+    data, held = s.data, s.held
+    pool.release(s)
+    s2 = pool.acquire(4096, (1100, 800), block=False)  # the first buffer is too small
+    assert s2 is s and s.data is data and s.held is held
+    assert [g.numel() for g in s.grads] == [1500, 800] and pool.bytes == 4096 + 2300
+    first = s.grads[0]
+    pool.release(s)
+    s3 = pool.acquire(4096, (1400, 700), block=False)  # within the headroom: no new buffer
+    assert s3 is s and s.grads[0] is first and [g.numel() for g in s.grads] == [1500, 800]
+    pool.release(s)
+    assert pool.peak_bytes == 4096 + 2300
+
+
+def test_gradient_buffers_grow_exactly_where_the_headroom_would_pass_the_bound():
+    pool = SlotPool(max_slots=1, pin=False, max_bytes=4096 + 2000)
+    s = pool.acquire(4096, (1000, 800), block=False)
+    pool.release(s)
+    s2 = pool.acquire(4096, (1100, 800), block=False)  # 1500 would pass max_bytes; 1100 fits
+    assert s2 is s and [g.numel() for g in s.grads] == [1100, 800] and pool.bytes <= 6096
+    pool.release(s)
+    assert pool.acquire(4096, (1300, 800), block=False) is None  # fits no way: no slot
