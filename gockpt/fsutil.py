@@ -136,19 +136,31 @@ def split(root: str) -> tuple[str, str]:
     return parent or "/", name
 
 
-def path_key(path: str) -> str:
+def path_key(path: str | os.PathLike[str]) -> str:
     """One key per checkpoint directory, however ``path`` spells it (str, no I/O beyond
     resolving the parent's symlinks).
 
-    A local path (plain or ``file://``) becomes absolute with its parent's symlinks and ``.``
-    and ``..`` segments resolved as the filesystem resolves them: ``ckpt/last``,
-    ``./ckpt/last`` and ``/run/ckpt/last`` name one directory. The last component is kept as
-    written: a checkpoint directory that is itself a symlink stays its own name. A URL of any
-    other protocol only loses its trailing ``/``: object-store keys are not resolved.
+    The key is taken when it is asked for: a save's at its request. A ``chdir``, or a parent
+    symlink that points elsewhere, between two requests can give two keys to one directory or
+    one key to two; the saves of one run should not do that while they are in flight.
+
+    A local path (plain, ``~``-relative, or ``file://``/``local://``) becomes absolute with
+    its parent's symlinks and ``.`` and ``..`` segments resolved as the filesystem resolves
+    them: ``ckpt/last``, ``./ckpt/last`` and ``/run/ckpt/last`` name one directory. The last
+    component is kept as written: a checkpoint directory that is itself a symlink stays its own
+    name. A URL of any other protocol only loses its trailing ``/``: object-store keys are not
+    resolved.
     """
-    if "://" in path and not path.startswith("file://"):
-        return path.rstrip("/") or path
-    local = path[len("file://"):] if path.startswith("file://") else path
+    path = os.fspath(path)
+    for prefix in ("file://", "local://", "file:", "local:"):  # local, as fsspec reads them
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    else:
+        if "://" in path:
+            return path.rstrip("/") or path
+    # fsspec expands a leading "~" of a local path, so "~/ckpt" is the home's, not "./~/ckpt".
+    local = os.path.expanduser(path)
     local = local.rstrip("/") or local
     parent, name = os.path.split(local)
     if name in ("", ".", ".."):

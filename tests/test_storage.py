@@ -506,3 +506,7 @@ def test_path_key_names_one_directory_however_it_is_spelled(tmp_path, monkeypatc
     assert path_key("d/other") != want
     assert path_key("s3://bucket/run/ckpt/") == "s3://bucket/run/ckpt"  # keys are not resolved
     assert path_key("memory://a/./b") == "memory://a/./b"
+    assert path_key(tmp_path / "d" / "ckpt") == want  # an os.PathLike, as Engine.remove takes
+    monkeypatch.setenv("HOME", str(tmp_path / "d"))
+    assert path_key("~/ckpt") == want  # fsspec expands "~": the home's, not "./~/ckpt"
+    assert path_key("./~/ckpt") != want and path_key("./file:/x") != path_key("file:/x")
