@@ -35,8 +35,10 @@ PRIORITY_GRAD = 0
 PRIORITY_STATE = 1
 
 
-def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_blocking: bool) -> None:
-    """``dst.copy_(src)`` for each (src, dst) of ``pairs``, autograd off, in one dispatch.
+def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
+                 non_blocking: bool) -> None:
+    """``dst.copy_(src)`` for each pair of ``dsts`` and ``srcs``, autograd off, in one dispatch
+    (one release of the GIL for the lot).
 
     One ``torch._foreach_copy_`` call issues every copy from C++. On the CUDA path a job's copies
     are issued on the training thread, inside the request; with a Python loop (``copy_`` and
@@ -47,16 +49,15 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_bloc
     refuses the lists, the copies are issued one by one (a copy already made is made again).
 
     Args:
-        pairs: (source, destination) tensors of the same shape; the destination's dtype wins.
+        dsts: destination tensors; each one's dtype wins.
+        srcs: source tensors, as many as ``dsts``, each of its destination's shape.
         non_blocking: passed to ``copy_``: a device-to-pinned-host copy is only queued.
 
     Raises:
         RuntimeError: a copy the per-tensor path also refuses (shapes that do not match).
     """
-    if not pairs:
+    if not dsts:
         return
-    srcs = [s for s, _ in pairs]
-    dsts = [d for _, d in pairs]
     with torch.no_grad():
         foreach = getattr(torch, "_foreach_copy_", None)
         if foreach is not None:
@@ -65,7 +66,7 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_bloc
                 return
             except (RuntimeError, TypeError):
                 pass  # nothing was written that the loop does not write again
-        for src, dst in pairs:
+        for dst, src in zip(dsts, srcs, strict=True):
             dst.copy_(src, non_blocking=non_blocking)
 
 
@@ -264,10 +265,7 @@ class CpuCopier:
                 srcs, dsts = item
                 n = sum(d.numel() * d.element_size() for d in dsts)
                 with _trace.phase("copy", n):
-                    if len(dsts) == 1:
-                        dsts[0].copy_(srcs[0])
-                    else:  # one call, one GIL release, for the lot
-                        torch._foreach_copy_(dsts, srcs)
+                    copy_tensors(dsts, srcs, non_blocking=False)
                 if self._rate is not None:
                     rest = n / self._rate - (perf_counter() - t0)
                     if rest > 0:
@@ -328,7 +326,7 @@ class CudaCopier:
             # Recorded after the wait on the compute stream: it fires when the copy can start.
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            copy_tensors(pairs, non_blocking=True)
+            copy_tensors([d for _, d in pairs], [s for s, _ in pairs], non_blocking=True)
             for src, dst in pairs:
                 if src.is_cuda:  # host tensors (Adam's ``step`` counts) need no stream record
                     src.record_stream(stream)

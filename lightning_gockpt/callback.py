@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+import weakref
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -15,8 +16,8 @@ import gockpt
 from gockpt import Engine, SaveHandle, _exit
 from gockpt.layout import shared_parameters
 from gockpt.plan import MULTI_STEP_MODES
-from gockpt.sharded import ShardedHandle
 from gockpt.fsutil import path_key
+from gockpt.sharded import ShardedHandle
 from gockpt.storage import cleanup_staging
 
 from . import deepspeed, fsdp, sharded
@@ -94,7 +95,11 @@ class GoCkptCallback(Callback):
         self._finished: list[_Handle] = []
         self._finished_lock = threading.Lock()
         self._pending: list[_Handle] = []
-        self._deferred: list[tuple[str, list[_Handle]]] = []  # removals waiting for newer saves
+        # Removals waiting for newer saves: (path, its directory's key, the saves it waits on).
+        self._deferred: list[tuple[str, str, list[_Handle]]] = []
+        # Each save's directory (gockpt.fsutil.path_key), taken once at its request: the
+        # deferred removals compare them at every batch end.
+        self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
         self._num_batches = 0
         self._ended = False
         self._failed = False
@@ -261,7 +266,8 @@ class GoCkptCallback(Callback):
                 return {"lightning": held[0]}
             return {"lightning": trainer._checkpoint_connector.dump_checkpoint(weights_only)}
 
-        self._deferred = [(p, hs) for p, hs in self._deferred if p != path]  # replaced, not removed
+        key = path_key(path)
+        self._deferred = [d for d in self._deferred if d[1] != key]  # replaced, not removed
         if self._zero:
             make_placeholder(path, self.io.config.storage_options)
         cap = 1 if exact_step or gathered else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
@@ -279,6 +285,7 @@ class GoCkptCallback(Callback):
                 remove_placeholder(path, options)
             raise
         handle.add_done_callback(lambda h: self._on_done(h, options))
+        self._dir_keys[handle] = key
         self._pending = [h for h in self._pending if not h.done()] + [handle]
         return handle
 
@@ -297,17 +304,17 @@ class GoCkptCallback(Callback):
             gockpt.remove_checkpoint(path, self.io.config.storage_options)
             return
         key = path_key(path)  # the directory, however this call spells it
-        own = [h for h in self._pending if path_key(h.path) == key and not h.done()]
+        own = [h for h in self._pending if self._dir_key(h) == key and not h.done()]
         if own:
             later = self._pending[self._pending.index(own[-1]) + 1:]
             if any(h.done() and _durable(h) for h in later):
                 self.engine.remove(path)
                 return
-            self._deferred.append((path, [h for h in self._pending if not h.done()]))
+            self._deferred.append((path, key, [h for h in self._pending if not h.done()]))
             return
         newer = [h for h in self._pending if not h.done()]
         if newer:
-            self._deferred.append((path, newer))
+            self._deferred.append((path, key, newer))
         else:
             self.engine.remove(path)
 
@@ -346,10 +353,14 @@ class GoCkptCallback(Callback):
             The error of such a save.
         """
         key = path_key(path)  # a load of ./ckpt must wait for a save of ckpt in flight
-        for h in [h for h in self._pending if path_key(h.path) == key and not h.done()]:
+        for h in [h for h in self._pending if self._dir_key(h) == key and not h.done()]:
             h.result()
 
     # ------------------------------------------------------------------ helpers
+
+    def _dir_key(self, h: _Handle) -> str:
+        key = self._dir_keys.get(h)
+        return path_key(h.path) if key is None else key
 
     def _step_without_us(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         trainer = self._trainer
@@ -391,17 +402,17 @@ class GoCkptCallback(Callback):
         # newest complete checkpoint.
         assert self.io is not None
         keep, ready = [], []
-        for path, newer in self._deferred:
-            key = path_key(path)  # a save of this directory spelled otherwise is no other one
-            others = [h for h in newer if path_key(h.path) != key]
+        for path, key, newer in self._deferred:
+            # A save of this directory spelled otherwise is no other checkpoint.
+            others = [h for h in newer if self._dir_key(h) != key]
             if any(_durable(h) for h in others):
                 ready.append(path)
             elif not all(h.done() for h in newer):
-                keep.append((path, newer))
+                keep.append((path, key, newer))
             else:
-                later = [h for h in self._pending if not h.done() and path_key(h.path) != key]
+                later = [h for h in self._pending if not h.done() and self._dir_key(h) != key]
                 if later:
-                    keep.append((path, later))
+                    keep.append((path, key, later))
         self._deferred = keep
         for path in ready:
             if self.engine is not None:

@@ -239,14 +239,14 @@ def test_copy_tensors_copies_every_pair_bit_for_bit_outside_autograd():
     step = torch.tensor(12.0)
     srcs = [param, strided, half, step]
     dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
-    copy_tensors(list(zip(srcs, dsts, strict=True)), non_blocking=True)
+    copy_tensors(dsts, srcs, non_blocking=True)
     def bits(t):
         return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
     for s, d in zip(srcs, dsts, strict=True):
         assert torch.equal(bits(d), bits(s))
         assert d.grad_fn is None and not d.requires_grad
-    copy_tensors([], non_blocking=False)  # nothing to copy: no error
+    copy_tensors([], [], non_blocking=False)  # nothing to copy: no error
 
 
 def test_copy_tensors_falls_back_to_one_copy_per_pair_where_the_foreach_op_refuses(monkeypatch):
@@ -258,10 +258,10 @@ def test_copy_tensors_falls_back_to_one_copy_per_pair_where_the_foreach_op_refus
     monkeypatch.setattr(torch, "_foreach_copy_", refuse)
     srcs = [torch.arange(6.0), torch.arange(4, dtype=torch.int64)]
     dsts = [torch.zeros(6), torch.zeros(4, dtype=torch.int64)]
-    copy_tensors(list(zip(srcs, dsts, strict=True)), non_blocking=False)
+    copy_tensors(dsts, srcs, non_blocking=False)
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
     with pytest.raises(RuntimeError):  # a mismatch the per-tensor path refuses too
-        copy_tensors([(torch.zeros(3), torch.zeros(4))], non_blocking=False)
+        copy_tensors([torch.zeros(4)], [torch.zeros(3)], non_blocking=False)
 
 
 def test_gradient_buffers_grow_in_place_by_half_and_are_not_reallocated_for_small_increases():
