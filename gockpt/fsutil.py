@@ -150,6 +150,9 @@ def path_key(path: str | os.PathLike[str]) -> str:
     component is kept as written: a checkpoint directory that is itself a symlink stays its own
     name. A URL of any other protocol only loses its trailing ``/``: object-store keys are not
     resolved.
+
+    Raises:
+        TypeError: ``path`` is neither a str nor an ``os.PathLike`` of one.
     """
     path = os.fspath(path)
     for prefix in ("file://", "local://", "file:", "local:"):  # local, as fsspec reads them
