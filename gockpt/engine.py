@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from time import perf_counter
@@ -153,7 +154,7 @@ class Engine:
 
     def save(
         self,
-        path: str,
+        path: str | os.PathLike[str],
         *,
         state_fn: Callable[[], Any] | None = None,
         exact_step: bool = False,
@@ -170,7 +171,10 @@ class Engine:
         (counted as stall) or skipping when none is free, as ``config.when_full`` says.
 
         Args:
-            path: checkpoint directory (local path or fsspec URL).
+            path: checkpoint directory (local path or fsspec URL). A local path is taken as it
+                names a directory at the request (:func:`gockpt.fsutil.path_key`: absolute, its
+                parent's symlinks resolved) and written there; the handle and the metrics carry
+                that spelling.
             state_fn: returns the non-tensor state (loop counters, scheduler, RNG, ...); called on
                 the training thread at the captured step and serialized at once (deep copy).
             exact_step: hold exactly the requested step (K = 1).
@@ -191,7 +195,10 @@ class Engine:
             raise RuntimeError("engine is closed")
         self._pipeline.raise_errors()
         self._windows.boundary(self.version)
-        path = path.rstrip("/") or path
+        # The directory as it is named now (a local path absolute, its parent's symlinks
+        # resolved): the persist writes there even if the process changes directory or a
+        # parent symlink is re-pointed before it runs, and saves match one another by it.
+        path = path_key(path)
         t0 = perf_counter()
         parent = path.rstrip("/").rpartition("/")[0] or "."
         setup = False

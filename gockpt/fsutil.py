@@ -140,9 +140,9 @@ def path_key(path: str | os.PathLike[str]) -> str:
     """One key per checkpoint directory, however ``path`` spells it (str, no I/O beyond
     resolving the parent's symlinks).
 
-    The key is taken when it is asked for: a save's at its request. A ``chdir``, or a parent
-    symlink that points elsewhere, between two requests can give two keys to one directory or
-    one key to two; the saves of one run should not do that while they are in flight.
+    The key is taken when it is asked for. :meth:`gockpt.Engine.save` takes it at the request
+    and writes to the key itself, so a ``chdir`` or a re-pointed parent symlink before the
+    persist runs changes neither where the checkpoint lands nor which saves it supersedes.
 
     A local path (plain, ``~``-relative, or ``file://``/``local://``) becomes absolute with
     its parent's symlinks and ``.`` and ``..`` segments resolved as the filesystem resolves

@@ -878,3 +878,38 @@ def test_remove_cancels_a_save_in_flight_of_the_same_directory_spelled_otherwise
     eng.close()
     assert handles[0].done() and not (tmp_path / "ckpt").exists()
     assert gockpt.latest_checkpoint(str(tmp_path)) is None
+
+
+def test_a_save_lands_where_its_path_named_at_the_request(tmp_path, monkeypatch):
+    # The persist runs after the request; a chdir, and a parent symlink re-pointed, in between
+    # must not move the checkpoint, nor let it publish over the other directory's checkpoint.
+    for d in ("run1", "run2", "a", "b"):
+        (tmp_path / d).mkdir()
+    os.symlink(tmp_path / "a", tmp_path / "cur")
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                                          max_inflight=2, host_buffer_bytes=1 << 20))
+    handles = {}
+    monkeypatch.chdir(tmp_path / "run1")
+
+    def on_step_end(it):
+        eng.step_end()
+        if it == 2:
+            handles["rel"] = eng.save("ckpt")
+            handles["link"] = eng.save(str(tmp_path / "cur" / "ckpt"))
+        if it == 3:  # both still in their copy windows
+            assert not handles["rel"].done() and not handles["link"].done()
+            os.chdir(tmp_path / "run2")
+            os.unlink(tmp_path / "cur")
+            os.symlink(tmp_path / "b", tmp_path / "cur")
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end)
+    eng.close()
+    rel, link = handles["rel"].result(), handles["link"].result()
+    assert not (tmp_path / "run2" / "ckpt").exists() and not (tmp_path / "b" / "ckpt").exists()
+    assert rel.path == str(tmp_path.resolve() / "run1" / "ckpt")
+    assert link.path == str(tmp_path.resolve() / "a" / "ckpt")
+    assert not rel.superseded and not link.superseded
+    for where, m in ((tmp_path / "run1" / "ckpt", rel), (tmp_path / "a" / "ckpt", link)):
+        state = gockpt.load_checkpoint(str(where))
+        assert state.captured_step == m.captured_step
