@@ -12,6 +12,7 @@ fsync); :mod:`gockpt._trace` records them per thread and phase when turned on.
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 import queue
@@ -76,6 +77,8 @@ class Pipeline:
         self._persist_pool = ThreadPoolExecutor(
             config.max_inflight, thread_name_prefix="gockpt-persist",
             initializer=lower_thread_priority, initargs=(config.io_nice,))
+        # (state bytes, seconds) of the latest replays, for the planner's replay rate.
+        self._replay_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=32)
         self._replay_q: queue.Queue = queue.Queue()
         self._replay_thread = threading.Thread(target=self._replay_loop, name="gockpt-replay", daemon=True)
         self._replay_thread.start()
@@ -85,6 +88,13 @@ class Pipeline:
     def submit_replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
         """Queue the replay of one update's gradients, copied by ``ticket``, onto ``s``."""
         self._replay_q.put(("replay", s, record, ticket))
+
+    def replay_bytes_per_s(self) -> float:
+        """State bytes the latest replays brought forward per second of replay (after their
+        gradients arrived), over the last 32 replays; 0.0 before 5 ms of replay was timed."""
+        samples = list(self._replay_samples)  # appended on the replay thread
+        seconds = sum(t for _, t in samples)
+        return sum(n for n, _ in samples) / seconds if seconds > 0.005 else 0.0
 
     def finalize(self, s: SaveRecord) -> None:
         """Persist ``s`` in the background once the replays queued before it are done."""
@@ -130,6 +140,7 @@ class Pipeline:
             if not s.share.alive():  # every save using this snapshot failed or was cancelled
                 return
             ticket.wait()  # raises CheckpointTornError when a gradient changed during its copy
+            t0, replayed = perf_counter(), 0
             backend = self._backends.select(opt_index)
             s.metrics.replay_backend = backend.name
             by_group: dict[int, list[tuple[int, Unit]]] = {}
@@ -144,6 +155,7 @@ class Pipeline:
                 ):
                     be = TorchReplay()  # the self-check probed fp32 with group 0's flags
                 grads = [s.grad_views[turn][i] for i, _ in members]
+                replayed += sum(u.state_bytes for _, u in members)
                 nbytes = sum(g.numel() * g.element_size() for g in grads) if _trace.active() else 0
                 with _trace.phase("replay", nbytes):
                     be.step(
@@ -152,6 +164,7 @@ class Pipeline:
                         grads,
                         [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
                     )
+            self._replay_samples.append((replayed, perf_counter() - t0))
         finally:
             s.slot.grad_busy[turn].set()
 

@@ -84,12 +84,14 @@ class Planner:
     """Layouts and copy plans of the saves of one engine (training thread only)."""
 
     def __init__(self, model: nn.Module, optimizers: list[Optimizer], config: GoCkptConfig,
-                 copier: Any, copy_bytes_per_s: float) -> None:
+                 copier: Any, copy_bytes_per_s: float,
+                 replay_bytes_per_s: Callable[[], float] | None = None) -> None:
         self._model = model
         self._optimizers = optimizers
         self._config = config
         self._copier = copier
         self._copy_bw = copy_bytes_per_s
+        self._replay_rate = replay_bytes_per_s  # the pipeline's measured replay rate
         self._layout: StateLayout | None = None
         self.layouts_built = 0  # layouts enumerated so far (the first and each change)
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
@@ -142,13 +144,14 @@ class Planner:
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
              version: int, window_s: float | None, overhead_samples_s: tuple[float, ...] = (),
              unchanged: Callable[[Entry], bool] | None = None,
-             interval_steps: int | None = None) -> CopyPlan:
+             interval_steps: int | None = None, step_s: float | None = None) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
         unknown; ``overhead_samples_s``: how much longer than its bytes at the copy rate each
         recent window's copy ran, seconds, :attr:`gockpt.plan.Costs.overhead_samples_s`), with
         its predicted stall and lower bound (:func:`gockpt.plan.make_plan`); logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
         (``frozen_copy="when_changed"``), so its copy costs nothing. ``interval_steps``: the
-        steps to the next request (:meth:`note_request`), None if unknown."""
+        steps to the next request (:meth:`note_request`), None if unknown. ``step_s``: the
+        seconds between updates, None if unknown (:attr:`gockpt.plan.Costs.step_s`)."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
         local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
@@ -178,7 +181,7 @@ class Planner:
         static_bytes = sum(e.spec.nbytes for e in layout.static
                            if unchanged is None or not unchanged(e))  # buffers: never held
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
-        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, overhead_samples_s),
+        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, overhead_samples_s, step_s),
                          max_overlap_steps=hi, replayable=replayable,
                          min_overlap_steps=min(self._config.min_overlap_steps, hi),
                          static_bytes=static_bytes, interval_steps=interval_steps,
@@ -198,8 +201,8 @@ class Planner:
                 and all(is_replayable(o) for o in self._optimizers)
                 and not _state_missing(layout))
 
-    def _costs(self, window_s: float | None,
-               overhead_samples_s: tuple[float, ...] = ()) -> Costs | None:
+    def _costs(self, window_s: float | None, overhead_samples_s: tuple[float, ...] = (),
+               step_s: float | None = None) -> Costs | None:
         if window_s is None:
             return None
         copier = self._copier
@@ -207,7 +210,9 @@ class Planner:
         done, busy = copier.rate_sample()
         if busy > 0.05:  # enough copying seen to trust the measured pace over the probe's
             bw = done / busy
-        return Costs(copy_bytes_per_s=bw, window_s=window_s, overhead_samples_s=overhead_samples_s)
+        replay = self._replay_rate() if self._replay_rate is not None else 0.0
+        return Costs(copy_bytes_per_s=bw, window_s=window_s, overhead_samples_s=overhead_samples_s,
+                     replay_bytes_per_s=replay, step_s=step_s or 0.0)
 
     def slot_layout(self, layout: StateLayout) -> SlotLayout:
         """Where each tensor of ``layout`` lives in a host slot and in the shard files."""

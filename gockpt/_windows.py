@@ -36,9 +36,11 @@ from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
 
 #: Stall phases the planner's model predicts per plan (the copy windows, the gradient and static
-#: copies it charges, a planned flush, ``sync``/``async``'s copy); the rest of a save's stall
-#: (but ``setup``) is its fixed cost (:meth:`Windows.fixed_stall_s`).
-MODELLED_PHASES = ("window_end", "grad_copy", "static_copy", "flush", "guard", "copy")
+#: copies it charges, the waits for a gradient buffer the replay holds, a planned flush,
+#: ``sync``/``async``'s copy); the rest of a save's stall (but ``setup``) is its fixed cost
+#: (:meth:`Windows.fixed_stall_s`).
+MODELLED_PHASES = ("window_end", "grad_copy", "grad_buffer", "static_copy", "flush", "guard",
+                   "copy")
 
 #: Per-window overhead samples the planner works from: about fifteen saves of six windows, the
 #: memory of the per-save fixed cost (a copy that runs slow for a whole save is rare).
@@ -373,7 +375,7 @@ class Windows:
         """The per-save fixed cost of a save in ``mode``, seconds: its stall less what the stall
         model predicts per plan (the phases in :data:`MODELLED_PHASES`) and less one-time setup,
         i.e. the request and capture on the training thread and the short waits the model
-        leaves out (version checks, a borrowed slot, a gradient buffer), the mean over the
+        leaves out (version checks, a borrowed slot), the mean over the
         latest saves in that mode, else the median of the other modes' means; warm saves'
         before cold ones' (:class:`CostSamples`: a cold save pays more than a mode's difference);
         0.0 before any save. A mean, not a median: this cost is skewed (a save whose request

@@ -125,7 +125,8 @@ class Engine:
         self._exit_token = _exit.register(self._close_at_exit)
         self._planner = Planner(model, self.optimizers, self.config, self._copier,
                                 probe_copy_bandwidth(self._copier, device,
-                                                     self.config.host_link_bytes_per_s))
+                                                     self.config.host_link_bytes_per_s),
+                                self._pipeline.replay_bytes_per_s)
         if self.config.mode in MULTI_STEP_MODES + ("auto",):
             # The replay self-check runs here, not inside a save's stall.
             self._backends.select_replayable()
@@ -234,12 +235,14 @@ class Engine:
         plan = self._planner.plan(layout, mode, exact, max_overlap_steps, version=self.version,
                                   window_s=self._windows.window_s,
                                   overhead_samples_s=self._windows.overhead_samples_s,
-                                  unchanged=self._held_estimate(layout), interval_steps=interval)
+                                  unchanged=self._held_estimate(layout), interval_steps=interval,
+                                  step_s=self._windows.step_s)
         seq = next(self._seq)
         fixed = self._windows.fixed_stall_s(plan.mode)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,
                                     requested_step=self.version,
                                     predicted_stall_s=plan.predicted_stall_s + fixed,
+                                    predicted_replay_wait_s=plan.replay_wait_s,
                                     stall_lower_bound_s=plan.lower_bound_s + fixed,
                                     expected_interval_steps=interval,
                                     planned_window_s=plan.window_s if plan.costed
@@ -265,6 +268,7 @@ class Engine:
                 # (a flush of the leader's windows is counted as the leader's stall).
                 fixed = self._windows.fixed_stall_s(leader.plan.mode)
                 metrics.predicted_stall_s = metrics.stall_lower_bound_s = fixed
+                metrics.predicted_replay_wait_s = 0.0
                 return self._windows.join(leader, s, t0, self.version, model_sd=model_sd)
             return self._windows.start(s, t0, self.version, model_sd=model_sd)
         except BaseException as e:

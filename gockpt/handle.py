@@ -23,7 +23,8 @@ class CheckpointMetrics:
         stall_s: training-thread stall in seconds (sum of ``stall_by_phase_s``).
         stall_by_phase_s: seconds by phase (setup (one-time work of a save: a directory claimed,
             the layout enumerated, the replay self-check), slot_wait, copy, window_end (the wait
-            for a window's copy), window_check (the version check after it), grad_copy, capture,
+            for a window's copy), window_check (the version check after it), grad_copy,
+            grad_buffer (a capture's wait for a gradient buffer the CPU replay still held), capture,
             static_copy (buffers and tensors outside the optimizer, copied at the capture),
             guard, flush, persist for ``sync``).
         state_bytes / grad_bytes: bytes copied to the host (state, gradients); 0 for a save that
@@ -54,6 +55,8 @@ class CheckpointMetrics:
             phases the model predicts (``request``, ``capture``, ``window_check`` and short
             waits such as one for a free slot), setup left out, plus
             ``predicted_slot_wait_s``.
+        predicted_replay_wait_s: of ``predicted_stall_s``, the predicted ``grad_buffer`` wait,
+            seconds (:func:`gockpt.plan.replay_wait_s`; 0.0 before a replay rate was measured).
         predicted_slot_wait_s: of ``predicted_stall_s``, the predicted wait for the bytes of a
             borrowed host slot (``slot_borrowed``) that the save before is still writing out,
             seconds: the most, over its copy windows ``j``, of the time that persist needs
@@ -112,6 +115,7 @@ class CheckpointMetrics:
     persist_gbps: float = 0.0
     replay_backend: str = ""
     predicted_stall_s: float = 0.0
+    predicted_replay_wait_s: float = 0.0
     predicted_slot_wait_s: float = 0.0
     stall_lower_bound_s: float = 0.0
     expected_interval_steps: int | None = None

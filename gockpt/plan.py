@@ -28,6 +28,12 @@ training thread waits when the non-tensor state is taken, adding ``static_bytes 
 mode; that happens as the last window opens, behind its gradient copy, so with static bytes the
 last window's gradients are not hidden (it stalls as under ``gockpt``).
 
+The CPU replay (§4.3) of each update's gradients must keep up with the steps: the gradients go
+to two host buffers in turn, so a capture waits for the replay of the one two updates before.
+Where the replay rate has been measured (:attr:`Costs.replay_bytes_per_s`) those waits are
+predicted too (:func:`replay_wait_s`) and enter the choice of K: on a GPU whose steps take
+milliseconds, a CPU replay of hundreds of MB per update cannot keep up beyond a few windows.
+
 The paper's closed form ``T_GoCkpt = N(N-1)/14 T_step`` is the ``gockpt`` line with N equal
 blocks that each fill one window (``s_j = C``) and gradients 1/7 of the state. Since later
 windows carry more gradients, the planner sizes each block for its window (:func:`make_plan`)
@@ -73,12 +79,20 @@ class Costs:
             longer than ``window_s``). With them the model predicts the mean stall over the
             samples, each window hiding ``window_s - o`` for a sample ``o``: a window its copy
             nearly fills stalls in the share of windows that ran slow.
+        replay_bytes_per_s: how fast the CPU replay brings state forward, in bytes of state
+            (parameter and optimizer state of the units replayed) per second, as measured on
+            earlier saves; 0.0 when unknown: the model then charges no wait for a gradient
+            buffer (:func:`replay_wait_s`).
+        step_s: seconds between two optimizer updates (the window and the update); 0.0 when
+            unknown: ``window_s`` stands in.
     """
 
     copy_bytes_per_s: float
     window_s: float
     window_overhead_s: float = 0.0
     overhead_samples_s: tuple[float, ...] = ()
+    replay_bytes_per_s: float = 0.0
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,10 @@ class CopyPlan:
             while the training thread waits), seconds.
         window_loads_s: each window's copy that must fit in it, in seconds at the copy rate:
             ``predicted_stall_s`` is ``paid_s + sum(max(0, l - max(0, window_s - o)))`` over
-            these, averaged over the overhead samples ``o`` (empty when not costed).
+            these, averaged over the overhead samples ``o`` (empty when not costed), plus
+            ``replay_wait_s``.
+        replay_wait_s: the part of the prediction spent waiting for a gradient buffer that the
+            CPU replay has not released yet, seconds (:func:`replay_wait_s`).
         flushed_at: None, or the number of windows that run before the next checkpoint request
             is expected (K > the request interval): the blocks of the later windows are copied
             at that request, with the training thread waiting (counted in ``paid_s``), and that
@@ -120,6 +137,7 @@ class CopyPlan:
     window_loads_s: tuple[float, ...] = ()
     flushed_at: int | None = None
     copy_bytes_per_s: float = 0.0
+    replay_wait_s: float = 0.0
 
     @property
     def num_overlap_steps(self) -> int:
@@ -178,7 +196,8 @@ def predict_stall_s(
     costs: Costs, *, static_bytes: int = 0,
 ) -> float:
     """Predicted training-thread stall of one checkpoint, in seconds (the module's stall model,
-    after GoCkpt §4.2.3 and §4.2.4).
+    after GoCkpt §4.2.3 and §4.2.4, with the waits for gradient buffers of
+    :func:`replay_wait_s`).
 
     Args:
         mode: ``sync``, ``async``, ``lazy``, ``gockpt`` or ``gockpt_o``.
@@ -190,7 +209,67 @@ def predict_stall_s(
     """
     bw = max(costs.copy_bytes_per_s, 1.0)
     paid, loads = _window_terms(mode, unit_bytes, grad_bytes, blocks, static_bytes)
-    return _model_stall(paid, loads, _hides(costs)) / bw
+    return (_model_stall(paid, loads, _hides(costs)) / bw
+            + replay_wait_s(mode, unit_bytes, grad_bytes, blocks, costs))
+
+
+def replay_wait_s(
+    mode: str, unit_bytes: list[int], grad_bytes: list[int], blocks: tuple[tuple[int, ...], ...],
+    costs: Costs, *, captures: int | None = None,
+    prefix: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> float:
+    """Predicted seconds the training thread waits for a gradient buffer the CPU replay still
+    holds, in one multi-step checkpoint (0.0 for other modes, or when ``costs`` has no replay
+    rate).
+
+    An extension of GoCkpt §4.2.3, which takes the replay (§4.3) to keep up with the steps:
+    on a GPU whose steps take milliseconds it need not. The gradients of the update ending
+    window ``c`` (blocks ``0..c``, ``c < K - 1``) go to gradient buffer ``c % 2``; capture
+    ``c`` therefore waits until the replay of capture ``c - 2`` is done. With ``P`` the step
+    period (:attr:`Costs.step_s`), capture ``c`` comes at ``(c + 1) P`` plus the waits before
+    it, its gradients arrive ``G_c / bw`` later, and the replays run one after another, each
+    ``R_c / replay_bytes_per_s`` long, ``R_c`` the state bytes of the units of blocks ``0..c``
+    that have a gradient. Window-end waits, which also delay later captures, are left out (the
+    prediction errs towards more replay wait).
+
+    Args:
+        mode: the plan's mode; only ``gockpt`` and ``gockpt_o`` replay.
+        unit_bytes: state bytes per unit.
+        grad_bytes: gradient bytes per unit (0: frozen, not replayed).
+        blocks: the plan's blocks.
+        costs: measured costs (:attr:`Costs.replay_bytes_per_s`, :attr:`Costs.step_s`).
+        captures: the number of gradient captures when the windows are cut short by the next
+            request (:attr:`CopyPlan.flushed_at`); None: ``K - 1``.
+        prefix: prefix sums of state, gradient and replayed state bytes over the units, for
+            blocks that are sorted contiguous ranges (:func:`make_plan`'s); None: summed.
+    """
+    rate = costs.replay_bytes_per_s
+    n_cap = len(blocks) - 1 if captures is None else min(captures, len(blocks) - 1)
+    if mode not in MULTI_STEP_MODES or rate <= 0 or n_cap < 3:
+        return 0.0  # two buffers: the first two captures never wait
+    bw = max(costs.copy_bytes_per_s, 1.0)
+    period = costs.step_s if costs.step_s > 0 else costs.window_s
+    grads = replayed = 0.0
+    shift = waited = 0.0
+    finish: list[float] = []
+    for c in range(n_cap):
+        block = blocks[c]
+        if prefix is not None and block:
+            _, g_pre, r_pre = prefix
+            grads += float(g_pre[block[-1] + 1] - g_pre[block[0]])
+            replayed += float(r_pre[block[-1] + 1] - r_pre[block[0]])
+        else:
+            grads += sum(grad_bytes[i] for i in block)
+            replayed += sum(unit_bytes[i] for i in block if grad_bytes[i])
+        t = (c + 1) * period + shift
+        if c >= 2 and finish[c - 2] > t:
+            wait = finish[c - 2] - t
+            waited, shift, t = waited + wait, shift + wait, t + wait
+        start = t + grads / bw
+        if finish:
+            start = max(start, finish[-1])
+        finish.append(start + replayed / rate)
+    return waited
 
 
 def _model_stall(paid: float, loads: list[float], hides: np.ndarray | float) -> float:
@@ -222,7 +301,7 @@ def _hides(costs: Costs) -> np.ndarray:
 
 def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
                   blocks: tuple[tuple[int, ...], ...], static_bytes: int,
-                  prefix: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, list[float]]:
+                  prefix: tuple[np.ndarray, ...] | None = None) -> tuple[float, list[float]]:
     """(paid, loads) in bytes: what the training thread waits for whatever the window, and each
     window's copy that hides up to one window's worth (the module's stall model). ``prefix``:
     the prefix sums of ``unit_bytes`` and ``grad_bytes`` (:func:`_prefix_sums`), for callers
@@ -234,7 +313,7 @@ def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
     grads_copied = 0  # gradient bytes of the blocks copied before the current window
     for j, block in enumerate(blocks):
         if prefix is not None and block:  # the planner's blocks: sorted, contiguous ranges
-            s_pre, g_pre = prefix
+            s_pre, g_pre = prefix[:2]
             state = int(s_pre[block[-1] + 1] - s_pre[block[0]])
             grads = int(g_pre[block[-1] + 1] - g_pre[block[0]])
         else:
@@ -249,13 +328,17 @@ def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
     return paid, loads
 
 
-def _prefix_sums(unit_bytes: list[int], grad_bytes: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Prefix sums (int64, one longer than the lists) of the state and gradient bytes."""
-    s_pre = np.zeros(len(unit_bytes) + 1, dtype=np.int64)
-    g_pre = np.zeros(len(grad_bytes) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(unit_bytes, dtype=np.int64), out=s_pre[1:])
-    np.cumsum(np.asarray(grad_bytes, dtype=np.int64), out=g_pre[1:])
-    return s_pre, g_pre
+def _prefix_sums(unit_bytes: list[int], grad_bytes: list[int],
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prefix sums (int64, one longer than the lists) of the state bytes, the gradient bytes
+    and the state bytes of the units that have a gradient (what the replay updates)."""
+    units = np.asarray(unit_bytes, dtype=np.int64)
+    grads = np.asarray(grad_bytes, dtype=np.int64)
+    out = np.zeros((3, len(unit_bytes) + 1), dtype=np.int64)
+    np.cumsum(units, out=out[0, 1:])
+    np.cumsum(grads, out=out[1, 1:])
+    np.cumsum(np.where(grads > 0, units, 0), out=out[2, 1:])
+    return out[0], out[1], out[2]
 
 
 def stall_lower_bound_s(
@@ -546,12 +629,13 @@ def make_plan(
             paid, loads = _window_terms(m, unit_bytes, grad_bytes, blocks, static_bytes)
         else:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, flushed_at)
+        waits = replay_wait_s(m, unit_bytes, grad_bytes, blocks, costs, captures=flushed_at)
         if stall_s is None:
-            stall_s = _model_stall(paid, loads, hides) / bw
+            stall_s = _model_stall(paid, loads, hides) / bw + waits
         return CopyPlan(m, blocks, stall_s, bound, median_overhead, costed=True,
                         window_s=costs.window_s, paid_s=paid / bw,
                         window_loads_s=tuple(x / bw for x in loads), flushed_at=flushed_at,
-                        copy_bytes_per_s=bw)
+                        copy_bytes_per_s=bw, replay_wait_s=waits)
 
     bw = max(costs.copy_bytes_per_s, 1.0)
     hides = _hides(costs)  # what one window hides, its overhead taken off, per sample
@@ -598,6 +682,8 @@ def make_plan(
                 paid, loads = _window_terms(m, unit_bytes, grad_bytes, best[1], static_bytes, prefix)
                 stall = _model_stall(paid, loads, hides) - static_bytes
                 spread = max(spread, stall - best[0])
+            # The split is searched without the replay's waits; they enter the choice of K.
+            stall += replay_wait_s(m_k, unit_bytes, grad_bytes, best[1], costs, prefix=prefix) * bw
             candidates.append((stall, k, rank + 1 if k >= k_lo else 0, m_k, best[1], None))
         return spread
 
@@ -609,7 +695,7 @@ def make_plan(
         return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))
     if interval_steps is not None:
         candidates = _with_next_request(candidates, interval_steps, unit_bytes, grad_bytes,
-                                        static_bytes, hides, next_request_shares)
+                                        static_bytes, hides, next_request_shares, costs)
     least = min(c[0] for c in candidates)
     stall_bytes, k, _, m, blocks, flushed_at = min(
         (c for c in candidates if c[0] <= least + gain),
@@ -626,7 +712,7 @@ _Candidate = tuple[float, int, int, str, tuple[tuple[int, ...], ...], int | None
 
 def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: list[int],
                        grad_bytes: list[int], static_bytes: int, hides: np.ndarray, shares: bool,
-                       ) -> list[_Candidate]:
+                       costs: Costs) -> list[_Candidate]:
     """The candidates of :func:`make_plan` with the next request ``interval`` steps away: those
     that make it wait for the slot (K in the drain margin; K > interval unless that request
     ``shares`` the snapshot) left out where a plan whose windows end in time exists; K >
@@ -640,7 +726,9 @@ def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: 
         _, k, pref, m, blocks, _ = c
         if k > interval:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, interval)
-            c = (_model_stall(paid, loads, hides) - static_bytes, k, pref, m, blocks, interval)
+            waits = replay_wait_s(m, unit_bytes, grad_bytes, blocks, costs, captures=interval)
+            c = (_model_stall(paid, loads, hides) - static_bytes
+                 + waits * max(costs.copy_bytes_per_s, 1.0), k, pref, m, blocks, interval)
         out.append(c)
     return out
 

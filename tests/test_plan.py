@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 
@@ -16,6 +17,7 @@ from gockpt.plan import (
     Costs,
     make_plan,
     predict_stall_s,
+    replay_wait_s,
     split_blocks,
     stall_lower_bound_s,
 )
@@ -531,3 +533,69 @@ def test_auto_skips_the_search_only_where_it_returns_the_same_plan(
     if free:
         assert fast.mode == "lazy" and fast.predicted_stall_s == static / max(
             costs.copy_bytes_per_s, 1.0)
+
+
+def test_replay_wait_follows_the_two_buffer_timeline():
+    # K = 5 over five units of 100 bytes (gradient 10 each), one update a second, the link at
+    # 1000 B/s and the replay at 50 B/s of state: replay c takes 2 (c + 1) seconds, back to back.
+    # Capture 2 (at 3 s) waits for replay 0 (done at 3.01 s); capture 3 (at 4.01 s) waits for
+    # replay 1 (done at 7.01 s): 0.01 + 3.00 seconds.
+    units, grads = [100] * 5, [10] * 5
+    blocks = tuple((i,) for i in range(5))
+    costs = Costs(copy_bytes_per_s=1000.0, window_s=0.5, replay_bytes_per_s=50.0, step_s=1.0)
+    assert replay_wait_s("gockpt_o", units, grads, blocks, costs) == pytest.approx(3.01)
+    assert replay_wait_s("gockpt", units, grads, blocks, costs) == pytest.approx(3.01)
+    # Three captures or fewer use each buffer once; lazy replays nothing; no rate, no model.
+    assert replay_wait_s("gockpt_o", units, grads, blocks, costs, captures=2) == 0.0
+    assert replay_wait_s("gockpt_o", units, grads, blocks[:3] + ((3, 4),), costs) == \
+        pytest.approx(0.01)
+    assert replay_wait_s("lazy", units, grads, blocks, costs) == 0.0
+    assert replay_wait_s("gockpt_o", units, grads, blocks,
+                         dataclasses.replace(costs, replay_bytes_per_s=0.0)) == 0.0
+    # Frozen units (no gradient) are not replayed: with only the last unit trained, no waits.
+    assert replay_wait_s("gockpt_o", units, [0, 0, 0, 0, 10], blocks, costs) == 0.0
+    # Without a step period the window stands in (captures come twice as often: more waits).
+    faster = replay_wait_s("gockpt_o", units, grads, blocks,
+                           dataclasses.replace(costs, step_s=0.0))
+    assert faster > 3.01
+    # The plan's prediction holds the waits, and predict_stall_s agrees with it.
+    plan = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=5, min_overlap_steps=5,
+                     replayable=True)
+    assert plan.replay_wait_s == pytest.approx(
+        replay_wait_s("gockpt_o", units, grads, plan.blocks, costs))
+    assert plan.predicted_stall_s == pytest.approx(
+        predict_stall_s("gockpt_o", units, grads, plan.blocks, costs))
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(grads_at_most_state=True), st.integers(1, 8),
+       st.sampled_from([0.0, 0.01, 1.0, 100.0, 1e6]), st.sampled_from([None, 2, 5]))
+def test_replay_waits_enter_the_choice_of_k(work, k_max, rate, interval):
+    units, grads, costs = work
+    costs = dataclasses.replace(costs, replay_bytes_per_s=rate * costs.copy_bytes_per_s)
+    plan = make_plan("auto", units, grads, costs, max_overlap_steps=k_max, replayable=True,
+                     interval_steps=interval)
+    lazy = make_plan("lazy", units, grads, costs, max_overlap_steps=k_max, replayable=True)
+    assert plan.predicted_stall_s <= lazy.predicted_stall_s + 1e-9
+    if plan.flushed_at is None:
+        assert plan.predicted_stall_s == pytest.approx(
+            predict_stall_s(plan.mode, units, grads, plan.blocks, costs), abs=1e-9)
+
+
+def test_a_replay_slower_than_the_steps_lowers_k():
+    # A GPU-like case: 1.2 GB of fp32 Adam state, 8 ms windows, 10 ms steps, a 27 GB/s link.
+    # The window model alone takes K = 7; the waits of a replay at 4 GB/s of state (hundreds
+    # of milliseconds from the fourth capture on) leave K = 3, whose two captures never wait.
+    units = [12_500_000] * 96
+    grads = [u // 3 for u in units]
+    costs = Costs(copy_bytes_per_s=27e9, window_s=0.008, window_overhead_s=0.001, step_s=0.010)
+    fast = make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True)
+    assert fast.num_overlap_steps == 7 and fast.replay_wait_s == 0.0
+    slow_costs = dataclasses.replace(costs, replay_bytes_per_s=4e9)
+    slow = make_plan("auto", units, grads, slow_costs, max_overlap_steps=7, replayable=True)
+    assert slow.num_overlap_steps == 3 and slow.replay_wait_s == 0.0
+    # K = 7 would wait for the replay far longer than it saves over K = 3.
+    seven = predict_stall_s("gockpt_o", units, grads, fast.blocks, slow_costs)
+    assert seven > slow.predicted_stall_s + 0.1
+    assert slow.predicted_stall_s < make_plan("lazy", units, grads, slow_costs,
+                                              max_overlap_steps=7, replayable=True).predicted_stall_s

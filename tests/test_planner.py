@@ -94,8 +94,7 @@ def test_per_window_blocks_equal_a_blocking_save(tmp_path, monkeypatch, mode):
     by = first.stall_by_phase_s
     assert by["setup"] > 0.0 and "setup" not in second.stall_by_phase_s
     assert by["request"] > 0.0 and by["window_check"] > 0.0
-    named = sum(by.get(p, 0.0) for p in ("request", "capture", "window_check", "slot_wait",
-                                         "grad_buffer"))
+    named = sum(by.get(p, 0.0) for p in ("request", "capture", "window_check", "slot_wait"))
     assert fixed == pytest.approx(named, abs=1e-12) == pytest.approx(_fixed(first), abs=1e-12)
     assert fixed < first.stall_s - by["setup"] + 1e-12
     assert torch.equal(model.hidden.weight, live[max(live)]["model"]["hidden.weight"])
@@ -364,7 +363,7 @@ def test_window_overheads_of_warm_saves_reach_the_planner(tmp_path, monkeypatch)
     # host slot (the first) gives none, though its margins are reported.
     seen = []
 
-    def spy(self, window_s, samples=()):
+    def spy(self, window_s, samples=(), step_s=None):
         # Fixed rate and window, the samples passed through: the first two saves get the same
         # plan and so the same gradient buffers (a save whose plan needs larger ones is cold).
         seen.append(samples)
@@ -481,3 +480,40 @@ def test_planner_takes_the_pace_measured_on_finished_copies_over_the_probe():
     sample[0] = (3_000_000, 0.1)  # 30 MB/s, measured over 0.1 s of copying
     plan = planner.plan(layout, "gockpt_o", False, None, version=3, window_s=0.5)
     assert plan.copy_bytes_per_s == pytest.approx(3e7)
+
+
+def test_the_measured_replay_rate_and_step_period_reach_the_plan(tmp_path, monkeypatch):
+    # The replay thread times each update it replays; the planner's costs carry that rate (state
+    # bytes per second) and the step period, so that a plan whose captures would wait for a
+    # gradient buffer is charged for it (gockpt.plan.replay_wait_s).
+    seen = []
+    original = Planner._costs
+
+    def spy(self, *args, **kwargs):
+        costs = original(self, *args, **kwargs)
+        seen.append(costs)
+        return costs
+
+    monkeypatch.setattr(Planner, "_costs", spy)
+    model, opt, sched, scaler = _deep(width=384)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=5, max_overlap_steps=5))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in (3, 10, 17, 24, 31):
+            if handles:
+                handles[-1].result()  # its replays are done and timed
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 38, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    ms = [h.result() for h in handles]
+    assert all(m.num_overlap_steps == 5 and m.grad_bytes > 0 for m in ms)
+    costed = [c for c in seen if c is not None]
+    assert costed and costed[0].replay_bytes_per_s == 0.0  # nothing replayed before the first
+    assert costed[-1].replay_bytes_per_s > 0.0 and costed[-1].step_s > 0.0
+    rate, step = costed[-1].replay_bytes_per_s, costed[-1].step_s
+    assert 1e6 < rate < 1e13 and step > 0.0
+    assert all(m.predicted_replay_wait_s >= 0.0 for m in ms)
+    assert ms[0].predicted_replay_wait_s == 0.0
