@@ -106,6 +106,7 @@ def _run(args: argparse.Namespace) -> dict:
                 stall.append(m.stall_s)
                 plans.append({"k": m.num_overlap_steps, "predicted_s": m.predicted_stall_s,
                               "slot_wait_s": m.predicted_slot_wait_s,
+                              "replay_wait_s": m.predicted_replay_wait_s,
                               "bound_s": m.stall_lower_bound_s, "phases": m.stall_by_phase_s,
                               "host_peak_bytes": m.host_peak_bytes,
                               "device_wait_s": m.device_wait_s})
@@ -133,6 +134,8 @@ def _run(args: argparse.Namespace) -> dict:
         "predicted_stall_s": med([pl["predicted_s"] for pl in plans]),
         # Of it, the wait for the slot the save before is still writing out.
         "predicted_slot_wait_s": med([pl["slot_wait_s"] for pl in plans]),
+        # Of it, the waits for gradient buffers the CPU replay still holds (grad_buffer).
+        "predicted_replay_wait_s": med([pl["replay_wait_s"] for pl in plans]),
         "stall_lower_bound_s": med([pl["bound_s"] for pl in plans]),
         "stall_by_phase_s": {ph: med([pl["phases"].get(ph, 0.0) for pl in plans]) for ph in phases},
         "host_peak_bytes": med([pl["host_peak_bytes"] for pl in plans]),
@@ -199,10 +202,11 @@ def main() -> None:
         print()
         # "clean steps": how many steps the clean median is taken over (none: all steps, and
         # the ratios are 1 by construction).
-        print("| size (GB) | scheme | K | predicted stall (s) | of which slot wait (s) | lower bound (s) | "
+        print("| size (GB) | scheme | K | predicted stall (s) | of which slot wait (s) | "
+              "of which replay wait (s) | lower bound (s) | "
               "measured stall (s) | stall by phase (s) | in-flight step / clean step (median, max) | "
               "clean steps | host peak (ckpt sizes) |")
-        print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
         for r in engine_rows:
             gb = r["state_bytes"] / 1e9
             by_phase = ", ".join(f"{k} {v:.3f}" for k, v in r["stall_by_phase_s"].items() if v >= 5e-4)
@@ -213,7 +217,8 @@ def main() -> None:
                 f"{r['in_flight_step_max_s'] / r['clean_step_s']:.2f}")
             peak = None if r["host_peak_bytes"] is None else r["host_peak_bytes"] / r["state_bytes"]
             print(f"| {gb:.2f} | {r['scheme']} | {fmt(r['k'], 0)} | {fmt(r['predicted_stall_s'])} | "
-                  f"{fmt(r['predicted_slot_wait_s'])} | {fmt(r['stall_lower_bound_s'])} | {fmt(r['stall_s'])} | {by_phase or '-'} | {ratio} | "
+                  f"{fmt(r['predicted_slot_wait_s'])} | {fmt(r.get('predicted_replay_wait_s'))} | "
+                  f"{fmt(r['stall_lower_bound_s'])} | {fmt(r['stall_s'])} | {by_phase or '-'} | {ratio} | "
                   f"{r['clean_steps']} | {fmt(peak, 2)} |")
 
 

@@ -28,10 +28,11 @@ def test_bench_scale_prints_a_row_per_scheme(tmp_path):
     assert float(lazy[6]) > 0  # time to durable of the engine's checkpoints
     plans = [line.split("|")[1:-1] for line in engine.splitlines() if line.startswith("| 0.")]
     assert [r[1].strip() for r in plans] == ["gockpt lazy"]
-    k, predicted, slot_wait, bound, measured = (float(x) for x in plans[0][2:7])
+    k, predicted, slot_wait, replay_wait, bound, measured = (float(x) for x in plans[0][2:8])
     assert k == 1 and 0 <= bound <= predicted and 0 <= slot_wait <= predicted and measured >= 0
-    assert int(plans[0][9]) > 0  # clean steps to compare against
-    assert float(plans[0][10]) >= 1.0  # host peak: at least the one snapshot, in checkpoint sizes
+    assert replay_wait == 0.0  # lazy replays nothing
+    assert int(plans[0][10]) > 0  # clean steps to compare against
+    assert float(plans[0][11]) >= 1.0  # host peak: at least the one snapshot, in checkpoint sizes
     assert list(tmp_path.iterdir()) == []  # each run removes its checkpoints
 
 
