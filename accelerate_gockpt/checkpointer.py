@@ -30,6 +30,7 @@ from torch import nn
 import gockpt
 from gockpt import _exit
 from gockpt.folder import StagingFolders, folder_number, latest_numbered
+from gockpt.fsutil import path_key
 from gockpt.replicated import ReplicatedEngine
 from gockpt.wrapped import engine_model
 
@@ -310,7 +311,7 @@ class GoCkptCheckpointer:
                  safe_serialization: bool) -> tuple[str, _publish.AccelerateWriter]:
         """Main process, at the request: the staging folder and the checkpoint's writer."""
         if root is not None and (os.path.exists(final) or any(
-                h.path == final and not h.done() for h in self.saves)):
+                path_key(h.path) == path_key(final) and not h.done() for h in self.saves)):
             raise ValueError(
                 f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
                 "exists. Please manually override `self.save_iteration` with what iteration "

@@ -79,6 +79,7 @@ class Pipeline:
             initializer=lower_thread_priority, initargs=(config.io_nice,))
         # (state bytes, seconds) of the latest replays, for the planner's replay rate.
         self._replay_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=32)
+        self._samples_lock = threading.Lock()
         self._replay_q: queue.Queue = queue.Queue()
         self._replay_thread = threading.Thread(target=self._replay_loop, name="gockpt-replay", daemon=True)
         self._replay_thread.start()
@@ -92,7 +93,8 @@ class Pipeline:
     def replay_bytes_per_s(self) -> float:
         """State bytes the latest replays brought forward per second of replay (after their
         gradients arrived), over the last 32 replays; 0.0 before 5 ms of replay was timed."""
-        samples = list(self._replay_samples)  # appended on the replay thread
+        with self._samples_lock:  # appended on the replay thread
+            samples = list(self._replay_samples)
         seconds = sum(t for _, t in samples)
         return sum(n for n, _ in samples) / seconds if seconds > 0.005 else 0.0
 
@@ -164,7 +166,8 @@ class Pipeline:
                         grads,
                         [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
                     )
-            self._replay_samples.append((replayed, perf_counter() - t0))
+            with self._samples_lock:
+                self._replay_samples.append((replayed, perf_counter() - t0))
         finally:
             s.slot.grad_busy[turn].set()
 

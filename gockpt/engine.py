@@ -201,7 +201,8 @@ class Engine:
         # parent symlink is re-pointed before it runs, and saves match one another by it.
         path = path_key(path)
         t0 = perf_counter()
-        parent = path.rstrip("/").rpartition("/")[0] or "."
+        head, sep, _ = path.rpartition("/")
+        parent = head or sep or "."  # "/ckpt": the root, not the working directory
         setup = False
         if parent not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
             setup = True

@@ -726,9 +726,9 @@ def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: 
         _, k, pref, m, blocks, _ = c
         if k > interval:
             paid, loads = _flushed_terms(m, unit_bytes, grad_bytes, blocks, static_bytes, interval)
-            waits = replay_wait_s(m, unit_bytes, grad_bytes, blocks, costs, captures=interval)
+            replay = replay_wait_s(m, unit_bytes, grad_bytes, blocks, costs, captures=interval)
             c = (_model_stall(paid, loads, hides) - static_bytes
-                 + waits * max(costs.copy_bytes_per_s, 1.0), k, pref, m, blocks, interval)
+                 + replay * max(costs.copy_bytes_per_s, 1.0), k, pref, m, blocks, interval)
         out.append(c)
     return out
 

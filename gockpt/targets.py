@@ -174,7 +174,9 @@ class LocalTarget(StorageTarget):
             self.staging = os.path.join(self.parent, f".{name}.gockpt-tmp-{tag}")
             os.mkdir(self.staging)
         else:
-            if os.path.dirname(os.path.abspath(staging)) != os.path.abspath(self.parent):
+            # One directory however spelled (the engine resolves the checkpoint's parent at the
+            # request; a writer may name its staging folder through a symlinked parent).
+            if os.path.realpath(os.path.dirname(os.path.abspath(staging))) != os.path.realpath(self.parent):
                 raise ValueError(f"staging {staging} must be in {self.parent} (one rename away)")
             self.staging = staging
         try:

@@ -830,3 +830,31 @@ def test_the_cli_inspects_and_verifies_an_accelerate_checkpoint(tmp_path, capsys
     (path / "optimizer.bin").write_bytes(b"torn")  # a writer's own file is checksummed too
     assert cli.main(["verify", str(path)]) == 1
     assert "optimizer.bin" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["async", "gockpt"])
+def test_a_project_dir_through_a_symlinked_parent_saves_and_refuses_a_second_save(tmp_path, mode):
+    # The engine writes where the path names a directory at the request (parent symlinks
+    # resolved); the adapter's staging folder keeps the symlinked spelling. Both name one
+    # directory: the save must publish, and a second save_state of that folder while the
+    # first is in flight must be refused, as for a plain path.
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    run = child.build(str(tmp_path / "link" / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode=mode))
+    child.train(run, 2)
+    path = run.acc.save_state()
+    handle = ckpt.saves[0]
+    in_flight = not handle.done()
+    assert in_flight or mode == "async"  # gockpt: K > 1 copy windows still open
+    if in_flight:
+        run.acc.project_configuration.iteration -= 1  # the same folder again
+        with pytest.raises(ValueError, match="already exists"):
+            run.acc.save_state()
+        run.acc.project_configuration.iteration += 1
+    child.train(run, 6)
+    ckpt.close()
+    assert handle.result().path == str(tmp_path.resolve() / "real" / "run" / "checkpoints"
+                                       / "checkpoint_0")
+    assert listing(path) == ACCELERATE_FILES
+    assert listing(tmp_path / "real" / "run" / "checkpoints" / "checkpoint_0") == ACCELERATE_FILES
