@@ -69,7 +69,8 @@ def _run(args: argparse.Namespace) -> dict:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     engine = None
     if args.scheme.startswith("gockpt "):
-        engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=args.scheme.split()[1]))
+        engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(
+            mode=args.scheme.split()[1], min_overlap_steps=args.min_overlap_steps))
     times, in_flight, handles, durable, stall = [], [], [], [], []
     plans: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
@@ -155,6 +156,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda")
     p.add_argument("--batch", type=int, default=8, help="rows of the input batch")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of training")
+    p.add_argument("--min-overlap-steps", type=int, default=1,
+                   help="GoCkptConfig.min_overlap_steps of the multi-step modes (e.g. 7 with "
+                        "--modes gockpt_o: the replay's gradient-buffer waits, measured beside "
+                        "their prediction)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: scheme,size
     args = p.parse_args()
     if args.one:
@@ -167,7 +172,8 @@ def main() -> None:
         for scheme in ["none", "torch.save", *[f"gockpt {m}" for m in args.modes]]:
             cmd = [sys.executable, __file__, "--one", f"{scheme},{size}", "--checkpoints",
                    str(args.checkpoints), "--interval", str(args.interval), "--warmup", str(args.warmup),
-                   "--device", args.device, "--batch", str(args.batch), "--threads", str(args.threads)]
+                   "--device", args.device, "--batch", str(args.batch), "--threads", str(args.threads),
+                   "--min-overlap-steps", str(args.min_overlap_steps)]
             if args.dir:
                 cmd += ["--dir", args.dir]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -181,7 +187,9 @@ def main() -> None:
         where = f"{torch.cuda.get_device_name()} (training on the GPU)"
     print(f"{where}, {os.cpu_count()} cores, {args.threads} training thread(s), batch {args.batch}; "
           f"state = fp32 weights + AdamW state; "
-          f"{args.checkpoints} checkpoints every {args.interval} steps; medians.")
+          f"{args.checkpoints} checkpoints every {args.interval} steps; medians"
+          + (f"; multi-step modes at K >= {args.min_overlap_steps}." if args.min_overlap_steps > 1
+             else "."))
     print("| size (GB) | scheme | clean step (s) | extra wall / ckpt (s) | per GB (s/GB) | "
           "engine stall (s) | durable (s) | durable per GB (s/GB) | peak RSS above none (GB) | "
           "per GB of state |")

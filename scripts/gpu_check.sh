@@ -7,7 +7,9 @@
 #   3. examples/bench_scale.py on the GPU at about 1.2 and 3 GB of fp32 weights + AdamW state
 #      (modes lazy and auto; interval GOCKPT_GPU_INTERVAL steps, default 30);
 #   4. the same at 1.2 GB with a small batch (steps of about 8 ms on an H200, shorter than the
-#      D2H copy of the state), where only a multi-step plan hides the copy.
+#      D2H copy of the state), where only a multi-step plan hides the copy;
+#   5. that small batch with gockpt_o held at K >= 7: the CPU replay's gradient-buffer waits,
+#      measured beside the planner's prediction of them.
 # Logs go to $OUT (or /tmp/gockpt-gpu), the tables last on stdout. Each part has its own time
 # limit so that one slow part cannot take the others' share of the lease.
 set -uo pipefail
@@ -19,6 +21,7 @@ PY=${PYTHON:-python3}
 TESTS_S=${GOCKPT_GPU_TESTS_S:-200}
 BENCH_S=${GOCKPT_GPU_BENCH_S:-300}
 SMALL_S=${GOCKPT_GPU_SMALL_S:-150}
+REPLAY_S=${GOCKPT_GPU_REPLAY_S:-120}
 
 {
     date -u
@@ -59,7 +62,16 @@ timeout "$SMALL_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --thr
     >"$OUT/bench_small.txt" 2>"$OUT/bench_small.err"
 echo "bench_scale, small batch: exit $?" | tee -a "$OUT/machine.txt"
 
+# The replay's waits: gockpt_o held at K >= 7 over the same short steps. From the fourth window
+# on a capture waits for a gradient buffer the CPU replay still holds; the engine table's
+# "replay wait" column (predicted) is read beside the measured grad_buffer stall.
+timeout "$REPLAY_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
+    --sizes-gb 1.2 --interval 200 --checkpoints 3 --modes gockpt_o --min-overlap-steps 7 \
+    >"$OUT/bench_replay.txt" 2>"$OUT/bench_replay.err"
+echo "bench_scale, small batch, K >= 7: exit $?" | tee -a "$OUT/machine.txt"
+
 tail -n 25 "$OUT/tests.log"
 cat "$OUT/bench.txt"
 cat "$OUT/bench_small.txt"
-cat "$OUT/bench.err" "$OUT/bench_small.err" | grep -c '^# done' | sed 's/^/bench rows finished: /'
+cat "$OUT/bench_replay.txt"
+cat "$OUT/bench.err" "$OUT/bench_small.err" "$OUT/bench_replay.err" | grep -c '^# done' | sed 's/^/bench rows finished: /'
