@@ -18,6 +18,7 @@ import bisect
 import collections
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -312,6 +313,10 @@ class CudaCopier:
         self._timed_bytes = 0
         # (start event, end event, bytes) of jobs not yet read, in the order issued.
         self._pending: collections.deque = collections.deque()
+        # Jobs are timed against one reference event, so that jobs on the two streams that
+        # overlap count their shared time once (busy_union_ms).
+        self._ref: torch.cuda.Event | None = None
+        self._covered_ms = -math.inf
 
     def copy(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int,
@@ -322,6 +327,9 @@ class CudaCopier:
         stream = self._grad_stream if priority == PRIORITY_GRAD else self._state_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         nbytes = 0
+        if self._ref is None:
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record(stream)
         with torch.cuda.stream(stream):
             # Recorded after the wait on the compute stream: it fires when the copy can start.
             start = torch.cuda.Event(enable_timing=True)
@@ -339,21 +347,40 @@ class CudaCopier:
 
     def rate_sample(self) -> tuple[int, float]:
         """(bytes, seconds) of the jobs known to have ended, timed on the device between each
-        job's start and end events. Never waits: a job still running is read on a later call."""
+        job's start and end events; time in which jobs of the gradient and the state stream
+        ran together (sharing the link) is counted once. Never waits: a job still running is
+        read on a later call."""
         keep: collections.deque = collections.deque()
+        ended: list[tuple[float, float]] = []
+        ref = self._ref
         while self._pending:
             start, end, n = self._pending.popleft()
-            if end.query():
-                self.busy_s += start.elapsed_time(end) / 1000.0  # milliseconds
+            if ref is not None and end.query() and ref.query():
+                ended.append((ref.elapsed_time(start), ref.elapsed_time(end)))  # milliseconds
                 self._timed_bytes += n
             else:
                 keep.append((start, end, n))
         self._pending = keep
+        busy_ms, self._covered_ms = busy_union_ms(ended, self._covered_ms)
+        self.busy_s += busy_ms / 1000.0
         return self._timed_bytes, self.busy_s
 
     def close(self) -> None:
         self._state_stream.synchronize()
         self._grad_stream.synchronize()
+
+
+def busy_union_ms(intervals: Sequence[tuple[float, float]], covered: float) -> tuple[float, float]:
+    """Time covered by ``intervals`` (``(start, end)``, milliseconds on one clock) and not
+    before ``covered`` (the end of the time already counted), and the new ``covered``: copies
+    on two streams that overlap share the link, so their common time is counted once.
+
+    A job read on a later call that began before ``covered`` counts only its time after it."""
+    busy = 0.0
+    for start, end in sorted(intervals):
+        busy += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return busy, covered
 
 
 def make_copier(device: torch.device, chunk_bytes: int, bytes_per_s: float | None):

@@ -151,6 +151,36 @@ def test_cuda_copier_times_its_copies_on_the_device_and_the_probe_agrees():
     c.close()
 
 
+def test_cuda_copies_on_both_streams_at_once_read_the_links_pace():
+    """A gradient job and a state job that run together share the link; their common time is
+    counted once, so the pace read is the link's, as with one stream at a time (summing each
+    job's own time read it up to half as fast, and the planner then saw a slower link)."""
+    from gockpt._direct import aligned_empty
+    from gockpt.transfer import PRIORITY_GRAD, PRIORITY_STATE, CudaCopier
+
+    n = 256 << 20
+    src = torch.randint(0, 256, (2, n), dtype=torch.uint8, device="cuda")
+    dst = [aligned_empty(n, pin_memory=True) for _ in range(2)]
+    alone = CudaCopier(torch.device("cuda"), 1 << 22)
+    for _ in range(3):
+        alone.copy([(src[0], dst[0])], PRIORITY_STATE).wait()
+    done, seconds = alone.rate_sample()
+    pace_alone = done / seconds
+    both = CudaCopier(torch.device("cuda"), 1 << 22)
+    for _ in range(3):
+        torch.cuda.synchronize()
+        tickets = [both.copy([(src[0], dst[0])], PRIORITY_STATE),
+                   both.copy([(src[1], dst[1])], PRIORITY_GRAD)]
+        for t in tickets:
+            t.wait()
+    done, seconds = both.rate_sample()
+    assert done == 6 * n
+    assert 0.7 * pace_alone < done / seconds < 1.6 * pace_alone, (done / seconds, pace_alone)
+    assert torch.equal(dst[1], src[1].cpu())
+    alone.close()
+    both.close()
+
+
 def test_cuda_device_wait_at_a_window_end_is_timed_and_zero_for_an_ended_copy():
     """A fence on a copy still running makes the compute stream wait on the device: the wait is
     timed with events (``CheckpointMetrics.device_wait_s``); a copy that has ended costs none."""

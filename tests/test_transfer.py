@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -290,3 +291,17 @@ def test_gradient_buffers_grow_exactly_where_the_headroom_would_pass_the_bound()
     assert s2 is s and [g.numel() for g in s.grads] == [1100, 800] and pool.bytes <= 6096
     pool.release(s)
     assert pool.acquire(4096, (1300, 800), block=False) is None  # fits no way: no slot
+
+
+def test_copies_that_overlap_on_two_streams_count_their_shared_time_once():
+    from gockpt.transfer import busy_union_ms
+
+    # A gradient job (0-10 ms) and a state job (4-12 ms) share the link: 12 ms busy, not 18.
+    assert busy_union_ms([(4.0, 12.0), (0.0, 10.0)], -math.inf) == (12.0, 12.0)
+    # Apart, each counts whole; nested, the inner one adds nothing.
+    assert busy_union_ms([(0.0, 2.0), (5.0, 6.0)], -math.inf) == (3.0, 6.0)
+    assert busy_union_ms([(0.0, 10.0), (2.0, 3.0)], -math.inf) == (10.0, 10.0)
+    # Read on a later call: a job that began before what was counted adds only its time after.
+    busy, covered = busy_union_ms([(0.0, 10.0)], -math.inf)
+    assert busy_union_ms([(8.0, 15.0), (20.0, 21.0)], covered) == (6.0, 21.0)
+    assert busy_union_ms([], 21.0) == (0.0, 21.0)
