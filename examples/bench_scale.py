@@ -74,7 +74,16 @@ def _run(args: argparse.Namespace) -> dict:
     times, in_flight, handles, durable, stall = [], [], [], [], []
     plans: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        total = args.warmup + args.checkpoints * args.interval + args.interval
+        # The measured saves come every --interval steps from the warm-up save on: the engine
+        # estimates the steps to the next request from the gaps between requests, and a first
+        # gap of one step made it expect the next request after one step (and so plan K = 1,
+        # or charge a flush of the windows left at that request) for the first saves.
+        first = args.warmup - 1 + args.interval
+
+        def due(i: int) -> bool:
+            return i >= first and (i - first) % args.interval == 0 and args.scheme != "none"
+
+        total = first + args.checkpoints * args.interval + args.interval
         for i in range(total):
             t0 = time.perf_counter()
             step()
@@ -83,8 +92,7 @@ def _run(args: argparse.Namespace) -> dict:
                 # pinned on CUDA: about 0.6 s per GB) is not a per-checkpoint cost.
                 engine.save(f"{root}/warmup")
                 engine.wait()
-            if i >= args.warmup and (i - args.warmup) % args.interval == 0 and \
-                    len(durable) + len(handles) < args.checkpoints and args.scheme != "none":
+            if due(i) and len(durable) + len(handles) < args.checkpoints:
                 path = f"{root}/step-{i}"
                 if engine is None:
                     t = time.perf_counter()
@@ -97,8 +105,7 @@ def _run(args: argparse.Namespace) -> dict:
                     handles.append(engine.save(path))
             busy = engine is not None and any(not h.done() for h in handles)
             times.append(time.perf_counter() - t0)
-            in_flight.append(busy or (i >= args.warmup and engine is None and
-                                      (i - args.warmup) % args.interval == 0 and args.scheme != "none"))
+            in_flight.append(busy or (engine is None and due(i)))
         if engine is not None:
             engine.wait()
             for h in handles:
@@ -160,6 +167,9 @@ def main() -> None:
                    help="GoCkptConfig.min_overlap_steps of the multi-step modes (e.g. 7 with "
                         "--modes gockpt_o: the replay's gradient-buffer waits, measured beside "
                         "their prediction)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the 'none' and 'torch.save' rows (the engine's rows only; RSS "
+                        "above none is then not given)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: scheme,size
     args = p.parse_args()
     if args.one:
@@ -169,7 +179,8 @@ def main() -> None:
         return
     rows = []
     for size in args.sizes_gb:
-        for scheme in ["none", "torch.save", *[f"gockpt {m}" for m in args.modes]]:
+        baselines = [] if args.no_baselines else ["none", "torch.save"]
+        for scheme in [*baselines, *[f"gockpt {m}" for m in args.modes]]:
             cmd = [sys.executable, __file__, "--one", f"{scheme},{size}", "--checkpoints",
                    str(args.checkpoints), "--interval", str(args.interval), "--warmup", str(args.warmup),
                    "--device", args.device, "--batch", str(args.batch), "--threads", str(args.threads),
@@ -198,11 +209,11 @@ def main() -> None:
     fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
         gb = r["state_bytes"] / 1e9
-        extra_mem = (r["rss_peak_bytes"] - base[r["size_gb"]]) / 1e9
+        extra_mem = (r["rss_peak_bytes"] - base[r["size_gb"]]) / 1e9 if r["size_gb"] in base else None
         print(f"| {gb:.2f} | {r['scheme']} | {r['clean_step_s']:.3f} | {r['extra_per_ckpt_s']:.3f} | "
               f"{r['extra_per_ckpt_s'] / gb:.3f} | {fmt(r['stall_s'])} | {fmt(r['durable_s'], 2)} | "
-              f"{fmt(None if r['durable_s'] is None else r['durable_s'] / gb, 2)} | {extra_mem:.2f} | "
-              f"{extra_mem / gb:.2f} |")
+              f"{fmt(None if r['durable_s'] is None else r['durable_s'] / gb, 2)} | {fmt(extra_mem, 2)} | "
+              f"{fmt(None if extra_mem is None else extra_mem / gb, 2)} |")
     engine_rows = [r for r in rows if r["scheme"].startswith("gockpt ")]
     if engine_rows:
         # Where the stall goes, and whether the copy hid under the steps: a step with a

@@ -18,10 +18,11 @@ OUT=${OUT:-/tmp/gockpt-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-TESTS_S=${GOCKPT_GPU_TESTS_S:-200}
-BENCH_S=${GOCKPT_GPU_BENCH_S:-300}
-SMALL_S=${GOCKPT_GPU_SMALL_S:-150}
-REPLAY_S=${GOCKPT_GPU_REPLAY_S:-120}
+# Defaults sized to fit one 600 s device call with the build (about 30-50 s): 510 s in all.
+TESTS_S=${GOCKPT_GPU_TESTS_S:-150}
+BENCH_S=${GOCKPT_GPU_BENCH_S:-170}
+SMALL_S=${GOCKPT_GPU_SMALL_S:-110}
+REPLAY_S=${GOCKPT_GPU_REPLAY_S:-80}
 
 {
     date -u
@@ -66,7 +67,7 @@ echo "bench_scale, small batch: exit $?" | tee -a "$OUT/machine.txt"
 # on a capture waits for a gradient buffer the CPU replay still holds; the engine table's
 # "replay wait" column (predicted) is read beside the measured grad_buffer stall.
 timeout "$REPLAY_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
-    --sizes-gb 1.2 --interval 200 --checkpoints 3 --modes gockpt_o --min-overlap-steps 7 \
+    --sizes-gb 1.2 --interval 200 --checkpoints 3 --modes gockpt_o --min-overlap-steps 7 --no-baselines \
     >"$OUT/bench_replay.txt" 2>"$OUT/bench_replay.err"
 echo "bench_scale, small batch, K >= 7: exit $?" | tee -a "$OUT/machine.txt"
 

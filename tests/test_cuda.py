@@ -162,10 +162,12 @@ def test_cuda_copies_on_both_streams_at_once_read_the_links_pace():
     src = torch.randint(0, 256, (2, n), dtype=torch.uint8, device="cuda")
     dst = [aligned_empty(n, pin_memory=True) for _ in range(2)]
     alone = CudaCopier(torch.device("cuda"), 1 << 22)
+    alone.copy([(src[0], dst[0])], PRIORITY_STATE).wait()  # warm-up, read and left out
+    done0, seconds0 = alone.rate_sample()
     for _ in range(3):
         alone.copy([(src[0], dst[0])], PRIORITY_STATE).wait()
     done, seconds = alone.rate_sample()
-    pace_alone = done / seconds
+    pace_alone = (done - done0) / (seconds - seconds0)
     both = CudaCopier(torch.device("cuda"), 1 << 22)
     for _ in range(3):
         torch.cuda.synchronize()
@@ -175,7 +177,8 @@ def test_cuda_copies_on_both_streams_at_once_read_the_links_pace():
             t.wait()
     done, seconds = both.rate_sample()
     assert done == 6 * n
-    assert 0.7 * pace_alone < done / seconds < 1.6 * pace_alone, (done / seconds, pace_alone)
+    # Summing each job's time read 0.5x (a shared link) to 0.67x (one after the other).
+    assert 0.85 * pace_alone < done / seconds < 1.6 * pace_alone, (done / seconds, pace_alone)
     assert torch.equal(dst[1], src[1].cpu())
     alone.close()
     both.close()
