@@ -166,6 +166,11 @@ class Pipeline:
                         grads,
                         [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
                     )
+            pace = self._config.replay_bytes_per_s
+            if pace is not None:  # an emulated slow replay (benchmarks): sleeps, off the GIL
+                rest = replayed / pace - (perf_counter() - t0)
+                if rest > 0:
+                    time.sleep(rest)
             with self._samples_lock:
                 self._replay_samples.append((replayed, perf_counter() - t0))
         finally:

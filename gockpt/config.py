@@ -112,6 +112,12 @@ class GoCkptConfig:
     accelerator: the copy worker sleeps so that a copy takes at least ``bytes / rate``.
     ``None``: no throttling."""
 
+    replay_bytes_per_s: float | None = None
+    """Emulated CPU replay pace in bytes of state (parameters and optimizer state replayed) per
+    second, for benchmarks on machines without an accelerator, where the replay keeps up with
+    steps of a second or so: the replay thread sleeps so that replaying one update takes at
+    least ``bytes / rate``, as a replay slower than GPU steps would. ``None``: full speed."""
+
     storage_timeout_s: float | None = 60.0
     """Bound in seconds on one object-store operation, retries included: for ``s3://``, botocore
     connect/read timeouts of a third of it and 3 attempts (standard retry mode, which backs off
@@ -210,6 +216,8 @@ class GoCkptConfig:
             )
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < 1:
             raise ValueError(f"host_buffer_bytes must be >= 1 or None, got {self.host_buffer_bytes}")
+        if self.replay_bytes_per_s is not None and self.replay_bytes_per_s <= 0:
+            raise ValueError(f"replay_bytes_per_s must be > 0 or None, got {self.replay_bytes_per_s}")
         if self.host_link_bytes_per_s is not None and self.host_link_bytes_per_s <= 0:
             raise ValueError(
                 f"host_link_bytes_per_s must be > 0 or None, got {self.host_link_bytes_per_s}"
