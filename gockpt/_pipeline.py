@@ -92,11 +92,18 @@ class Pipeline:
 
     def replay_bytes_per_s(self) -> float:
         """State bytes the latest replays brought forward per second of replay (after their
-        gradients arrived), over the last 32 replays; 0.0 before 5 ms of replay was timed."""
+        gradients arrived), over the last 32 replays. Before 5 ms of replay was timed, the
+        replay self-check's pace on its timing probe (an idle core's: the waits it predicts
+        are the least likely), or 0.0 where none was timed; with an emulated replay pace
+        (``replay_bytes_per_s`` of the config), the lower of that and the probe's."""
         with self._samples_lock:  # appended on the replay thread
             samples = list(self._replay_samples)
         seconds = sum(t for _, t in samples)
-        return sum(n for n, _ in samples) / seconds if seconds > 0.005 else 0.0
+        if seconds > 0.005:
+            return sum(n for n, _ in samples) / seconds
+        known = [x for x in (self._backends.probe_bytes_per_s(), self._config.replay_bytes_per_s)
+                 if x]
+        return min(known) if known else 0.0
 
     def finalize(self, s: SaveRecord) -> None:
         """Persist ``s`` in the background once the replays queued before it are done."""

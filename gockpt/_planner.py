@@ -57,14 +57,16 @@ class ReplayBackends:
         self._config = config
         self._backends: dict[int, ReplayBackend] = {}
         self.info: dict[int, dict[str, Any]] = {}
+        self._paces: dict[int, float] = {}  # state bytes/s of each choice on its timing probe
 
     def select(self, opt_index: int) -> ReplayBackend:
         """The backend of optimizer ``opt_index``; the first call runs the self-check."""
         if opt_index not in self._backends:
             opt = self._optimizers[opt_index]
-            backend, info = _select_backend(opt, self._config.replay_backend)
+            backend, info, pace = _select_backend(opt, self._config.replay_backend)
             self._backends[opt_index] = backend
             self.info[opt_index] = info
+            self._paces[opt_index] = pace
         return self._backends[opt_index]
 
     def select_all(self) -> bool:
@@ -73,6 +75,13 @@ class ReplayBackends:
         for i in range(len(self._optimizers)):
             self.select(i)
         return ran
+
+    def probe_bytes_per_s(self) -> float:
+        """The slowest chosen backend's pace on the self-check's timing probe, bytes of state
+        per second (:attr:`gockpt.selfcheck.BackendChoice.replay_bytes_per_s`); 0.0 before a
+        backend was chosen or where none was timed."""
+        paces = [p for p in list(self._paces.values()) if p > 0]
+        return min(paces) if paces else 0.0
 
     def select_replayable(self) -> None:
         for i, o in enumerate(self._optimizers):
@@ -295,11 +304,13 @@ def infer_step(optimizers: list[Optimizer]) -> int:
     return best
 
 
-def _select_backend(opt: Optimizer, preference: str) -> tuple[ReplayBackend, dict[str, Any]]:
+def _select_backend(opt: Optimizer, preference: str,
+                    ) -> tuple[ReplayBackend, dict[str, Any], float]:
     choice = select_backend(opt, preference)
     return choice.backend, {"backend": choice.backend.name, "exact": choice.exact,
                             "max_abs_error": _json_float(choice.max_abs_error),
-                            "candidates": {k: _json_float(v) for k, v in choice.candidates.items()}}
+                            "candidates": {k: _json_float(v) for k, v in choice.candidates.items()}
+                            }, choice.replay_bytes_per_s
 
 
 def _json_float(x: float) -> float | str:

@@ -70,6 +70,11 @@ class BackendChoice:
         candidates: backend name -> its max absolute error on the probe (``inf`` when it
             raised), for the checkpoint manifest.
         reason: one sentence saying why this backend was chosen (logged once per probe).
+        replay_bytes_per_s: bytes of state (parameter and optimizer state) the chosen backend
+            brought forward per second on the timing probe (one tensor of about a million
+            elements, best of a few steps on an idle core: an upper bound on what the replay
+            thread reaches while persist and copy share the cores); 0.0 when it replays
+            nothing exactly and was not timed.
     """
 
     backend: ReplayBackend
@@ -77,6 +82,7 @@ class BackendChoice:
     max_abs_error: float
     candidates: dict[str, float]
     reason: str = ""
+    replay_bytes_per_s: float = 0.0
 
 
 def select_backend(optimizer: Optimizer, preference: str = "auto") -> BackendChoice:
@@ -219,17 +225,24 @@ def _probe(
 
     best_err = min(errors.values())
     finalists = [b for b in candidates if errors[b.name] == best_err]
-    seconds: dict[str, float] = {}
-    if len(finalists) > 1 and math.isfinite(best_err):
-        seconds = {b.name: _time_step(b, cls, hparams, dtype, lrs[0]) for b in finalists}
-        finalists.sort(key=lambda b: seconds[b.name])
+    timed: dict[str, tuple[float, int]] = {}
+    if math.isfinite(best_err):
+        # Every finalist is timed, the one alone too: its pace seeds the planner's replay rate
+        # until the replay thread has timed real updates (gockpt.plan.replay_wait_s).
+        timed = {b.name: _time_step(b, cls, hparams, dtype, lrs[0]) for b in finalists}
+        finalists.sort(key=lambda b: timed[b.name][0])
     chosen = finalists[0]
+    seconds = {name: t for name, (t, _) in timed.items()} if len(timed) > 1 else {}
+    pace = 0.0
+    if chosen.name in timed and timed[chosen.name][0] > 0:
+        pace = timed[chosen.name][1] / timed[chosen.name][0]
     return BackendChoice(
         backend=chosen,
         exact=best_err == 0.0,
         max_abs_error=best_err,
         candidates=errors,
         reason=_reason(chosen, best_err, errors, seconds),
+        replay_bytes_per_s=pace,
     )
 
 
@@ -279,9 +292,11 @@ def _time_step(
     hparams: dict[str, Any],
     dtype: torch.dtype,
     lr: Any,
-) -> float:
-    """Best of a few timed steps on one block-sized tensor: replay runs on blocks of many
-    MB, so per-element cost decides, and the minimum filters out a busy machine's noise."""
+) -> tuple[float, int]:
+    """Best of a few timed steps on one block-sized tensor, seconds, and the bytes of state
+    (the parameter and its optimizer state) each step brings forward: replay runs on blocks
+    of many MB, so per-element cost decides, and the minimum filters out a busy machine's
+    noise."""
     gen = torch.Generator().manual_seed(_PROBE_SEED + 1)
     params = [torch.randn(_TIMING_NUMEL, generator=gen).to(dtype)]
     grads = [torch.randn(_TIMING_NUMEL, generator=gen).to(dtype)]
@@ -293,7 +308,8 @@ def _time_step(
         t0 = perf_counter()
         backend.step(cls, hp, params, grads, states)
         best = min(best, perf_counter() - t0)
-    return best
+    state = sum(t.nbytes for st in states for t in st.values() if isinstance(t, torch.Tensor))
+    return best, sum(p.nbytes for p in params) + state
 
 
 def _spread(n: int, gen: torch.Generator, lo: float, hi: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch.optim import SGD, AdamW, RMSprop
 
 from gockpt import _native, selfcheck
-from gockpt.replay import TorchReplay
+from gockpt.replay import TorchReplay, snapshot_hparams
 
 pytestmark = pytest.mark.usefixtures("one_thread_fresh_selfcheck")
 
@@ -142,10 +142,11 @@ def test_fastest_exact_backend_wins(monkeypatch):
     slow, fast, wrong = _Perturbed("slow", 0.0), _Perturbed("fast", 0.0), _Perturbed("wrong", 1.0)
     monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [slow, wrong, fast])
     seconds = {"slow": 2.0, "fast": 1.0, "wrong": 0.0}
-    monkeypatch.setattr(selfcheck, "_time_step", lambda b, *a: seconds[b.name])
+    monkeypatch.setattr(selfcheck, "_time_step", lambda b, *a: (seconds[b.name], 12_000_000))
     choice = selfcheck.select_backend(_trained(AdamW))
     assert choice.backend is fast and choice.exact
     assert "fastest of 2 exact candidates (slow 2.0x slower)" in choice.reason
+    assert choice.replay_bytes_per_s == 12_000_000.0  # the chosen backend's pace
     assert choice.candidates == {"slow": 0.0, "wrong": choice.candidates["wrong"], "fast": 0.0}
     assert choice.candidates["wrong"] > 0.0
 
@@ -197,3 +198,17 @@ def test_a_candidate_that_raised_is_recorded_in_a_readable_manifest(monkeypatch,
     replay = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["meta"]["replay"]
     assert replay["candidates"] == {"broken": "inf", "ok": 0.0}
     gockpt.load_checkpoint(str(tmp_path / "ckpt"))  # strict JSON: loads
+
+
+def test_the_chosen_backend_is_timed_even_alone_and_its_pace_is_state_bytes_per_second():
+    # The pace seeds the planner's replay rate before the replay thread has timed an update:
+    # one AdamW step over a tensor of about a million fp32 elements brings forward the
+    # parameter and its two moments (12 bytes per element, the step count aside).
+    selfcheck._cache.clear()
+    choice = selfcheck.select_backend(_trained(AdamW), "torch")
+    assert list(choice.candidates) == ["torch"] and choice.exact
+    assert 1e6 < choice.replay_bytes_per_s < 1e13
+    n = selfcheck._TIMING_NUMEL
+    best, nbytes = selfcheck._time_step(choice.backend, AdamW, snapshot_hparams(
+        _trained(AdamW).param_groups[0]), torch.float32, 1e-3)
+    assert best > 0 and 12 * n <= nbytes <= 12 * n + 64
