@@ -229,12 +229,12 @@ def _probe(
     if math.isfinite(best_err):
         # Every finalist is timed, the one alone too: its pace seeds the planner's replay rate
         # until the replay thread has timed real updates (gockpt.plan.replay_wait_s).
-        timed = {b.name: _time_step(b, cls, hparams, dtype, lrs[0]) for b in finalists}
+        timed = {b.name: _timed_or_never(b, cls, hparams, dtype, lrs[0]) for b in finalists}
         finalists.sort(key=lambda b: timed[b.name][0])
     chosen = finalists[0]
     seconds = {name: t for name, (t, _) in timed.items()} if len(timed) > 1 else {}
     pace = 0.0
-    if chosen.name in timed and timed[chosen.name][0] > 0:
+    if chosen.name in timed and 0 < timed[chosen.name][0] < math.inf:
         pace = timed[chosen.name][1] / timed[chosen.name][0]
     return BackendChoice(
         backend=chosen,
@@ -284,6 +284,19 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _timed_or_never(
+    backend: ReplayBackend, cls: type[Optimizer], hparams: dict[str, Any], dtype: torch.dtype,
+    lr: Any,
+) -> tuple[float, int]:
+    """:func:`_time_step`, or ``(inf, 0)`` where the timing step raises: a backend that passed
+    the probe is still chosen on it, ranked last and with no pace."""
+    try:
+        return _time_step(backend, cls, hparams, dtype, lr)
+    except Exception as e:  # noqa: BLE001 - the timing is advice, the probe decided
+        logger.debug("gockpt: timing replay candidate %s failed: %r", backend.name, e)
+        return math.inf, 0
 
 
 def _time_step(

@@ -212,3 +212,15 @@ def test_the_chosen_backend_is_timed_even_alone_and_its_pace_is_state_bytes_per_
     best, nbytes = selfcheck._time_step(choice.backend, AdamW, snapshot_hparams(
         _trained(AdamW).param_groups[0]), torch.float32, 1e-3)
     assert best > 0 and 12 * n <= nbytes <= 12 * n + 64
+
+
+def test_a_backend_whose_timing_step_raises_is_still_chosen_on_its_probe(monkeypatch):
+    only = _Perturbed("only", 0.0)
+    monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [only])
+
+    def broken(*a):
+        raise RuntimeError("timing failed")
+
+    monkeypatch.setattr(selfcheck, "_time_step", broken)
+    choice = selfcheck.select_backend(_trained(AdamW))
+    assert choice.backend is only and choice.exact and choice.replay_bytes_per_s == 0.0
