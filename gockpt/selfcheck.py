@@ -73,8 +73,8 @@ class BackendChoice:
         replay_bytes_per_s: bytes of state (parameter and optimizer state) the chosen backend
             brought forward per second on the timing probe (one tensor of about a million
             elements, best of a few steps on an idle core: an upper bound on what the replay
-            thread reaches while persist and copy share the cores); 0.0 when it replays
-            nothing exactly and was not timed.
+            thread reaches while persist and copy share the cores); 0.0 when every candidate
+            failed the probe or the timing step raised.
     """
 
     backend: ReplayBackend
@@ -232,7 +232,10 @@ def _probe(
         timed = {b.name: _timed_or_never(b, cls, hparams, dtype, lrs[0]) for b in finalists}
         finalists.sort(key=lambda b: timed[b.name][0])
     chosen = finalists[0]
-    seconds = {name: t for name, (t, _) in timed.items()} if len(timed) > 1 else {}
+    # The reason compares the finalists whose timing ran (a failed one is ranked last).
+    seconds = {name: t for name, (t, _) in timed.items() if t < math.inf}
+    if len(seconds) < 2 or chosen.name not in seconds:
+        seconds = {}
     pace = 0.0
     if chosen.name in timed and 0 < timed[chosen.name][0] < math.inf:
         pace = timed[chosen.name][1] / timed[chosen.name][0]

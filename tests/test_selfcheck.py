@@ -224,3 +224,18 @@ def test_a_backend_whose_timing_step_raises_is_still_chosen_on_its_probe(monkeyp
     monkeypatch.setattr(selfcheck, "_time_step", broken)
     choice = selfcheck.select_backend(_trained(AdamW))
     assert choice.backend is only and choice.exact and choice.replay_bytes_per_s == 0.0
+
+
+def test_a_failed_timing_ranks_its_backend_last_and_stays_out_of_the_reason(monkeypatch):
+    broken, fine = _Perturbed("broken", 0.0), _Perturbed("fine", 0.0)
+    monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [broken, fine])
+
+    def timing(backend, *a):
+        if backend.name == "broken":
+            raise RuntimeError("timing failed")
+        return 1.0, 1000
+
+    monkeypatch.setattr(selfcheck, "_time_step", timing)
+    choice = selfcheck.select_backend(_trained(AdamW))
+    assert choice.backend is fine and choice.replay_bytes_per_s == 1000.0
+    assert "inf" not in choice.reason and "nan" not in choice.reason
