@@ -310,8 +310,9 @@ class GoCkptCheckpointer:
     def _prepare(self, final: str, root: str | None,
                  safe_serialization: bool) -> tuple[str, _publish.AccelerateWriter]:
         """Main process, at the request: the staging folder and the checkpoint's writer."""
+        key = path_key(final)  # the engine's handles carry that spelling (Engine.save)
         if root is not None and (os.path.exists(final) or any(
-                path_key(h.path) == path_key(final) and not h.done() for h in self.saves)):
+                h.path == key and not h.done() for h in self.saves)):
             raise ValueError(
                 f"Checkpoint directory {final} ({self.accelerator.save_iteration}) already "
                 "exists. Please manually override `self.save_iteration` with what iteration "

@@ -283,8 +283,8 @@ class Pipeline:
                               or not s.writer.reads_tensors_at_publish else None),
                 # Keyed by directory, not spelling: an older save of ``ckpt/last`` must not
                 # publish over a newer one of ``./ckpt/last``.
-                is_superseded=lambda: self._published_seq.get(s.path_key, -1) > s.seq,
-                on_published=lambda: self._published_seq.__setitem__(s.path_key, s.seq),
+                is_superseded=lambda: self._published_seq.get(s.path, -1) > s.seq,
+                on_published=lambda: self._published_seq.__setitem__(s.path, s.seq),
             )
             # The next save may borrow the slot while this one writes it (one holder, GoCkpt's
             # own files only: a writer's files may share the slot's memory).

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .format import ShardLayout
-from .fsutil import path_key as directory_key
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
 from .plan import CopyPlan
@@ -162,6 +161,9 @@ class Share:
 @dataclass
 class SaveRecord:
     seq: int
+    # The directory as Engine.save resolved it at the request (gockpt.fsutil.path_key), one
+    # spelling per directory: saves of one directory supersede one another, and Engine.remove
+    # cancels them, by it.
     path: str
     handle: SaveHandle
     plan: CopyPlan
@@ -227,15 +229,10 @@ class SaveRecord:
     # save was handed off, those held entries (HeldTensors.entries): the persist links the
     # shard's file from the last checkpoint that wrote the same entries.
     held_entries: dict[int, tuple] | None = None
-    # The directory whatever the spelling (gockpt.fsutil.path_key): saves of one directory
-    # supersede one another, and Engine.remove cancels them, by this.
-    path_key: str = ""
 
     def __post_init__(self) -> None:
         if self.share is None:
             self.share = Share(self)
-        if not self.path_key:
-            self.path_key = directory_key(self.path)
 
     @property
     def metrics(self) -> CheckpointMetrics:

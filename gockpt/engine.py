@@ -46,6 +46,7 @@ from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
 from .fsutil import path_key
+from .fsutil import split as split_path
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
@@ -190,7 +191,8 @@ class Engine:
 
         Raises:
             RuntimeError: the engine is closed; a background error of an earlier checkpoint.
-            ValueError: unknown mode; ``host_buffer_bytes`` too small for one checkpoint.
+            ValueError: unknown mode; ``host_buffer_bytes`` too small for one checkpoint;
+                ``path`` names no directory (``/``).
         """
         if self._closed:
             raise RuntimeError("engine is closed")
@@ -201,8 +203,7 @@ class Engine:
         # parent symlink is re-pointed before it runs, and saves match one another by it.
         path = path_key(path)
         t0 = perf_counter()
-        head, sep, _ = path.rpartition("/")
-        parent = head or sep or "."  # "/ckpt": the root, not the working directory
+        parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False
         if parent not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
             setup = True
@@ -355,14 +356,14 @@ class Engine:
             OSError: the storage refused the deletion.
         """
         key = path_key(path)  # any spelling of the directory a save in flight writes
-        for s in [s for s in self._all if s.path_key == key]:
+        for s in [s for s in self._all if s.path == key]:
             self._windows.cancel(s)
-        for s in [s for s in self._all if s.path_key == key]:
+        for s in [s for s in self._all if s.path == key]:
             try:
                 s.handle.result()
             except BaseException:  # noqa: BLE001 - the save was cancelled on purpose
                 pass
-        self._all = [s for s in self._all if not (s.path_key == key and s.handle.done())]
+        self._all = [s for s in self._all if not (s.path == key and s.handle.done())]
         # The checkpoint is gone when this returns (renamed aside); a large one's files are
         # deleted on a thread: unlinking them takes the kernel long enough to stall a step.
         remove_checkpoint(path, self.config.storage_options, timeout_s=self.config.storage_timeout_s,

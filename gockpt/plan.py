@@ -249,18 +249,13 @@ def replay_wait_s(
         return 0.0  # two buffers: the first two captures never wait
     bw = max(costs.copy_bytes_per_s, 1.0)
     period = costs.step_s if costs.step_s > 0 else costs.window_s
-    grads = replayed = 0.0
+    grads = replayed = 0
     shift = waited = 0.0
     finish: list[float] = []
     for c in range(n_cap):
-        block = blocks[c]
-        if prefix is not None and block:
-            _, g_pre, r_pre = prefix
-            grads += float(g_pre[block[-1] + 1] - g_pre[block[0]])
-            replayed += float(r_pre[block[-1] + 1] - r_pre[block[0]])
-        else:
-            grads += sum(grad_bytes[i] for i in block)
-            replayed += sum(unit_bytes[i] for i in block if grad_bytes[i])
+        _, block_grads, block_replayed = _block_sums(blocks[c], unit_bytes, grad_bytes, prefix)
+        grads += block_grads
+        replayed += block_replayed
         t = (c + 1) * period + shift
         if c >= 2 and finish[c - 2] > t:
             wait = finish[c - 2] - t
@@ -304,7 +299,7 @@ def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
                   prefix: tuple[np.ndarray, ...] | None = None) -> tuple[float, list[float]]:
     """(paid, loads) in bytes: what the training thread waits for whatever the window, and each
     window's copy that hides up to one window's worth (the module's stall model). ``prefix``:
-    the prefix sums of ``unit_bytes`` and ``grad_bytes`` (:func:`_prefix_sums`), for callers
+    the prefix sums of :func:`_prefix_sums`, for callers
     that score many splits of the same units into contiguous ranges of ascending indices (a
     block then costs O(1)); without it any blocks are summed unit by unit."""
     if mode in ("sync", "async"):
@@ -312,12 +307,7 @@ def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
     paid, loads = float(static_bytes), []
     grads_copied = 0  # gradient bytes of the blocks copied before the current window
     for j, block in enumerate(blocks):
-        if prefix is not None and block:  # the planner's blocks: sorted, contiguous ranges
-            s_pre, g_pre = prefix[:2]
-            state = int(s_pre[block[-1] + 1] - s_pre[block[0]])
-            grads = int(g_pre[block[-1] + 1] - g_pre[block[0]])
-        else:
-            state, grads = sum(unit_bytes[i] for i in block), sum(grad_bytes[i] for i in block)
+        state, grads, _ = _block_sums(block, unit_bytes, grad_bytes, prefix)
         if mode == "gockpt" or (static_bytes and j == len(blocks) - 1):
             # The static copy, taken as the last window opens, queues behind its gradients.
             paid += grads_copied
@@ -326,6 +316,17 @@ def _window_terms(mode: str, unit_bytes: list[int], grad_bytes: list[int],
             loads.append(float(state + grads_copied))
         grads_copied += grads
     return paid, loads
+
+
+def _block_sums(block: tuple[int, ...], unit_bytes: list[int], grad_bytes: list[int],
+                prefix: tuple[np.ndarray, ...] | None) -> tuple[int, int, int]:
+    """(state, gradient, replayed state) bytes of ``block``: from ``prefix`` (:func:`_prefix_sums`)
+    where given, for the planner's blocks (sorted, contiguous ranges: O(1)), else summed."""
+    if prefix is not None and block:
+        a, b = block[0], block[-1] + 1
+        return tuple(int(pre[b] - pre[a]) for pre in prefix)  # type: ignore[return-value]
+    return (sum(unit_bytes[i] for i in block), sum(grad_bytes[i] for i in block),
+            sum(unit_bytes[i] for i in block if grad_bytes[i]))
 
 
 def _prefix_sums(unit_bytes: list[int], grad_bytes: list[int],
@@ -695,7 +696,7 @@ def make_plan(
         return costed(m, split_blocks(unit_bytes, 1 if m == "lazy" else max_overlap_steps))
     if interval_steps is not None:
         candidates = _with_next_request(candidates, interval_steps, unit_bytes, grad_bytes,
-                                        static_bytes, hides, next_request_shares, costs)
+                                        static_bytes, next_request_shares, costs)
     least = min(c[0] for c in candidates)
     stall_bytes, k, _, m, blocks, flushed_at = min(
         (c for c in candidates if c[0] <= least + gain),
@@ -711,8 +712,8 @@ _Candidate = tuple[float, int, int, str, tuple[tuple[int, ...], ...], int | None
 
 
 def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: list[int],
-                       grad_bytes: list[int], static_bytes: int, hides: np.ndarray, shares: bool,
-                       costs: Costs) -> list[_Candidate]:
+                       grad_bytes: list[int], static_bytes: int, shares: bool, costs: Costs,
+                       ) -> list[_Candidate]:
     """The candidates of :func:`make_plan` with the next request ``interval`` steps away: those
     that make it wait for the slot (K in the drain margin; K > interval unless that request
     ``shares`` the snapshot) left out where a plan whose windows end in time exists; K >
@@ -721,6 +722,7 @@ def _with_next_request(candidates: list[_Candidate], interval: int, unit_bytes: 
         return interval - DRAIN_MARGIN_STEPS < k <= interval or (k > interval and not shares)
 
     in_time = any(c[1] <= interval - DRAIN_MARGIN_STEPS for c in candidates)
+    hides = _hides(costs)
     out: list[_Candidate] = []
     for c in [c for c in candidates if not (in_time and waits(c[1]))]:
         _, k, pref, m, blocks, _ = c
