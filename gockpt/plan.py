@@ -242,6 +242,8 @@ def replay_wait_s(
             request (:attr:`CopyPlan.flushed_at`); None: ``K - 1``.
         prefix: prefix sums of state, gradient and replayed state bytes over the units, for
             blocks that are sorted contiguous ranges (:func:`make_plan`'s); None: summed.
+
+    Raises nothing; a block index outside the lists raises ``IndexError``.
     """
     rate = costs.replay_bytes_per_s
     n_cap = len(blocks) - 1 if captures is None else min(captures, len(blocks) - 1)

@@ -889,11 +889,12 @@ def test_a_save_lands_where_its_path_named_at_the_request(tmp_path, monkeypatch)
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
                                           max_inflight=2, host_buffer_bytes=1 << 20))
-    handles = {}
+    handles, live = {}, {}
     monkeypatch.chdir(tmp_path / "run1")
 
     def on_step_end(it):
         eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))  # what a blocking save would hold
         if it == 2:
             handles["rel"] = eng.save("ckpt")
             handles["link"] = eng.save(str(tmp_path / "cur" / "ckpt"))
@@ -913,3 +914,5 @@ def test_a_save_lands_where_its_path_named_at_the_request(tmp_path, monkeypatch)
     for where, m in ((tmp_path / "run1" / "ckpt", rel), (tmp_path / "a" / "ckpt", link)):
         state = gockpt.load_checkpoint(str(where))
         assert state.captured_step == m.captured_step
+        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+        assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
