@@ -8,6 +8,7 @@ it is an explicit step of the engine, never a side effect of planning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -105,9 +106,9 @@ class Planner:
         self.layouts_built = 0  # layouts enumerated so far (the first and each change)
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
-        # Sharded engines (gockpt.sharded): turns each rank's plan into the one every rank
-        # follows (a collective); called at the end of every plan().
-        self.agree: Callable[[CopyPlan, list[int]], CopyPlan] | None = None
+        # Sharded engines (gockpt.sharded): the (mode, K) every rank follows, from this rank's
+        # plan (a collective); called at the end of every plan().
+        self.agree: Callable[[CopyPlan], tuple[str, int]] | None = None
         # Partitioned engines (replicated state, gockpt.partition): the share of the layout
         # this rank stores; applied to every layout built.
         self.select: Callable[[StateLayout], StateLayout] | None = None
@@ -190,15 +191,25 @@ class Planner:
         static_bytes = sum(e.spec.nbytes for e in layout.static
                            if unchanged is None or not unchanged(e))  # buffers: never held
         hi = self._config.max_overlap_steps if cap is None else min(cap, self._config.max_overlap_steps)
-        plan = make_plan(mode, unit_bytes, grad_bytes, self._costs(window_s, overhead_samples_s, step_s),
-                         max_overlap_steps=hi, replayable=replayable,
-                         min_overlap_steps=min(self._config.min_overlap_steps, hi),
-                         static_bytes=static_bytes, interval_steps=interval_steps,
-                         # Ranks that agree on K share a snapshot only at that same K; a request
-                         # that skips when no slot is free finishes no windows to share.
-                         next_request_shares=self.agree is None
-                         and self._config.when_full == "wait")
-        plan = plan if self.agree is None else self.agree(plan, unit_bytes)
+        costs = self._costs(window_s, overhead_samples_s, step_s)
+
+        def plan_for(m: str, k_lo: int, k_hi: int) -> CopyPlan:
+            return make_plan(m, unit_bytes, grad_bytes, costs, max_overlap_steps=k_hi,
+                             replayable=replayable, min_overlap_steps=k_lo,
+                             static_bytes=static_bytes, interval_steps=interval_steps,
+                             # Ranks that agree on K share a snapshot only at that same K; a
+                             # request that skips when no slot is free finishes no windows to
+                             # share.
+                             next_request_shares=self.agree is None
+                             and self._config.when_full == "wait")
+
+        plan = plan_for(mode, min(self._config.min_overlap_steps, hi), hi)
+        if self.agree is not None:
+            agreed, k = self.agree(plan)
+            if (agreed, k) != (plan.mode, plan.num_overlap_steps):
+                # Blocks sized per window for the agreed K and priced as this rank runs them
+                # (windows, replay waits); the bound stays the one over every K this rank allows.
+                plan = dataclasses.replace(plan_for(agreed, k, k), lower_bound_s=plan.lower_bound_s)
         if log.isEnabledFor(logging.DEBUG):  # describe() walks every unit: not on every save
             log.debug("gockpt: plan %s", plan.describe(unit_bytes))
         return plan

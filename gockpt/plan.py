@@ -161,8 +161,8 @@ def split_blocks(unit_bytes: list[int], k: int) -> tuple[tuple[int, ...], ...]:
 
     Keeping order keeps each parameter beside its optimizer state (a unit holds both; GoCkpt
     §4.2.2) and neighbouring layers together. Fewer than ``k`` blocks are returned when there are
-    fewer units than ``k``; no units give one empty block. Used where no costs are known (and by
-    ranks that must follow an agreed K); :func:`make_plan` sizes blocks per window otherwise.
+    fewer units than ``k``; no units give one empty block. Used where no costs are known;
+    :func:`make_plan` sizes blocks per window otherwise.
 
     Raises:
         ValueError: ``k < 1``.

@@ -78,7 +78,7 @@ from .format import plan_shards
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
 from .partition import Partition, partition_layout
-from .plan import MULTI_STEP_MODES, CopyPlan, split_blocks
+from .plan import CopyPlan
 from .writer import CheckpointWriter, Snapshot, TensorFile
 
 __all__ = ["ShardedEngine", "ShardedHandle", "INDEX_FILE", "part_name", "sharding_name"]
@@ -457,8 +457,10 @@ class ShardedEngine:
                                           for e in layout.entries]).encode())
         return partition_layout(layout, self.rank, self.world)
 
-    def _agree(self, plan: CopyPlan, unit_bytes: list[int]) -> CopyPlan:
-        """The plan every rank follows (training thread, inside ``Engine.save``; collective).
+    def _agree(self, plan: CopyPlan) -> tuple[str, int]:
+        """The mode and K every rank follows, from this rank's ``plan`` (training thread, inside
+        ``Engine.save``; collective): a one-step mode where any rank copies in one step, else the
+        least K. The planner re-plans its blocks for them (:meth:`gockpt._planner.Planner.plan`).
 
         Raises:
             RuntimeError: replicated, and the ranks partitioned different states (every rank
@@ -477,7 +479,4 @@ class ShardedEngine:
             mode, k = "lazy", 1
         else:
             mode, k = modes[0], min(k for _, k, _ in views)
-        if (mode, k) == (plan.mode, plan.num_overlap_steps):
-            return plan
-        assert mode in MULTI_STEP_MODES + ("sync", "async", "lazy")
-        return CopyPlan(mode, split_blocks(unit_bytes, k), plan.predicted_stall_s)
+        return mode, k

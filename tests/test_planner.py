@@ -519,3 +519,46 @@ def test_the_measured_replay_rate_and_step_period_reach_the_plan(tmp_path, monke
     rate, step = costed[-1].replay_bytes_per_s, costed[-1].step_s
     assert 1e6 < rate < 1e13 and step > 0.0
     assert all(m.predicted_replay_wait_s >= 0.0 for m in ms)
+
+
+def test_a_k_agreed_with_other_ranks_is_planned_and_priced_as_this_rank_runs_it():
+    # A sharded engine's ranks follow one (mode, K) (gockpt.sharded): where it differs from this
+    # rank's own choice, the blocks are sized per window for that K, and the prediction (window
+    # loads, replay waits) is that of the plan run, not of the plan this rank would have chosen.
+    model, opt, sched, scaler = _deep()
+    train(model, opt, sched, scaler, 2)
+    layout = build_layout(model, [opt])
+    units = [u.state_bytes for u in layout.units]
+    grads = [u.grad_bytes for u in layout.units]
+    static = sum(e.spec.nbytes for e in layout.static)
+    costs = Costs(1e5, 0.05, replay_bytes_per_s=sum(units) / 5, step_s=0.06)
+    asked = []
+
+    def planner(agree):
+        p = Planner(model, [opt], GoCkptConfig(min_overlap_steps=7, max_overlap_steps=7),
+                    SimpleNamespace(rate_sample=lambda: (0, 0.0)), costs.copy_bytes_per_s,
+                    replay_bytes_per_s=lambda: costs.replay_bytes_per_s)
+        p.agree = agree
+        return p
+
+    def plan(p):
+        return p.plan(p.current_layout()[0], "gockpt_o", False, None, version=2,
+                      window_s=costs.window_s, step_s=costs.step_s)
+
+    own = plan(planner(lambda pl: (asked.append(pl), (pl.mode, pl.num_overlap_steps))[1]))
+    assert asked == [own] and own.num_overlap_steps == 7
+    agreed = plan(planner(lambda pl: ("gockpt_o", 4)))
+    assert agreed.mode == "gockpt_o" and agreed.num_overlap_steps == 4
+    want = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=4, min_overlap_steps=4,
+                     replayable=True, static_bytes=static, next_request_shares=False)
+    assert agreed.blocks == want.blocks and agreed.blocks != own.blocks[:4]
+    assert agreed.predicted_stall_s == pytest.approx(predict_stall_s(
+        "gockpt_o", units, grads, agreed.blocks, costs, static_bytes=static))
+    assert agreed.replay_wait_s == pytest.approx(gockpt.plan.replay_wait_s(
+        "gockpt_o", units, grads, agreed.blocks, costs)) and agreed.replay_wait_s > 0.0
+    assert agreed.predicted_stall_s != own.predicted_stall_s
+    assert agreed.lower_bound_s == own.lower_bound_s  # over every K this rank allows
+    lazy = plan(planner(lambda pl: ("lazy", 1)))
+    assert lazy.mode == "lazy" and lazy.blocks == (tuple(range(len(units))),)
+    assert lazy.predicted_stall_s == pytest.approx(predict_stall_s(
+        "lazy", units, grads, lazy.blocks, costs, static_bytes=static))
