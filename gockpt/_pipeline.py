@@ -277,6 +277,7 @@ class Pipeline:
                 cancel=s.cancel, publish_lock=self._publish_lock,
                 storage_timeout_s=self._config.storage_timeout_s, io_nice=self._config.io_nice,
                 direct_io=self._config.direct_io,
+                origins_of=frozenset(s.shards[i].file for i in s.held_entries or {}),
                 # The slot goes to the next save once its bytes are written, before the fsyncs
                 # and the publish, unless the writer still reads the snapshot's tensors then.
                 on_slot_read=(partial(self._release, s) if s.writer is None

@@ -38,7 +38,7 @@ import sys
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -111,6 +111,9 @@ class PersistRequest:
             the target can (:meth:`gockpt.targets.StorageTarget.link`), else written. Its
             slot ranges count as read once linked: ``on_chunk_linked`` is called for them
             where set (else ``on_chunk_read``), since no write took its time.
+        origins_of: the shard file names whose published place :attr:`PersistResult.origins`
+            reports (those a later save may link: ``frozen_copy="when_changed"``); the others
+            are not ``lstat``-ed after the publish.
     """
 
     path: str
@@ -139,6 +142,7 @@ class PersistRequest:
     on_chunk_read: Callable[[int, int], None] | None = None
     reuse: Mapping[str, FileOrigin] = field(default_factory=dict)
     on_chunk_linked: Callable[[int, int], None] | None = None
+    origins_of: Collection[str] = ()
 
 
 @dataclass
@@ -153,7 +157,8 @@ class PersistResult:
         bytes_linked: bytes of the shard files linked from an earlier checkpoint (``reuse``),
             not written (nor counted in ``bytes_written``).
         origins: shard file name -> where it lies once published, for a later save's
-            ``reuse``; empty where the target links nothing, or nothing was published.
+            ``reuse``, for the names in ``origins_of``; empty where the target links nothing,
+            or nothing was published.
         latest_error: None, or why ``latest`` could not be moved to this published checkpoint
             (e.g. ``ENOSPC``); the checkpoint is durable and
             :func:`gockpt.storage.latest_checkpoint` still finds it (see
@@ -235,6 +240,8 @@ def persist(req: PersistRequest) -> PersistResult:
     origins: dict[str, FileOrigin] = {}
     if published:
         for shard in req.shards:
+            if shard.file not in req.origins_of:
+                continue
             path = target.local_path(shard.file)
             if path is not None:
                 try:

@@ -393,7 +393,10 @@ def test_a_reused_file_is_linked_its_ranges_freed_apart_from_the_pace_and_a_chan
     from gockpt.persist import slot_chunks
 
     tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}  # two shards
+    req = make_request(str(tmp_path / "a0"), tensors)
+    assert persist(req).origins == {}  # none asked for
     req = make_request(str(tmp_path / "a"), tensors)
+    req.origins_of = {sh.file for sh in req.shards}
     first = persist(req)
     assert first.published and first.bytes_linked == 0
     assert set(first.origins) == {sh.file for sh in req.shards}
@@ -403,6 +406,7 @@ def test_a_reused_file_is_linked_its_ranges_freed_apart_from_the_pace_and_a_chan
     assert len(req.shards) == 2
     name = req.shards[0].file  # another name: the link gets this save's
     req.reuse = {name: origin}
+    req.origins_of = {name}
     calls: dict[str, list] = {"read": [], "linked": []}
     req.on_chunk_read = lambda b, e: calls["read"].append((b, e))
     req.on_chunk_linked = lambda b, e: calls["linked"].append((b, e))
