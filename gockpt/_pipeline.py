@@ -44,8 +44,9 @@ from .writer import Snapshot
 log = logging.getLogger("gockpt")
 
 # One optimizer update's gradients of a save: (optimizer index, optimizer class, the param
-# groups' hyperparameters, unit indices, gradient buffer turn).
-ReplayRecord = tuple[int, type, list, list[int], int]
+# groups' hyperparameters, unit indices, gradient buffer turn, None or a host copy of
+# GradScaler's ``found_inf`` for that update: nonzero, the update was skipped).
+ReplayRecord = tuple[int, type, list, list[int], int, "torch.Tensor | None"]
 
 
 class Pipeline:
@@ -144,11 +145,13 @@ class Pipeline:
                     r.cancel.set()
 
     def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
-        opt_index, cls, hparams, units, turn = record
+        opt_index, cls, hparams, units, turn, found_inf = record
         try:
             if not s.share.alive():  # every save using this snapshot failed or was cancelled
                 return
             ticket.wait()  # raises CheckpointTornError when a gradient changed during its copy
+            if found_inf is not None and bool(found_inf.any()):
+                return  # GradScaler skipped this update; the live state did not move either
             t0, replayed = perf_counter(), 0
             backend = self._backends.select(opt_index)
             s.metrics.replay_backend = backend.name

@@ -576,9 +576,19 @@ class Windows:
             for i in units
         ]
         hparams = [snapshot_hparams(g) for g in opt.param_groups]
+        # GradScaler steps an optimizer with its own scaling (fused Adam, AdamW, SGD, Adagrad:
+        # ``_step_supports_amp_scaling``) even when the gradients hold an inf or a NaN; the
+        # kernel then leaves parameters and state as they were, reading ``found_inf`` on the
+        # device. Its value goes with the gradients, and the replay skips such an update.
+        found_inf = getattr(opt, "found_inf", None)
+        skip = None
+        if isinstance(found_inf, torch.Tensor):
+            skip = torch.empty(found_inf.shape, dtype=found_inf.dtype,
+                               pin_memory=found_inf.is_cuda)
+            pairs = pairs + [(found_inf.detach(), skip)]
         ticket = self._copier.copy(pairs, PRIORITY_GRAD, check_versions=True)
         s.grad_tickets.append(ticket)
-        s.metrics.grad_bytes += ticket.nbytes
+        s.metrics.grad_bytes += ticket.nbytes - (0 if skip is None else skip.nbytes)
         if s.plan.mode == "gockpt":
             t0 = perf_counter()
             ticket.wait()
@@ -590,7 +600,7 @@ class Windows:
             self._wait_at_forward = True
         else:
             self._guard(ticket, pairs)
-        self._pipeline.submit_replay(s, (opt_index, type(opt), hparams, units, turn), ticket)
+        self._pipeline.submit_replay(s, (opt_index, type(opt), hparams, units, turn, skip), ticket)
 
     # ------------------------------------------------------------------ gockpt_o guards
 

@@ -20,6 +20,11 @@ OPTIMIZERS = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
     "lbfgs": lambda ps: torch.optim.LBFGS(ps, lr=1e-2),
+    # Fused kernels scale for GradScaler themselves (``_step_supports_amp_scaling``): they are
+    # stepped on a skipped iteration too, and leave the state as it was.
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
 }
 
 
@@ -54,8 +59,10 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def train(model, opt, sched, scaler, num_iters: int, *, skip_iter: int = 5, on_step_end=None,
-          data_seed: int = 1, start_iter: int = 0):
-    """Run ``num_iters`` iterations; calls ``on_step_end(it)`` at each step boundary."""
+          data_seed: int = 1, start_iter: int = 0, unscale: bool = True):
+    """Run ``num_iters`` iterations; calls ``on_step_end(it)`` at each step boundary.
+    ``unscale=False``: no ``scaler.unscale_`` and no clipping, as Lightning steps an optimizer
+    that scales for GradScaler itself (its fused kernel unscales the gradients)."""
     g = torch.Generator().manual_seed(data_seed)
     data = torch.randn(4096, 2, 16, 8, generator=g)
     for it in range(start_iter, num_iters):
@@ -66,8 +73,9 @@ def train(model, opt, sched, scaler, num_iters: int, *, skip_iter: int = 5, on_s
             scaler.scale(loss).backward()
         if it == skip_iter:
             next(model.parameters()).grad[0, 0] = float("inf")
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if unscale:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         scaler.step(opt)
         scaler.update()
         sched.step()

@@ -18,7 +18,7 @@ MODES = ["sync", "async", "lazy", "gockpt", "gockpt_o", "auto"]
 
 
 def _run(tmp_path, opt_name: str, mode: str, *, num_iters: int = 14, save_iters=(2, 3, 7),
-         explicit: bool = False, **cfg):
+         explicit: bool = False, unscale: bool = True, **cfg):
     """Train with checkpoints; return (engine metrics, {version: live snapshot}, paths)."""
     model, opt, sched, scaler = make(opt_name)
     # Room for two snapshots: the saves at iterations 2 and 3 overlap (K = 3) and each keeps its
@@ -52,7 +52,7 @@ def _run(tmp_path, opt_name: str, mode: str, *, num_iters: int = 14, save_iters=
                                     state_fn=lambda it=it: {"sched": sched.state_dict(),
                                                             "rng": torch.get_rng_state()}))
 
-    train(model, opt, sched, scaler, num_iters, on_step_end=on_step_end)
+    train(model, opt, sched, scaler, num_iters, on_step_end=on_step_end, unscale=unscale)
     eng.close()
     return [h.result() for h in handles], live, handles
 
@@ -83,6 +83,28 @@ def test_skipped_step_is_not_replayed(tmp_path):
     for m in metrics:
         state = gockpt.load_checkpoint(m.path)
         assert_state_equal(state.optimizer_state_dicts[0], live[state.captured_step]["optim"])
+
+
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscaled", "kernel-unscales"])
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+@pytest.mark.parametrize("opt_name", ["adamw_fused", "sgd_fused", "adagrad_fused"])
+def test_a_fused_optimizer_stepped_on_a_skipped_iteration_is_not_replayed(
+        tmp_path, opt_name, mode, unscale):
+    # GradScaler calls step() of an optimizer that scales for it (fused kernels) on a skipped
+    # iteration too: the update fires the step hooks but changes nothing, and the replay must
+    # change nothing either. Without unscale_ the kernel unscales the gradients (Lightning's
+    # path for such optimizers): the replay reads them as the kernel left them.
+    metrics, live, _ = _run(tmp_path, opt_name, mode, save_iters=(3, 4), num_iters=11,
+                            unscale=unscale)
+    # The skipped iteration fired the step hooks: the engine counted it as an update.
+    assert all(v == live[v]["it"] + 1 for v in live)
+    for m in metrics:
+        assert m.mode == mode and m.num_overlap_steps == 3
+        assert m.requested_step <= 5 <= m.captured_step  # the windows span the skipped update
+        state = gockpt.load_checkpoint(m.path)
+        v = state.captured_step
+        assert_state_equal(state.model_state_dict, live[v]["model"], f"model@{v}")
+        assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"optim@{v}")
 
 
 def test_explicit_window_end_is_exact(tmp_path):
