@@ -81,8 +81,10 @@ class CopyTicket:
             event completes without waiting on it).
     """
 
-    def __init__(self, nbytes: int, event: object | None = None) -> None:
+    def __init__(self, nbytes: int, event: object | None = None,
+                 device: torch.device | None = None) -> None:
         self.nbytes = nbytes
+        self._device = device  # CUDA: the device whose compute stream a fence orders
         self.done_at: float | None = None
         self._versions: list[tuple[torch.Tensor, int]] = []
         self._done = threading.Event()
@@ -123,8 +125,12 @@ class CopyTicket:
         read. On CUDA this costs the host nothing.
         """
         if self._cuda_event is not None:
-            stream = torch.cuda.current_stream()
-            if torch.cuda.is_current_stream_capturing():  # a graph capture: no query, no timing
+            # The copier's device, not the current one: a model on cuda:1 trained without
+            # torch.cuda.set_device would otherwise order another device's stream.
+            stream = torch.cuda.current_stream(self._device)
+            with torch.cuda.device(self._device):
+                capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:  # a graph capture: no query, no timing
                 stream.wait_event(self._cuda_event)  # type: ignore[arg-type]
                 return
             if self._cuda_event.query():  # type: ignore[attr-defined]
@@ -343,7 +349,7 @@ class CudaCopier:
             event.record(stream)
         self.bytes_copied += nbytes
         self._pending.append((start, event, nbytes))
-        return CopyTicket(nbytes, event)
+        return CopyTicket(nbytes, event, self._device)
 
     def rate_sample(self) -> tuple[int, float]:
         """(bytes, seconds) of the jobs known to have ended, timed on the device between each
@@ -352,19 +358,24 @@ class CudaCopier:
         read on a later call."""
         ended: list[tuple[float, float]] = []
         ref = self._ref
+        last_end = None
         # In the order issued, up to the first job still running: a later job read before an
         # earlier, longer one on the other stream ends would have its time counted, and the
         # earlier job's time before it lost (a pace read too fast).
         while self._pending and ref is not None and ref.query() and self._pending[0][1].query():
-            start, end, n = self._pending.popleft()
-            ended.append((ref.elapsed_time(start), ref.elapsed_time(end)))  # milliseconds
+            start, last_end, n = self._pending.popleft()
+            ended.append((ref.elapsed_time(start), ref.elapsed_time(last_end)))  # milliseconds
             self._timed_bytes += n
         busy_ms, self._covered_ms = busy_union_ms(ended, self._covered_ms)
         self.busy_s += busy_ms / 1000.0
+        # A recent reference keeps the float milliseconds of elapsed_time fine (they step by
+        # 2 ms 8 hours after one reference): none while nothing is pending, else the end of
+        # the last job read (it has ended), with the time counted so far moved onto it.
         if not self._pending:
-            # Every job read has ended: a fresh reference keeps the float milliseconds of
-            # elapsed_time fine (2 ms steps 8 hours after one reference).
             self._ref, self._covered_ms = None, -math.inf
+        elif last_end is not None:
+            self._covered_ms -= ref.elapsed_time(last_end)
+            self._ref = last_end
         return self._timed_bytes, self.busy_s
 
     def close(self) -> None:

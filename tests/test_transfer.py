@@ -305,3 +305,44 @@ def test_copies_that_overlap_on_two_streams_count_their_shared_time_once():
     busy, covered = busy_union_ms([(0.0, 10.0)], -math.inf)
     assert busy_union_ms([(8.0, 15.0), (20.0, 21.0)], covered) == (6.0, 21.0)
     assert busy_union_ms([], 21.0) == (0.0, 21.0)
+
+
+def test_the_cuda_pace_reads_overlapping_jobs_once_and_keeps_a_recent_reference():
+    # CudaCopier.rate_sample with stand-in events (a clock in ms; no GPU here): jobs read in
+    # the order issued, their union counted, and while jobs stay pending the reference moves
+    # to the end of the last job read, so elapsed times stay small on long runs.
+    from collections import deque
+
+    from gockpt.transfer import CudaCopier
+
+    class Event:
+        def __init__(self, t: float) -> None:
+            self.t, self.ended = t, False
+
+        def query(self) -> bool:
+            return self.ended
+
+        def elapsed_time(self, other: "Event") -> float:
+            assert self.ended and other.ended
+            return other.t - self.t
+
+    ref = Event(0.0)
+    a = (Event(0.0), Event(10.0), 100)    # gradient stream
+    b = (Event(4.0), Event(30.0), 200)    # state stream, overlapping a
+    c = (Event(12.0), Event(14.0), 50)    # gradient stream, inside b
+    copier = object.__new__(CudaCopier)
+    copier._ref, copier._covered_ms = ref, -math.inf
+    copier._pending, copier._timed_bytes, copier.busy_s = deque([a, b, c]), 0, 0.0
+    for e in (ref, *a[:2], c[0], c[1]):
+        e.ended = True  # a and c ended; b still running
+    assert copier.rate_sample() == (100, pytest.approx(0.010))
+    assert copier._ref is a[1] and len(copier._pending) == 2  # c waits behind b
+    d = (Event(32.0), Event(40.0), 10)
+    copier._pending.append(d)
+    b[0].ended = b[1].ended = d[0].ended = True
+    # b (4-30) counts 20 ms past a's end, c nothing (inside b); d still running.
+    assert copier.rate_sample() == (350, pytest.approx(0.030))
+    assert copier._ref is c[1]
+    d[1].ended = True
+    assert copier.rate_sample() == (360, pytest.approx(0.038))
+    assert copier._ref is None and not copier._pending  # a fresh reference for the next job
