@@ -157,7 +157,9 @@ def best_checkpoint(
     best: tuple[str, int] | None = None
     for entry in entries:
         name = entry.rstrip("/").rpartition("/")[2]
-        if name in (exclude, LATEST_NAME) or name.startswith("."):
+        # "latest" is scanned too: a checkpoint of that name (update_latest=False) is one; the
+        # pointer file holds no manifest.
+        if name == exclude or name.startswith("."):
             continue
         step = _captured_step(fs, join(parent, name))
         if step is not None and (best is None or (step, name) > (best[1], best[0])):

@@ -51,7 +51,13 @@ from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
-from .storage import BackgroundDeleter, claim_directory, cleanup_staging, remove_checkpoint
+from .storage import (
+    BackgroundDeleter,
+    check_save_path,
+    claim_directory,
+    cleanup_staging,
+    remove_checkpoint,
+)
 from .transfer import SlotPool, make_copier
 from .writer import CheckpointWriter
 
@@ -192,7 +198,10 @@ class Engine:
         Raises:
             RuntimeError: the engine is closed; a background error of an earlier checkpoint.
             ValueError: unknown mode; ``host_buffer_bytes`` too small for one checkpoint;
-                ``path`` names no directory (``/``).
+                ``path`` names no directory (``/``), or a name GoCkpt keeps
+                (:func:`gockpt.storage.check_save_path`).
+            FileExistsError: ``path`` is a local directory that is not empty and holds no
+                checkpoint: a save would replace it whole.
         """
         if self._closed:
             raise RuntimeError("engine is closed")
@@ -202,6 +211,7 @@ class Engine:
         # resolved): the persist writes there even if the process changes directory or a
         # parent symlink is re-pointed before it runs, and saves match one another by it.
         path = path_key(path)
+        check_save_path(path, update_latest=self.config.update_latest)
         t0 = perf_counter()
         parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False

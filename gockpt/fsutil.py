@@ -10,9 +10,11 @@ Paths inside a filesystem (what :func:`url_to_fs` returns) use ``/`` and carry n
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +31,7 @@ __all__ = [
     "MANIFEST_NAME",
     "S3_MAX_ATTEMPTS",
     "SCRATCH_RE",
+    "check_replaceable",
     "fsync_path",
     "is_local",
     "join",
@@ -169,6 +172,36 @@ def path_key(path: str | os.PathLike[str]) -> str:
     if name in ("", ".", ".."):
         return os.path.realpath(local)
     return os.path.join(os.path.realpath(parent or "."), name)
+
+
+def check_replaceable(root: str) -> None:
+    """Refuse to replace the local entry ``root`` unless it is a checkpoint's or nothing's.
+
+    A save publishes by swapping its staging directory into ``root`` and deleting what was
+    there. That is meant for a checkpoint directory (it holds ``manifest.json``), an empty
+    directory (a placeholder made at a request), a file or a symlink (replaced, never written
+    through, as stock Lightning replaces ``last.ckpt``) or nothing. Any other directory holds
+    someone's files (``"."``, the folder of all checkpoints, a project folder), which a save
+    must never delete.
+
+    Raises:
+        FileExistsError: ``root`` is a directory (not a symlink to one) that is not empty and
+            holds no ``manifest.json``; the message names it and a few of its entries.
+        OSError: ``root`` or its entries cannot be read.
+    """
+    try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    with os.scandir(root) as it:
+        names = sorted(e.name for _, e in zip(range(4), it))
+    if not names or os.path.lexists(os.path.join(root, MANIFEST_NAME)):
+        return
+    raise FileExistsError(
+        errno.EEXIST, f"gockpt: {root} is a directory that holds no checkpoint (it has "
+        f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); a save there would "
+        "replace it whole. Save to another path, or remove it first", root)
 
 
 def scratch_path(parent: str, name: str, kind: str = "tmp") -> str:

@@ -306,12 +306,18 @@ def save_tree(
 
     Raises:
         ValueError: an optimizer state dict that is not a dict with a ``state`` dict and
-            ``param_groups`` (the loader would refuse it).
+            ``param_groups`` (the loader would refuse it); a name GoCkpt keeps
+            (:func:`gockpt.storage.check_save_path`).
+        FileExistsError: ``path`` is a local directory that is not empty and holds no
+            checkpoint.
         TypeError: a tensor dtype safetensors cannot store.
         OSError, CheckpointError: from the storage (the previous checkpoint at ``path`` is intact).
     """
+    from .fsutil import path_key
     from .persist import PersistRequest, persist
+    from .storage import check_save_path
 
+    check_save_path(path_key(path), update_latest=update_latest)  # before any tensor is copied
     model_sd = dict(model) if model is not None and not isinstance(model, dict) else (model or {})
     opt_sds = list(optimizers)
     for i, sd in enumerate(opt_sds):

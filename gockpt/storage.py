@@ -50,11 +50,12 @@ from gockpt._pointer import (
     write_pointer,
 )
 from gockpt._safe_read import open_local_regular, read_bounded
-from gockpt.errors import CheckpointError, CheckpointStorageError
+from gockpt.errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from gockpt.fsutil import (
     BACKGROUND_DELETE_BYTES,
     MANIFEST_NAME,
     SCRATCH_RE,
+    check_replaceable,
     fsync_path,
     is_local,
     join,
@@ -83,6 +84,7 @@ __all__ = [
     "DirectoryClaim",
     "advance_latest",
     "claim_directory",
+    "check_save_path",
     "checkpoint_number",
     "cleanup_staging",
     "fsync_path",
@@ -113,6 +115,31 @@ DEFAULT_STORAGE_TIMEOUT_S = fsutil.DEFAULT_STORAGE_TIMEOUT_S
 #: Attempts per object-store request (botocore ``total_max_attempts``); s3fs's own retry loop
 #: is turned off so attempts do not multiply.
 S3_MAX_ATTEMPTS = fsutil.S3_MAX_ATTEMPTS
+
+
+def check_save_path(path: str, *, update_latest: bool) -> None:
+    """Refuse a save to ``path`` (as :func:`gockpt.fsutil.path_key` spells it) that would
+    destroy what is not a checkpoint, or clash with GoCkpt's own names; at the request, before
+    anything is copied. Object stores replace only the files a manifest names, so only local
+    directories are looked at.
+
+    Raises:
+        ValueError: the checkpoint's name is ``latest`` while the ``latest`` pointer beside it
+            is kept (``update_latest``), or a scratch name that clean-up deletes
+            (:data:`gockpt.fsutil.SCRATCH_RE`).
+        FileExistsError: a local directory that is not empty and holds no checkpoint
+            (:func:`gockpt.fsutil.check_replaceable`).
+    """
+    name = split(path)[1]
+    if update_latest and name == LATEST_NAME:
+        raise ValueError(f"gockpt: {path}: the name {LATEST_NAME!r} is the pointer to the newest "
+                         "checkpoint in that folder; name the checkpoint otherwise, or set "
+                         "update_latest=False")
+    if SCRATCH_RE.match(name):
+        raise ValueError(f"gockpt: {path}: a name of GoCkpt's scratch entries, which clean-up "
+                         "deletes; name the checkpoint otherwise")
+    if "://" not in path:
+        check_replaceable(path)
 
 
 def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -146,10 +173,17 @@ def latest_checkpoint(
 
     Raises:
         CheckpointCorruptError: the pointer file is not a valid pointer (not a regular file,
-            over 16 MiB, not JSON, wrong fields).
+            over 16 MiB, not JSON, wrong fields). A complete checkpoint named ``latest`` is
+            not taken for one: the entries are scanned.
     """
     fs, parent = url_to_fs(directory, storage_options)
-    pointer = read_pointer(fs, parent, strict=True)
+    try:
+        pointer = read_pointer(fs, parent, strict=True)
+    except CheckpointCorruptError:
+        # A checkpoint named "latest" (saved with update_latest=False) is no pointer: scan.
+        if complete_manifest(fs, join(parent, LATEST_NAME)) is None:
+            raise
+        pointer = None
     if pointer is not None and complete_manifest(fs, join(parent, pointer["name"])):
         return join_user(directory, pointer["name"])
     best = best_checkpoint(fs, parent, exclude=None)

@@ -258,6 +258,8 @@ class LocalTarget(StorageTarget):
         # directory leaves it to its owner's PID (see storage.cleanup_staging).
         storage.unlock_staging(self.lock, unlink=True)
         self.lock = None
+        # Checked at the request too; again here, since the folder is swapped out and deleted.
+        fsutil.check_replaceable(self.root)
         try:
             if not os.path.lexists(self.root):
                 os.rename(self.staging, self.root)
