@@ -11,6 +11,7 @@ with the engine's current step (``version``). A save leaves it through :meth:`Wi
 from __future__ import annotations
 
 import collections
+import logging
 import statistics
 import warnings
 import weakref
@@ -34,6 +35,8 @@ from .plan import MULTI_STEP_MODES
 from .replay import snapshot_hparams
 from .snapshot import storage_key, to_skeleton
 from .transfer import PRIORITY_GRAD, PRIORITY_STATE, CopyTicket, CpuCopier, CudaCopier
+
+log = logging.getLogger("gockpt")
 
 #: Stall phases the planner's model predicts per plan (the copy windows, the gradient and static
 #: copies it charges, the waits for a gradient buffer the replay holds, a planned flush,
@@ -160,6 +163,11 @@ class Windows:
         # Parameter versions after each optimizer's latest update: a save requested after an
         # edit outside optimizer.step() (a weight swap, load_state_dict) is copied at once.
         self._updated_versions = {i: self._param_versions(i) for i in range(len(optimizers))}
+        # Set for good once a parameter changed outside optimizer.step() between two updates
+        # (a clamp or max-norm in a hook, a manual copy_): the loop edits weights while copy
+        # windows would be open, so later saves copy at their request (Engine.save).
+        self.edits_between_updates = False
+        self._loaded = False  # a load_state_dict since the latest window end: not an edit
 
     # ------------------------------------------------------------------ request
 
@@ -266,6 +274,26 @@ class Windows:
         """True if a parameter changed in place after its optimizer's latest update."""
         return any(p._version != v for vs in self._updated_versions.values() for p, v in vs)
 
+    def note_load(self) -> None:
+        """A ``load_state_dict`` is about to overwrite live tensors (the engine's pre-hook):
+        the next window end takes the versions anew instead of counting an edit."""
+        self._loaded = True
+
+    def _note_edits(self) -> None:
+        """At a window end, right before an update: whether a parameter changed since the
+        latest update (:attr:`edits_between_updates`). Writes that bypass the version counter
+        (through ``.data``, a NumPy or DLPack alias) are not seen."""
+        if self.edits_between_updates:
+            return
+        if self._loaded:
+            self._loaded = False
+            self._updated_versions = {i: self._param_versions(i) for i in self._updated_versions}
+            return
+        if self.edited_since_update():
+            self.edits_between_updates = True
+            log.info("gockpt: parameters change outside optimizer.step() between updates; "
+                     "later checkpoints are copied at their request (mode 'async')")
+
     def _param_versions(self, opt_index: int) -> list[tuple[torch.Tensor, int]]:
         return [(p, p._version) for g in self._optimizers[opt_index].param_groups for p in g["params"]]
 
@@ -282,6 +310,7 @@ class Windows:
     def window_end(self, version: int) -> None:
         """End the open copy windows (right before an update); waits for their copies."""
         now = perf_counter()
+        self._note_edits()
         if self._t_update_end is not None:
             self._recent_windows.append(now - self._t_update_end)
             self.window_s = window_forecast(self._recent_windows, self._window_quantile)

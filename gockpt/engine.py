@@ -237,6 +237,10 @@ class Engine:
             log.info("gockpt: %s: parameters changed outside optimizer.step(); copied at the "
                      "request (async)", path)
             mode = "async"
+        elif mode not in ("sync", "async") and self._windows.edits_between_updates:
+            # The loop edits weights between updates (seen before): an edit inside a copy window
+            # would fail this save, so it is copied before the loop goes on.
+            mode = "async"
         exact = exact_step or max_overlap_steps == 1
         if self._planner.may_replay(layout, mode, exact, self.version):
             setup |= self._backends.select_all()  # the first time: the replay self-check
@@ -456,6 +460,7 @@ class Engine:
         self._windows.after_update(opt_index, self.version, now)
 
     def _before_load(self) -> None:
+        self._windows.note_load()
         if any(not s.handed_off for s in self._windows.saves):
             self._flush_windows()
 

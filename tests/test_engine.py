@@ -938,3 +938,51 @@ def test_a_save_lands_where_its_path_named_at_the_request(tmp_path, monkeypatch)
         assert state.captured_step == m.captured_step
         assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
         assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+
+
+def test_a_loop_that_edits_weights_between_updates_gets_every_checkpoint_exact(tmp_path):
+    # A max-norm style clamp right after each step boundary, where a save was just requested:
+    # once the engine has seen such an edit between two updates it copies later saves at their
+    # request, so none is failed by an edit inside its windows, and each holds the state at its
+    # request bit for bit.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3))
+    handles, live = [], {}
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in (3, 6, 9):
+            live[eng.version] = snapshot(model, opt)
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.2, 0.2)
+
+    train(model, opt, sched, scaler, 12, on_step_end=on_step_end)
+    eng.close()
+    for h in handles:
+        m = h.result()
+        assert m.mode == "async" and m.captured_step == m.requested_step
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+        assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+
+
+def test_a_load_state_dict_between_updates_is_not_taken_for_a_weight_edit(tmp_path):
+    # load_state_dict writes the live tensors in place too; it finishes pending copies by itself,
+    # so it does not make later saves copy at their request.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 3:
+            model.load_state_dict(model.state_dict())
+            opt.load_state_dict(opt.state_dict())
+        if it in (5, 9):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 13, on_step_end=on_step_end)
+    eng.close()
+    assert [(h.result().mode, h.result().num_overlap_steps) for h in handles] == [("gockpt_o", 3)] * 2

@@ -47,6 +47,8 @@ class Net(pl.LightningModule):
         return y + self.extra(x)
 
     def training_step(self, batch, batch_idx):
+        if self.feature == "clamp_in_step":
+            self._clamp()
         x, t = batch
         loss = (self(x) - t).pow(2).mean()
         if self.automatic_optimization:
@@ -63,6 +65,17 @@ class Net(pl.LightningModule):
             self.manual_backward((self(x) - t).pow(2).mean())
             opt.step()
         return None
+
+    def _clamp(self) -> None:
+        """A weight constraint applied in place outside optimizer.step() (max-norm style)."""
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.3, 0.3)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Runs after the callbacks' on_train_batch_end, where ModelCheckpoint requested a save.
+        if self.feature == "clamp_after_batch":
+            self._clamp()
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.global_step >= 5 and not self.extra.weight.requires_grad:
@@ -307,3 +320,25 @@ def test_swa_run_ending_with_a_save_in_flight_resumes_as_stock(tmp_path, mode):
     resumed_ours = _state(*_run(tmp_path / "g2", "plain", io=_io(mode), max_epochs=4, callbacks=swa(),
                                 ckpt_path=str(tmp_path / "g" / name)))
     _same(resumed_ours, resumed_stock)
+
+
+@pytest.mark.parametrize("mode", ["auto", *MODES])
+@pytest.mark.parametrize("feature", ["clamp_after_batch", "clamp_in_step"])
+def test_weights_edited_between_updates_are_checkpointed_as_stock(tmp_path, mode, feature):
+    """A module that clamps its weights in place after each update (in ``on_train_batch_end``,
+    which runs after ModelCheckpoint's save, or at the top of ``training_step``): every
+    checkpoint is written, and each equals stock's file of the same name bit for bit."""
+    io = GoCkptIO() if mode == "auto" else _io(mode)
+    _run(tmp_path / "g", feature, io=io, max_steps=12, ckpt_every_steps=4)
+    _run(tmp_path / "s", feature, max_steps=12, ckpt_every_steps=4)
+    names = sorted(p.name for p in (tmp_path / "s").glob("*.ckpt"))
+    assert names == ["step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "g").glob("*.ckpt")) == names
+    for name in names:
+        ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / name), weights_only=False)
+        stock = torch.load(tmp_path / "s" / name, weights_only=False)
+        assert ours["global_step"] == stock["global_step"], name
+        assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
+        assert_bitwise_equal(ours["optimizer_states"][0]["state"],
+                             stock["optimizer_states"][0]["state"], name)
+        assert ours["loops"] == stock["loops"], name
