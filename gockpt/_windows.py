@@ -639,15 +639,28 @@ class Windows:
         # before accumulation, so it waits there when the same gradient tensor is still live.
         self._pending_grads.append((ticket, pairs))
         by_grad = {id(g) for g, _ in pairs}
+        # Gradients that are views into one larger buffer (DDP's gradient_as_bucket_view) get
+        # written by the next backward even after zero_grad(set_to_none=True) (the reducer
+        # puts the bucket back as .grad), and a write for any parameter of that buffer moves
+        # the version counter the copy is checked against: every parameter whose gradient
+        # shares such a buffer is guarded, and stays guarded when its gradient is set to None.
+        buffers = {g.untyped_storage().data_ptr() for g, _ in pairs
+                   if g.untyped_storage().nbytes() > g.nbytes}
         for o in self._optimizers:
             for group in o.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None and id(local(p.grad)) in by_grad and p.requires_grad:
-                        self._guard_handles.append((p, p.register_hook(self._guard_hook(p, ticket))))
+                    if p.grad is None or not p.requires_grad:
+                        continue
+                    g = local(p.grad)
+                    shared = bool(buffers) and g.untyped_storage().data_ptr() in buffers
+                    if shared or id(g) in by_grad:
+                        self._guard_handles.append(
+                            (p, p.register_hook(self._guard_hook(p, ticket, shared)), shared))
 
-    def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket):
+    def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket, shared: bool):
         def hook(grad: torch.Tensor) -> None:
-            if p.grad is not None and not ticket.done():
+            # A gradient set to None is not written into again, unless its buffer is shared.
+            if (shared or p.grad is not None) and not ticket.done():
                 t0 = perf_counter()
                 ticket.wait()
                 for s in self.saves:
@@ -674,7 +687,7 @@ class Windows:
                 t.wait()
         if all(t.done() for t, _ in self._pending_grads):
             self._pending_grads.clear()
-            for _, h in self._guard_handles:
+            for _, h, _ in self._guard_handles:
                 h.remove()
             self._guard_handles.clear()
 
@@ -687,11 +700,11 @@ class Windows:
         if not self._guard_handles:
             return
         kept = []
-        for p, h in self._guard_handles:
-            if p.grad is None:
+        for p, h, shared in self._guard_handles:
+            if p.grad is None and not shared:
                 h.remove()
             else:
-                kept.append((p, h))
+                kept.append((p, h, shared))
         self._guard_handles = kept
 
     def wrap_zero_grad(self, opt: Optimizer) -> None:
