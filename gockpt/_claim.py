@@ -28,6 +28,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from gockpt import fsutil
 from gockpt._safe_read import open_regular, read_bounded
 from gockpt.errors import CheckpointCorruptError, CheckpointError
 
@@ -84,6 +85,8 @@ class _ClaimState:
     fs: AbstractFileSystem | None = None
     owner_path: str | None = None
     lease_s: float = DEFAULT_CLAIM_LEASE_S
+    #: Wait for one owner-object call (:func:`gockpt.fsutil.bounded_call`); None: unbounded.
+    bound_s: float | None = None
     seq: int = 0
     next_renew: float = 0.0
     released: bool = False
@@ -98,12 +101,21 @@ _HEARTBEAT_WAKE = threading.Event()
 
 
 def claim(
-    directory: str, fs: AbstractFileSystem, root: str, lease_s: float
+    directory: str, fs: AbstractFileSystem, root: str, lease_s: float,
+    timeout_s: float | None = None,
 ) -> DirectoryClaim:
     """Claim ``root`` of ``fs`` for this process (see :func:`gockpt.storage.claim_directory`).
 
+    Object stores: every get, put and delete of the owner object (here, in the heartbeat and at
+    release) is waited for at most ``timeout_s`` seconds; None: a third of ``lease_s`` (the
+    renewal period). Past it the call is abandoned on a daemon thread
+    (:func:`gockpt.fsutil.bounded_call`), so a hung store never holds the calling (training)
+    thread longer. S3 is bounded by botocore instead (:func:`gockpt.fsutil.call_bound`).
+
     Raises:
         CheckpointError: another process holds it (names the directory and the owner).
+        TimeoutError: the object store did not answer within the bound (the caller names the
+            directory: :func:`gockpt.fsutil.storage_error`).
         Exception: whatever the filesystem raised (the caller names the directory).
     """
     local = isinstance(fs, LocalFileSystem)
@@ -123,7 +135,8 @@ def claim(
             _CLAIMS[key] = _claim_local(directory, key, owner)
             return DirectoryClaim(directory, dict(owner), key)
     # Watching another writer's owner object takes up to a lease: not under the lock.
-    state = _claim_remote(directory, fs, root, owner, lease_s)
+    bound_s = fsutil.call_bound(fs, lease_s / 3 if timeout_s is None else timeout_s)
+    state = _claim_remote(directory, fs, root, owner, lease_s, bound_s)
     with _CLAIMS_LOCK:
         existing = _CLAIMS.get(key)
         if existing is None:
@@ -218,9 +231,18 @@ def _read_owner_file(path: str) -> dict[str, Any] | None:
         return None
 
 
-def _read_owner_object(fs: AbstractFileSystem, path: str) -> dict[str, Any] | None:
+def _read_owner_object(
+    fs: AbstractFileSystem, path: str, bound_s: float | None
+) -> dict[str, Any] | None:
+    """The owner object at ``path`` (None: none; ``{}``: garbage).
+
+    Raises:
+        TimeoutError: no answer within ``bound_s``.
+    """
     try:
-        raw = read_bounded(fs, path, max_bytes=4096)
+        raw = fsutil.bounded_call(
+            lambda: read_bounded(fs, path, max_bytes=4096), bound_s, f"read of {path}"
+        )
         obj = json.loads(raw)
     except FileNotFoundError:
         return None
@@ -230,17 +252,18 @@ def _read_owner_object(fs: AbstractFileSystem, path: str) -> dict[str, Any] | No
 
 
 def _claim_remote(
-    directory: str, fs: AbstractFileSystem, root: str, owner: dict[str, Any], lease_s: float
+    directory: str, fs: AbstractFileSystem, root: str, owner: dict[str, Any], lease_s: float,
+    bound_s: float | None,
 ) -> _ClaimState:
     owner_path = f"{root.rstrip('/')}/{OWNER_OBJECT_NAME}"
-    other = _read_owner_object(fs, owner_path)
+    other = _read_owner_object(fs, owner_path, bound_s)
     if other and other.get("token") != owner["token"]:
         # Alive means renewed: watch it for one lease (clock-free, unlike comparing stamps).
         deadline = monotonic() + lease_s * 1.1
         seen = other.get("seq")
         while monotonic() < deadline:
             time.sleep(min(lease_s / 6, max(deadline - monotonic(), 0)))
-            now = _read_owner_object(fs, owner_path)
+            now = _read_owner_object(fs, owner_path, bound_s)
             if not now:
                 break  # released meanwhile
             if now.get("token") != other.get("token") or now.get("seq") != seen:
@@ -251,7 +274,7 @@ def _claim_remote(
                 "(host %r, pid %s)", directory, other.get("host"), other.get("pid"),
             )
     state = _ClaimState(
-        count=1, owner=owner, fs=fs, owner_path=owner_path, lease_s=lease_s,
+        count=1, owner=owner, fs=fs, owner_path=owner_path, lease_s=lease_s, bound_s=bound_s,
         next_renew=monotonic() + lease_s / 3,
     )
     _put_owner(state)
@@ -261,7 +284,8 @@ def _claim_remote(
 def _put_owner(state: _ClaimState) -> None:
     assert state.fs is not None and state.owner_path is not None
     body = {**state.owner, "seq": state.seq, "lease_s": state.lease_s, "renewed_unix_s": time.time()}
-    state.fs.pipe_file(state.owner_path, json.dumps(body).encode())
+    fs, path, data = state.fs, state.owner_path, json.dumps(body).encode()
+    fsutil.bounded_call(lambda: fs.pipe_file(path, data), state.bound_s, f"put of {path}")
 
 
 def _start_heartbeat() -> None:
@@ -291,7 +315,9 @@ def _heartbeat_loop() -> None:
                 with state.io_lock:
                     if state.released:
                         continue
-                    current = _read_owner_object(state.fs, state.owner_path)  # type: ignore[arg-type]
+                    current = _read_owner_object(
+                        state.fs, state.owner_path, state.bound_s  # type: ignore[arg-type]
+                    )
                     if current and current.get("token") != state.owner["token"]:
                         log.error(
                             "gockpt: %s: another writer took over this directory's claim "
@@ -337,9 +363,10 @@ def _release_claim(key: str) -> None:
     with state.io_lock:
         state.released = True
         try:
-            current = _read_owner_object(state.fs, state.owner_path)
+            fs, path = state.fs, state.owner_path
+            current = _read_owner_object(fs, path, state.bound_s)
             if current is not None and current.get("token") == state.owner["token"]:
-                state.fs.rm_file(state.owner_path)
+                fsutil.bounded_call(lambda: fs.rm_file(path), state.bound_s, f"delete of {path}")
         except Exception as e:  # noqa: BLE001 - the lease expires on its own
             log.warning("gockpt: %s: removing the writer claim failed: %s", key, e)
     _stop_heartbeat_if_idle()

@@ -122,7 +122,8 @@ class GoCkptConfig:
     """Bound in seconds on one object-store operation, retries included: for ``s3://``, botocore
     connect/read timeouts of a third of it and 3 attempts (standard retry mode, which backs off
     on ``503 SlowDown``) unless ``storage_options["config_kwargs"]`` sets them; for other
-    non-local filesystems, a chunk write that takes longer fails the save. Past it the save
+    non-local filesystems, each call into the store (a piece write, the manifest put, the
+    writer claim) is waited for at most this long. Past it the save
     fails with :class:`gockpt.CheckpointTimeoutError` and its partial objects are deleted.
     Local disks are not bounded (a write in progress cannot be interrupted). ``None``: the
     filesystem's own defaults (s3fs: up to 25 tries of 15 s reads). > 0 or None."""

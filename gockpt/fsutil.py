@@ -3,21 +3,25 @@
 Nothing here knows about the ``latest`` pointer or writer claims (see :mod:`gockpt.storage`):
 resolving a path to an fsspec filesystem, joining and splitting paths inside one, fsync,
 deletions that tolerate a missing path, crash-safe deletion of a checkpoint directory, scratch
-names, and turning a storage failure into a :class:`~gockpt.errors.CheckpointError`.
+names, calls into a filesystem that may hang bounded in time (:func:`bounded_call`), and turning
+a storage failure into a :class:`~gockpt.errors.CheckpointError`.
 
 Paths inside a filesystem (what :func:`url_to_fs` returns) use ``/`` and carry no protocol.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
+import queue
 import re
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -31,6 +35,8 @@ __all__ = [
     "MANIFEST_NAME",
     "S3_MAX_ATTEMPTS",
     "SCRATCH_RE",
+    "bounded_call",
+    "call_bound",
     "check_replaceable",
     "fsync_path",
     "is_local",
@@ -105,6 +111,129 @@ def url_to_fs(
 def is_local(fs: AbstractFileSystem) -> bool:
     """True if ``fs`` is the local filesystem (rename, fsync and flock are available)."""
     return isinstance(fs, LocalFileSystem)
+
+
+# --- bounded calls into a filesystem ----------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+def call_bound(fs: AbstractFileSystem, timeout_s: float | None) -> float | None:
+    """How long to wait for one call into ``fs`` (a :func:`bounded_call` bound), or None.
+
+    None for the local filesystem (its calls run on the caller's thread, as they always did),
+    for S3 (botocore bounds every request, see :func:`url_to_fs`, and a request abandoned
+    mid-flight would outlive the multipart-upload abort that its own timeout leads to) and when
+    ``timeout_s`` is None; ``timeout_s`` for every other filesystem (memory, gcsfs, adlfs,
+    custom ones), which may block forever on a hung connection.
+    """
+    if timeout_s is None or is_local(fs):
+        return None
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if {"s3", "s3a"} & set(protocols):
+        return None
+    return float(timeout_s)
+
+
+def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str) -> _T:
+    """``fn()``, waiting at most ``timeout_s`` seconds for it.
+
+    The call runs on a daemon worker thread (:class:`_CallPool`); the caller waits on its
+    future, which releases the GIL. Past ``timeout_s`` the call is abandoned where it is: it
+    keeps its daemon thread until it returns, if ever (Python cannot interrupt a thread), its
+    result or error is dropped, and it does not keep the process from exiting. ``None`` calls
+    ``fn`` on this thread, unbounded; so does a call made where no thread can start (at
+    interpreter shutdown, Python 3.12 refuses new threads).
+
+    Args:
+        fn: the storage call.
+        timeout_s: the bound in seconds, or None.
+        what: the call, for the message (e.g. ``"write of /bucket/ckpt/shard-0.safetensors"``).
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        TimeoutError: no answer within ``timeout_s`` (callers name the checkpoint and file with
+            :func:`storage_error`, which makes it a :class:`CheckpointTimeoutError`).
+        BaseException: whatever ``fn`` raised, unchanged.
+    """
+    future = None if timeout_s is None else _CALLS.submit(fn)
+    if future is None:  # unbounded, or no thread can start (the interpreter is exiting)
+        return fn()
+    try:
+        return future.result(timeout=max(timeout_s, 0.0))
+    except concurrent.futures.TimeoutError:
+        # Not started yet: never started. Running: abandoned on its daemon thread.
+        future.cancel()
+        raise TimeoutError(
+            f"no answer from the storage within {timeout_s:g} s (storage_timeout_s) to the "
+            f"{what}; the call was abandoned"
+        ) from None
+    finally:
+        del future  # an error's traceback must not keep an abandoned call's result alive
+
+
+class _CallPool:
+    """Daemon threads that run :func:`bounded_call` calls, started when none is idle.
+
+    Daemon threads (not :class:`concurrent.futures.ThreadPoolExecutor`, whose workers the
+    interpreter joins at exit): a call that never returns must not hang the process's exit. A
+    thread idle for :attr:`IDLE_S` seconds ends, so a process that stopped saving runs none.
+    ``_idle`` counts the idle threads nobody has handed a call yet: a submit takes one or
+    starts a thread; a thread ends only if it can take one back.
+    """
+
+    IDLE_S = 2.0
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future | None:
+        """The future of ``fn()`` run on a worker; None where no worker can start (then the
+        caller runs ``fn`` itself)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn))
+        if not self._idle.acquire(blocking=False):
+            try:
+                threading.Thread(target=self._work, name="gockpt-storage-call",
+                                 daemon=True).start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                future.cancel()  # a worker that finds it skips it
+                return None
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn = self._queue.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                if self._idle.acquire(blocking=False):
+                    return  # nobody counts on this thread
+                continue  # a submit took this thread's count: its call is on the way
+            result = None
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+            del future, fn, result  # hold no buffer while idle
+            self._idle.release()
+
+
+_CALLS = _CallPool()
+
+
+def _calls_after_fork_in_child() -> None:
+    # The pool's threads did not survive the fork; its idle count did.
+    global _CALLS
+    _CALLS = _CallPool()
+
+
+os.register_at_fork(after_in_child=_calls_after_fork_in_child)
 
 
 # --- paths -----------------------------------------------------------------------------------

@@ -559,7 +559,7 @@ def claim_directory(
         raise ValueError(f"lease_s must be > 0, got {lease_s}")
     fs, root = url_to_fs(directory, storage_options, timeout_s)
     try:
-        return _claim.claim(directory, fs, root, lease_s)
+        return _claim.claim(directory, fs, root, lease_s, timeout_s)
     except CheckpointError:
         raise
     except Exception as e:

@@ -48,7 +48,8 @@ def open_target(
         fs, root: the filesystem and the checkpoint directory's path in it.
         names: every file name the save will write (object stores refuse names the published
             checkpoint at ``root`` uses).
-        timeout_s: object stores: bound in seconds on one write call; None: none.
+        timeout_s: object stores: bound in seconds on one call into the store (a piece
+            write, the manifest's get or put, ...: see :class:`ObjectTarget`); None: none.
 
     Raises:
         ValueError: a name belongs to the published checkpoint at ``root`` (object stores).
@@ -316,6 +317,16 @@ class ObjectTarget(StorageTarget):
 
     A failed file is discarded (s3fs: its multipart upload aborted), then every object this
     save started is deleted in one bulk request; the original error is what the save raises.
+
+    Bounded waits: on a store other than the local filesystem and S3 (whose requests botocore
+    bounds), every call that may block (an open, each piece write and the close of a file, the
+    manifest's get and put, the checks and ``makedirs`` of the constructor) runs on a daemon
+    worker thread, waited for at most ``timeout_s`` (:func:`gockpt.fsutil.bounded_call`): one
+    piece write is one operation, so a large file takes as long as it needs while each of its
+    pieces answers in time. Past it the call is abandoned on its thread and the save fails with
+    a ``TimeoutError`` (:class:`~gockpt.errors.CheckpointTimeoutError` once persist names the
+    checkpoint and file). :meth:`cleanup` as a whole is bounded by ``timeout_s`` too: what it
+    has not done by then goes on in the background, with a warning.
     """
 
     def __init__(
@@ -324,10 +335,16 @@ class ObjectTarget(StorageTarget):
         self.fs = fs
         self.root = root
         self.timeout_s = timeout_s
+        #: The wait for one call into ``fs`` (None: the call runs on the calling thread).
+        self.bound_s = fsutil.call_bound(fs, timeout_s)
         self.manifest_path = fsutil.join(root, storage.MANIFEST_NAME)
         self.started: list[str] = []
+        #: (file, path) of the files whose write failed: discarded first by :meth:`cleanup`.
+        self.failed: list[tuple[Any, str]] = []
         self.replaced: set[str] = set()
         self.publish_attempted = False
+        #: The manifest put timed out: it may still land, naming this save's files.
+        self.publish_in_flight = False
         clash = sorted(set(names) & (self._manifest_files() or set()))
         if clash:
             # Overwriting a file the published manifest names would corrupt it in place.
@@ -336,17 +353,27 @@ class ObjectTarget(StorageTarget):
                 "shard prefixes must be unique per save"
             )
         # Object stores need no directories; filesystems without rename (sftp, ...) do.
-        self.created_dir = not fs.exists(root)
+        self.created_dir = not self._call(f"check of {root}", fs.exists, root)
         if self.created_dir:
-            fs.makedirs(root, exist_ok=True)
+            self._call(f"makedirs of {root}", functools.partial(fs.makedirs, exist_ok=True), root)
 
     def file_path(self, name: str) -> str:
         return fsutil.join(self.root, name)
 
-    def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run one write; past ``timeout_s`` the file fails even if the call came back."""
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, waited for at most :attr:`bound_s` (``TimeoutError`` past it)."""
+        if self.bound_s is None:
+            return fn(*args)
+        return fsutil.bounded_call(functools.partial(fn, *args), self.bound_s, what)
+
+    def _timed(self, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one write call; past ``timeout_s`` the file fails: no answer is waited for
+        longer (:meth:`_call`), and on S3 a call that came back late fails too."""
+        if self.bound_s is not None:
+            return fsutil.bounded_call(functools.partial(fn, *args), self.bound_s,
+                                       f"write of {path}")
         t0 = monotonic()
-        out = fn()
+        out = fn(*args)
         if self.timeout_s is not None and monotonic() - t0 > self.timeout_s:
             # The caller names the checkpoint and file (storage.storage_error).
             raise TimeoutError(f"one write took over {self.timeout_s:g} s (storage_timeout_s)")
@@ -357,24 +384,34 @@ class ObjectTarget(StorageTarget):
     ) -> tuple[int, str]:
         digest = xxhash.xxh3_64()
         nbytes = 0
+        path = self.file_path(name)
         self.started.append(name)
-        f = self.fs.open(self.file_path(name), "wb")
+        f = self._call(f"open of {path}", self.fs.open, path, "wb")
         try:
             for piece in pieces:
                 check()
                 n = len(piece)
                 with _trace.phase("write", n):
-                    self._timed(name, functools.partial(f.write, piece))
+                    self._timed(path, f.write, piece)
                 with _trace.phase("checksum", n):
                     digest.update(piece)
                 nbytes += n
-            self._timed(name, f.close)
+            self._timed(path, f.close)
         except BaseException:
-            _abandon(f, self.file_path(name))
+            self.failed.append((f, path))  # discarded by cleanup, within its bound
             raise
         return nbytes, digest.hexdigest()
 
     def _manifest_files(self) -> set[str] | None:
+        """The plain file names the manifest at ``root`` lists (empty: none there; None: it
+        does not decode or cannot be read).
+
+        Raises:
+            TimeoutError: the store did not answer within :attr:`bound_s`.
+        """
+        return self._call(f"read of {self.manifest_path}", self._read_manifest_files)
+
+    def _read_manifest_files(self) -> set[str] | None:
         try:
             raw = storage.read_bounded(
                 self.fs, self.manifest_path, max_bytes=storage.MAX_METADATA_BYTES
@@ -389,22 +426,41 @@ class ObjectTarget(StorageTarget):
     def publish(self, manifest: bytes) -> None:
         self.replaced = self._manifest_files() or set()
         self.publish_attempted = True
-        self.fs.pipe_file(self.manifest_path, manifest)
+        try:
+            self._call(f"put of {self.manifest_path}", self.fs.pipe_file, self.manifest_path,
+                       manifest)
+        except TimeoutError:
+            self.publish_in_flight = self.bound_s is not None  # abandoned, not failed
+            raise
 
     def cleanup(self, published: bool) -> None:
         try:
-            self._cleanup(published)
+            # One bound for the whole clean-up: its calls run on one worker thread, which goes
+            # on in the background if the store hangs (the save's own outcome is not held up).
+            self._call(f"clean-up after a save of {self.root}", self._cleanup, published)
+        except TimeoutError as e:
+            log.warning("gockpt: cleaning up after a save of %s: %s; it goes on in the "
+                        "background, and objects of this save may be left behind", self.root, e)
         except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
             log.warning("gockpt: cleaning up after a save of %s failed: %s", self.root, e)
 
     def _cleanup(self, published: bool) -> None:
+        for f, path in self.failed:
+            _abandon(f, path)
         ours = set(self.started)
         if published:
             doomed = self.replaced - ours
+        elif self.publish_in_flight:
+            # The put was abandoned, not refused: it may land later and name our files.
+            log.warning(
+                "gockpt: the manifest put of %s got no answer within storage_timeout_s and may "
+                "still land: the %d object(s) of this save are kept", self.root, len(ours),
+            )
+            doomed = set()
         elif self.publish_attempted:
             # The put raised, yet it may have landed: delete our files only if the manifest
             # there provably does not name them.
-            current = self._manifest_files()
+            current = self._read_manifest_files()
             doomed = ours if current is not None and not (current & ours) else set()
         else:
             doomed = ours

@@ -16,8 +16,9 @@ Each class has a :class:`Fault` (class attribute ``fault``; swap it with ``monke
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,19 @@ class Fault:
 
         self.written = 0
         self.hook = hook
+
+    def hang(self, ops: Collection[str], until: threading.Event) -> None:
+        """Arm: the calls in ``ops`` block until ``until`` is set (a hung connection with no
+        timeout of its own). ``"write"`` is a write to a file whose name contains ``match``;
+        the others are ``op_hook`` operations (``"pipe"``, ``"rm"``, ``"cat"``, ``"open"``).
+        Set ``until`` when the test ends: the blocked calls then return."""
+        ops = set(ops)
+
+        def block(*_: object) -> None:
+            until.wait()
+
+        self.hook = block if "write" in ops else None
+        self.op_hook = (lambda op, path: block() if op in ops else None) if ops - {"write"} else None
 
 
 class _FaultyFile:

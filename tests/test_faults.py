@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import subprocess
+import threading
 import time
 import uuid
 
@@ -23,10 +24,11 @@ import torch
 from conftest import Store
 from s3proxy import FaultProxy
 
+import gockpt
 from gockpt.errors import CheckpointStorageError, CheckpointTimeoutError
 from gockpt.load import read_checkpoint
 from gockpt.persist import persist
-from gockpt.storage import latest_checkpoint, url_to_fs
+from gockpt.storage import claim_directory, latest_checkpoint, url_to_fs
 
 # Generous upper bound on any failing save below (the defaults would take minutes).
 BOUND_S = 30.0
@@ -298,6 +300,156 @@ def test_enospc_in_a_shard_names_the_file_and_keeps_the_previous(faulty_store, m
     fault.hook = None
     assert (store.listing(), store.listing("ckpt")) == before
     assert_loads_as(store.path("ckpt"), old, 1)
+
+
+# --- a hung object store (no timeout of its own) ---------------------------------------------
+
+# storage_timeout_s in the tests below, and the generous bound each bounded wait must meet.
+HUNG_TIMEOUT_S = 1.0
+HUNG_BOUND_S = 15.0
+
+
+@pytest.fixture
+def hung_store(monkeypatch):
+    """(store, fault, release): an object store (tests/faultfs.py) whose armed calls block until
+    ``release`` is set (``fault.hang``); set at teardown, so no test leaves a call hung."""
+    fault = faultfs.Fault()
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    release = threading.Event()
+    root = faultfs.memory_root()
+    try:
+        yield Store(root, kind="memory"), fault, release
+    finally:
+        fault.hook = fault.op_hook = None
+        release.set()
+        faultfs.clear_memory(root)
+
+
+def run_bounded(fn, bound_s=HUNG_BOUND_S):
+    """(returned, raised, seconds) of ``fn()`` run on a daemon thread; fails the test if it has
+    not finished within ``bound_s`` (the hang this bounds would otherwise hang the test)."""
+    out = {}
+
+    def call():
+        try:
+            out["returned"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["raised"] = e
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"still waiting after {bound_s:g} s on a hung store"
+    return out.get("returned"), out.get("raised"), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("hung", ["write", "cat", "write+rm"])
+def test_a_hung_object_store_fails_the_save_within_the_storage_deadline(
+    hung_store, make_request, make_tensors, hung, caplog
+):
+    store, fault, release = hung_store
+    old = make_tensors(1)
+    persist(make_request(store.path("ckpt"), old, step=1))
+    before = store.listing(), store.listing("ckpt")
+    fault.hang(hung.split("+"), release)
+    req = make_request(store.path("ckpt"), make_tensors(2), step=2,
+                       storage_timeout_s=HUNG_TIMEOUT_S)
+
+    with caplog.at_level(logging.WARNING, logger="gockpt"):
+        _, error, _ = run_bounded(lambda: persist(req))
+
+    assert isinstance(error, CheckpointTimeoutError) and isinstance(error, TimeoutError)
+    assert req.path in str(error) and "storage_timeout_s" in str(error)
+    if hung == "write":
+        assert ".safetensors" in error.filename
+    fault.hook = fault.op_hook = None
+    if hung == "write+rm":  # the clean-up hung too: bounded, and said so
+        assert any("goes on in the background" in r.getMessage() for r in caplog.records)
+    else:
+        assert (store.listing(), store.listing("ckpt")) == before
+    assert_loads_as(store.path("ckpt"), old, 1)
+
+
+def test_a_hung_manifest_put_fails_the_save_and_keeps_what_it_may_publish(
+    hung_store, make_request, make_tensors, caplog
+):
+    store, fault, release = hung_store
+    old, new = make_tensors(1), make_tensors(2)
+    persist(make_request(store.path("ckpt"), old, step=1))
+    fault.hang({"pipe"}, release)
+    req = make_request(store.path("ckpt"), new, step=2, storage_timeout_s=HUNG_TIMEOUT_S)
+
+    with caplog.at_level(logging.WARNING, logger="gockpt"):
+        _, error, _ = run_bounded(lambda: persist(req))
+
+    assert isinstance(error, CheckpointTimeoutError)
+    assert req.path in str(error) and "manifest.json" in error.filename
+    assert any("may still land" in r.getMessage() for r in caplog.records)
+    assert_loads_as(store.path("ckpt"), old, 1)
+    # The abandoned put lands once the store answers: the files it names were kept, so the
+    # checkpoint there is the new one, whole (never a manifest naming deleted files).
+    fault.op_hook = None
+    release.set()
+    deadline = time.monotonic() + HUNG_BOUND_S
+    while read_checkpoint(store.path("ckpt")).manifest["meta"]["captured_step"] != 2:
+        assert time.monotonic() < deadline, "the abandoned put never landed"
+        time.sleep(0.05)
+    assert_loads_as(store.path("ckpt"), new, 2)
+
+
+def test_a_hung_object_store_fails_the_engine_save_and_training_goes_on(hung_store):
+    store, fault, release = hung_store
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(
+        mode="lazy", storage_timeout_s=HUNG_TIMEOUT_S, slot_wait_timeout_s=2.0))
+
+    def step():
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        engine.step_end()
+
+    try:
+        step()
+        engine.save(store.path("step-1")).result(timeout_s=HUNG_BOUND_S)  # healthy: claimed
+        fault.hang({"write"}, release)
+        step()
+        handle = engine.save(store.path("step-2"))
+        step()
+        _, error, _ = run_bounded(lambda: handle.result(timeout_s=HUNG_BOUND_S))
+        assert isinstance(error, CheckpointTimeoutError), error
+        assert store.path("step-2") in str(error)
+        # Raised once at the next training hook, then training goes on.
+        with pytest.raises(CheckpointTimeoutError):
+            step()
+        step()
+        _, error, _ = run_bounded(engine.close)
+        assert error is None or isinstance(error, CheckpointTimeoutError), error
+    finally:
+        fault.hook = fault.op_hook = None
+        release.set()
+        engine.close()
+    assert latest_checkpoint(store.root) == store.path("step-1")
+
+
+def test_a_hung_object_store_never_holds_a_writer_claim_unbounded(hung_store):
+    store, fault, release = hung_store
+    # Claiming a new directory (what a first save does on the training thread) puts the owner
+    # object: bounded.
+    fault.hang({"pipe"}, release)
+    _, error, _ = run_bounded(
+        lambda: claim_directory(store.path("run"), timeout_s=HUNG_TIMEOUT_S, lease_s=3.0))
+    assert isinstance(error, CheckpointTimeoutError), error
+    assert store.path("run") in str(error)
+    # Releasing a claim (engine.close) on a store that stopped answering: bounded too.
+    fault.hook = fault.op_hook = None
+    claim = claim_directory(store.path("run2"), timeout_s=HUNG_TIMEOUT_S, lease_s=3.0)
+    fault.hang({"cat", "pipe", "rm"}, release)
+    _, error, _ = run_bounded(claim.release)
+    assert error is None
 
 
 # --- a real, small filesystem ---------------------------------------------------------------------
