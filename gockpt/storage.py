@@ -55,6 +55,8 @@ from gockpt.fsutil import (
     BACKGROUND_DELETE_BYTES,
     MANIFEST_NAME,
     SCRATCH_RE,
+    bounded_call,
+    call_bound,
     check_replaceable,
     fsync_path,
     is_local,
@@ -190,6 +192,21 @@ def latest_checkpoint(
     return None if best is None else join_user(directory, best[0])
 
 
+def _bounded(fs: Any, timeout_s: float | None, path: str, what: str, fn: Callable[[], Any],
+             *, scale: float = 1.0) -> Any:
+    """``fn()`` (calls into ``fs``), waited for at most ``scale * timeout_s`` where ``fs`` may
+    hang (:func:`gockpt.fsutil.call_bound`); a timeout raises :class:`CheckpointTimeoutError`
+    naming ``path``. Calls made under ``LATEST_LOCK`` go through here: an abandoned call runs
+    on without the lock."""
+    bound = call_bound(fs, timeout_s)
+    try:
+        return bounded_call(fn, None if bound is None else bound * scale, what)
+    except TimeoutError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise storage_error(e, path, path, action=what) from e
+
+
 def advance_latest(
     path: str,
     captured_step: int,
@@ -220,17 +237,23 @@ def advance_latest(
     """
     fs, root = url_to_fs(path, storage_options, timeout_s)
     parent, name = split(root)
+    what = "updating 'latest' in"
+
+    def bounded(fn: Callable[[], Any]) -> Any:
+        return _bounded(fs, timeout_s, path, what, fn)
+
     with _pointer.LATEST_LOCK:  # looked up per call: a forked child replaces it
-        current = read_pointer(fs, parent, strict=False)
+        current = bounded(lambda: read_pointer(fs, parent, strict=False))
         if (
             current is not None
             and current["name"] != name
             and current["captured_step"] > captured_step
-            and complete_manifest(fs, join(parent, current["name"])) is not None
+            and bounded(lambda: complete_manifest(fs, join(parent, current["name"]))) is not None
         ):
             return False
         try:
-            write_pointer(fs, parent, {"name": name, "captured_step": int(captured_step)})
+            bounded(lambda: write_pointer(fs, parent, {"name": name,
+                                                       "captured_step": int(captured_step)}))
         except CheckpointStorageError as e:
             if current is None or current["name"] == name:
                 raise
@@ -238,7 +261,7 @@ def advance_latest(
             # scans the manifests and finds this newer one (unlinking needs no free space).
             pointer_path = join(parent, LATEST_NAME)
             try:
-                remove_file(fs, pointer_path)
+                bounded(lambda: remove_file(fs, pointer_path))
                 state = "removed it; latest_checkpoint() finds the new checkpoint by scanning"
             except Exception:  # noqa: BLE001 - the older pointer is still a valid checkpoint
                 state = f"it still names the older checkpoint {current['name']!r}"
@@ -278,20 +301,27 @@ def remove_checkpoint(
     """
     fs, root = url_to_fs(path, storage_options, timeout_s)
     parent, name = split(root)
+    what = "removing checkpoint"
+
+    def bounded(fn: Callable[[], Any], scale: float = 1.0) -> Any:
+        return _bounded(fs, timeout_s, path, what, fn, scale=scale)
+
     with _pointer.LATEST_LOCK:
-        current = read_pointer(fs, parent, strict=False)
+        current = bounded(lambda: read_pointer(fs, parent, strict=False))
         if current is not None and current["name"] == name:
-            best = best_checkpoint(fs, parent, exclude=name)
+            # A scan reads one manifest per entry: a few bounds' worth.
+            best = bounded(lambda: best_checkpoint(fs, parent, exclude=name), scale=4.0)
             try:
                 if best is None:
-                    remove_file(fs, join(parent, LATEST_NAME))
+                    bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)))
                 else:
-                    write_pointer(fs, parent, {"name": best[0], "captured_step": best[1]})
+                    bounded(lambda: write_pointer(fs, parent, {"name": best[0],
+                                                               "captured_step": best[1]}))
             except CheckpointStorageError as e:
                 # A pointer naming a missing checkpoint is recovered by scanning; one naming
                 # the deleted checkpoint would be too, but deleting it is then our choice.
                 try:
-                    remove_file(fs, join(parent, LATEST_NAME))
+                    bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)))
                 except Exception:
                     raise e from None
                 log.warning("gockpt: %s; removed the 'latest' pointer instead", e)
@@ -299,7 +329,8 @@ def remove_checkpoint(
         if is_local(fs):
             remove_local_checkpoint(root, discard)
         else:
-            remove_remote_checkpoint(fs, root)
+            # The manifest goes first: a deletion abandoned part-way leaves nothing complete.
+            bounded(lambda: remove_remote_checkpoint(fs, root), scale=4.0)
     except CheckpointError:
         raise
     except Exception as e:
