@@ -452,6 +452,26 @@ def test_a_hung_object_store_never_holds_a_writer_claim_unbounded(hung_store):
     assert error is None
 
 
+def test_moving_latest_and_removing_a_checkpoint_on_a_hung_store_are_bounded(
+        hung_store, make_request, make_tensors):
+    store, fault, release = hung_store
+    persist(make_request(store.path("a"), make_tensors(1), step=1))
+    persist(make_request(store.path("b"), make_tensors(2), step=2))
+    fault.hang({"cat", "pipe", "rm"}, release)
+    _, error, _ = run_bounded(lambda: gockpt.storage.advance_latest(
+        store.path("b"), 2, timeout_s=HUNG_TIMEOUT_S))
+    assert isinstance(error, CheckpointTimeoutError) and "latest" in str(error), error
+    _, error, _ = run_bounded(lambda: gockpt.remove_checkpoint(
+        store.path("a"), timeout_s=HUNG_TIMEOUT_S))
+    assert isinstance(error, CheckpointTimeoutError), error
+    fault.hook = fault.op_hook = None
+    release.set()
+    # The pointer lock was not kept by the abandoned calls: the next move goes through.
+    _, error, _ = run_bounded(lambda: gockpt.storage.advance_latest(
+        store.path("b"), 2, timeout_s=HUNG_TIMEOUT_S))
+    assert error is None and latest_checkpoint(store.root) == store.path("b")
+
+
 # --- a real, small filesystem ---------------------------------------------------------------------
 
 
