@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from . import fsutil, storage
+from .errors import CheckpointCorruptError
 from .frameworks import (
     FRAMEWORKS_GROUP,
     Framework,
@@ -122,7 +123,9 @@ def open_source(
 
     Raises:
         FileNotFoundError: nothing at ``path``, or a directory holding no checkpoint.
-        gockpt.CheckpointCorruptError: a corrupt GoCkpt checkpoint (names the file).
+        gockpt.CheckpointCorruptError: a corrupt GoCkpt checkpoint, or a file of an Accelerate
+            folder that is not a regular file (a FIFO, device or symlink: refused, never read)
+            or a ``model.safetensors`` that does not decode (names the file).
         FrameworkUnavailableError: a ``GoCkptIO`` checkpoint where the Lightning framework is
             not registered or does not import (the ``lightning`` extra is missing).
         pickle.UnpicklingError: a file that needs ``allow_pickle``.
@@ -332,16 +335,31 @@ def _torch_file_source(path: str, obj: Any) -> Source:
 
 
 def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Source:
+    """An Accelerate ``save_state`` folder; every file is read through :func:`_read_file`.
+
+    Raises:
+        ValueError: more than one model file.
+        gockpt.CheckpointCorruptError: a file that is not a regular file (a FIFO, device or
+            symlink), or a ``model.safetensors`` that does not decode (names the file).
+        pickle.UnpicklingError: a file that needs ``allow_pickle``.
+    """
     import safetensors.torch
 
     names = sorted(_base(p) for p in fs.ls(root, detail=False))
     models = [n for n in names if _ACC_MODEL.match(n)]
     if len(models) > 1:
         raise ValueError(f"{path}: {len(models)} model files ({models}); GoCkpt converts one model")
-    with fs.open(fsutil.join(root, models[0]), "rb") as f:
-        raw = f.read()
-    model = safetensors.torch.load(raw) if models[0].endswith(".safetensors") else \
-        torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    model_path = fsutil.join(root, models[0])
+    raw = _read_file(fs, model_path)
+    if models[0].endswith(".safetensors"):
+        try:
+            model = safetensors.torch.load(raw)
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"{model_path}: not a safetensors file ({type(e).__name__}: {e})", path=model_path
+            ) from e
+    else:
+        model = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     optimizers: dict[int, Any] = {}
     extra: dict[str, Any] = {}
     notes = []
@@ -351,9 +369,9 @@ def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Sou
         if _ACC_RNG.match(name) and not allow_pickle:
             notes.append(f"{name}: RNG states (numpy objects) left out; --allow-pickle keeps them")
             continue
+        blob = _read_file(fs, fsutil.join(root, name))
         try:
-            with fs.open(fsutil.join(root, name), "rb") as f:
-                obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
+            obj = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=not allow_pickle)
         except Exception as e:  # noqa: BLE001 - reported, the rest converts
             notes.append(f"{name}: left out ({type(e).__name__}: {str(e).splitlines()[0]})")
             continue
@@ -367,6 +385,27 @@ def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Sou
                 if isinstance(s, dict) and "step" in s), default=0)
     state = {"model": model, "optimizers": opt_list, "extra": extra}
     return Source(path, "accelerate", model, state, step, None, notes)
+
+
+def _read_file(fs: Any, file_path: str) -> bytes:
+    """The whole file ``file_path`` of a folder that is not trusted, its size bounded before it
+    is read: locally only a regular file that is not a symlink is opened (a FIFO or device is
+    refused, never read) and no more than its size is read; remotely no more than the size the
+    store reports.
+
+    Raises:
+        gockpt.CheckpointCorruptError: not a regular file, or its size unknown or changing
+            while it is read (names the file).
+    """
+    if storage.is_local(fs):
+        fd, size = storage.open_local_regular(file_path)
+        os.close(fd)
+    else:
+        size = fs.size(file_path)
+        if not isinstance(size, int) or size < 0:
+            raise CheckpointCorruptError(f"{file_path}: the store reports no size for it",
+                                         path=file_path)
+    return storage.read_bounded(fs, file_path, max_bytes=size, exact_bytes=size)
 
 
 def _write_all(f: Any, *, data: bytes) -> None:

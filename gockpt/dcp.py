@@ -16,12 +16,11 @@ offsets 0, read from the part of the rank that stored it. Parameter groups and t
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import xxhash
@@ -37,7 +36,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import fsutil, storage
+from ._safe_read import open_local_regular, read_bounded
 from .errors import CheckpointCorruptError
+from .format import CODE_TO_DTYPE, decode_json, is_shape
+from .manifest import validate_manifest
 from .sharded import INDEX_FILE, part_name, sharding_name
 
 __all__ = ["GoCkptStorageReader", "FullState", "load_full", "load_parts", "load_sharded"]
@@ -49,8 +51,19 @@ class _Stored:
     key: str  # the tensor's name in it (a GoCkpt layout key)
 
 
-def _index(path: str) -> dict:
-    """The global manifest's index (``sharded.json``) of the sharded checkpoint ``path``."""
+def _index(path: str) -> tuple[dict, dict]:
+    """The index (``sharded.json``) and the global manifest of the sharded checkpoint ``path``.
+
+    Read like every file of an untrusted checkpoint: a regular file only (no symlink, FIFO or
+    device), its size the one the global manifest records, its checksum checked, its JSON
+    strict; every part is named ``rank-<r>`` (so reads stay inside the checkpoint).
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+        ValueError: ``path`` is not a sharded checkpoint.
+        CheckpointCorruptError: the index is missing, not a regular file, malformed, or does not
+            match the global manifest (names the file).
+    """
     fs, root = fsutil.url_to_fs(path, None)
     try:
         manifest = storage.read_manifest(fs, root)
@@ -58,10 +71,113 @@ def _index(path: str) -> dict:
         raise FileNotFoundError(f"{path} is not a complete GoCkpt checkpoint (no manifest.json)") from None
     if "sharded" not in manifest["meta"]:
         raise ValueError(f"{path} is not a sharded GoCkpt checkpoint; use gockpt.load_checkpoint")
-    raw = open(os.path.join(root, INDEX_FILE), "rb").read()
-    if xxhash.xxh3_64(raw).hexdigest() != manifest["files"][INDEX_FILE]["xxh3_64"]:
-        raise CheckpointCorruptError(f"{path}/{INDEX_FILE}: checksum mismatch", path=path)
-    return json.loads(raw)
+    index_path = fsutil.join(root, INDEX_FILE)
+    raw = _read_listed(fs, index_path, manifest["files"].get(INDEX_FILE), True)
+    index = decode_json(raw, index_path)
+
+    def bad(msg: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{index_path}: {msg}", path=index_path)
+
+    if not isinstance(index, dict) or not isinstance(index.get("parts"), list):
+        raise bad("not a JSON object with a 'parts' list")
+    world = index.get("world_size")
+    if not _is_int(world) or world < 1:
+        raise bad(f"world_size {world!r} is not a positive integer")
+    for r, part in enumerate(index["parts"]):
+        if not isinstance(part, dict):
+            raise bad(f"part {r} is not an object: {part!r}")
+        if part.get("name") != part_name(r):  # also keeps every read inside the checkpoint
+            raise bad(f"part {r} is {part.get('name')!r}")
+        if not (_is_int(part.get("manifest_bytes"))
+                and isinstance(part.get("manifest_xxh3_64"), str)):
+            raise bad(f"part {r}: malformed 'manifest_bytes' / 'manifest_xxh3_64'")
+    return index, manifest
+
+
+#: torch dtype name (``float32``, as ``rank-<r>.sharding.json`` records it) -> dtype.
+_DTYPES: dict[Any, torch.dtype] = {str(d).removeprefix("torch."): d for d in CODE_TO_DTYPE.values()}
+
+
+def _is_int(x: Any) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _read_listed(fs: Any, file_path: str, entry: Any, verify: bool) -> bytes:
+    """The bytes of a metadata file whose size and checksum a manifest or index records.
+
+    At most ``storage.MAX_METADATA_BYTES`` are read, locally only from a regular file that is
+    not a symlink, and the size must be the recorded one (with ``verify``, the checksum too).
+
+    Raises:
+        CheckpointCorruptError: no record, the file missing, not a regular file, over the
+            bound, or not the recorded size or checksum (names the file).
+    """
+    if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))):
+        raise CheckpointCorruptError(f"{file_path}: not listed in the checkpoint's manifest",
+                                     path=file_path)
+    try:
+        raw = read_bounded(fs, file_path, max_bytes=storage.MAX_METADATA_BYTES,
+                           exact_bytes=entry["bytes"])
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointCorruptError(f"{file_path}: file listed in the manifest is missing",
+                                     path=file_path) from None
+    if verify and xxhash.xxh3_64_hexdigest(raw) != entry.get("xxh3_64"):
+        raise CheckpointCorruptError(f"{file_path}: checksum mismatch", path=file_path)
+    return raw
+
+
+def _part_manifest(fs: Any, path: str, index: dict, r: int, verify: bool) -> tuple[str, dict]:
+    """(directory, validated manifest) of part ``r``, its manifest read once, bounded, and
+    (with ``verify``) checked against the index's checksum."""
+    part = index["parts"][r]
+    root = os.path.join(path, part["name"])
+    manifest_path = os.path.join(root, storage.MANIFEST_NAME)
+    entry = {"bytes": part["manifest_bytes"], "xxh3_64": part["manifest_xxh3_64"]}
+    raw = _read_listed(fs, manifest_path, entry, verify)
+    return root, validate_manifest(decode_json(raw, manifest_path), manifest_path)
+
+
+def _sharding(fs: Any, path: str, r: int, top: dict, manifest: dict) -> dict:
+    """Part ``r``'s ``rank-<r>.sharding.json``, read bounded and checked against the global
+    manifest ``top``, every entry checked against the part's ``manifest``.
+
+    Raises:
+        CheckpointCorruptError: a malformed file or entry (names the file and the key).
+    """
+    file_path = os.path.join(path, sharding_name(r))
+    raw = _read_listed(fs, file_path, top["files"].get(sharding_name(r)), True)
+    sharding = decode_json(raw, file_path)
+
+    def bad(msg: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{file_path}: {msg}", path=file_path)
+
+    if not (isinstance(sharding, dict) and isinstance(sharding.get("tensors"), dict)
+            and isinstance(sharding.get("aliases"), dict)):
+        raise bad("not a JSON object with 'tensors' and 'aliases' objects")
+    if not all(isinstance(a, str) and isinstance(t, str) for a, t in sharding["aliases"].items()):
+        raise bad("an alias that is not a string")
+    for key, info in sharding["tensors"].items():
+        entry = manifest["tensors"].get(key)
+        if entry is None:
+            raise bad(f"tensor {key!r} is not in the part's manifest")
+        if not isinstance(info, dict):
+            raise bad(f"tensor {key!r}: malformed entry")
+        dtype = info.get("dtype")
+        if not isinstance(dtype, str) or _DTYPES.get(dtype) != CODE_TO_DTYPE[entry["dtype"]]:
+            raise bad(f"tensor {key!r}: dtype {info.get('dtype')!r} is not the stored "
+                      f"{entry['dtype']}")
+        glob, offsets, shape = info.get("global_shape"), info.get("offsets"), entry["shape"]
+        if not (
+            isinstance(info.get("fqn"), str)
+            and _is_int(info.get("replica"))
+            and is_shape(glob)
+            and is_shape(offsets)
+            and len(glob) == len(offsets) == len(shape)
+            and all(o + n <= g for o, n, g in zip(offsets, shape, glob, strict=True))
+        ):
+            raise bad(f"tensor {key!r}: malformed fqn, replica, global_shape or offsets (the "
+                      f"stored {shape} at the offsets must lie inside the global shape)")
+    return sharding
 
 
 class GoCkptStorageReader(StorageReader):
@@ -75,7 +191,10 @@ class GoCkptStorageReader(StorageReader):
     Raises (from :meth:`read_metadata`):
         FileNotFoundError: no complete checkpoint at ``path``.
         ValueError: ``path`` is not a sharded checkpoint.
-        CheckpointCorruptError: a part or file that does not match its checksum.
+        CheckpointCorruptError: a part or file that does not match its checksum, a file that is
+            not a regular file (a symlink, FIFO or device: refused, never read), a metadata file
+            over its size bound, malformed JSON or entries, a part not named ``rank-<r>``; the
+            message names the file.
     """
 
     def __init__(self, path: str, *, verify: bool = True) -> None:
@@ -94,18 +213,14 @@ class GoCkptStorageReader(StorageReader):
         return os.path.isfile(os.path.join(checkpoint_id, INDEX_FILE))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        index = _index(self.path)
+        index, top = _index(self.path)
+        fs = fsutil.url_to_fs(self.path, None)[0]
         md: dict[str, TensorStorageMetadata] = {}
         data: dict[MetadataIndex, _Stored] = {}
-        for part in index["parts"]:
-            root = os.path.join(self.path, part["name"])
-            raw = open(os.path.join(root, storage.MANIFEST_NAME), "rb").read()
-            if self.verify and xxhash.xxh3_64(raw).hexdigest() != part["manifest_xxh3_64"]:
-                raise CheckpointCorruptError(f"{root}/manifest.json: checksum mismatch", path=self.path)
-            manifest = storage.read_manifest(fsutil.url_to_fs(root, None)[0], root)
-            if self.verify:
-                _verify_files(root, manifest)
-            sharding = json.loads(open(os.path.join(self.path, sharding_name(index["parts"].index(part))), "rb").read())
+        for r in range(len(index["parts"])):
+            root, manifest = _part_manifest(fs, self.path, index, r, self.verify)
+            _check_files(root, manifest, self.verify)
+            sharding = _sharding(fs, self.path, r, top, manifest)
             for key, info in sharding["tensors"].items():
                 if info["replica"] != 0:
                     continue  # the same chunk is read from the part that holds replica 0
@@ -116,7 +231,7 @@ class GoCkptStorageReader(StorageReader):
                     tmd = md.get(fqn)
                     if tmd is None:
                         tmd = md[fqn] = TensorStorageMetadata(
-                            TensorProperties(dtype=getattr(torch, info["dtype"])),
+                            TensorProperties(dtype=_DTYPES[info["dtype"]]),
                             torch.Size(info["global_shape"]), [])
                     tmd.chunks.append(ChunkStorageMetadata(torch.Size(info["offsets"]),
                                                            torch.Size(entry["shape"])))
@@ -141,6 +256,7 @@ class GoCkptStorageReader(StorageReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
         for file, items in per_file.items():
+            os.close(open_local_regular(file)[0])  # never hand a FIFO or a link to safe_open
             with safe_open(file, framework="pt") as f:
                 for req in items:
                     stored = self.storage_data[req.storage_index]
@@ -161,15 +277,26 @@ class GoCkptStorageReader(StorageReader):
         return fut
 
 
-def _verify_files(root: str, manifest: dict) -> None:
+def _check_files(root: str, manifest: dict, verify: bool) -> None:
+    """Every file of a part's ``manifest``: a regular file (no symlink, FIFO or device) of the
+    recorded size, and with ``verify`` of the recorded xxh3-64 checksum, read from the
+    descriptor that was checked and never past the recorded size."""
     for name, entry in manifest["files"].items():
-        h, n = xxhash.xxh3_64(), 0
-        with open(os.path.join(root, name), "rb") as f:
-            while chunk := f.read(8 << 20):
+        file_path = os.path.join(root, name)
+        try:
+            fd, size = open_local_regular(file_path, expected_bytes=entry["bytes"])
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointCorruptError(f"{file_path}: file listed in the manifest is missing",
+                                         path=file_path) from None
+        with os.fdopen(fd, "rb") as f:
+            if not verify:
+                continue
+            h, left = xxhash.xxh3_64(), size
+            while left and (chunk := f.read(min(left, 8 << 20))):
                 h.update(chunk)
-                n += len(chunk)
-        if n != entry["bytes"] or h.hexdigest() != entry["xxh3_64"]:
-            raise CheckpointCorruptError(f"{root}/{name}: size or checksum mismatch", path=root)
+                left -= len(chunk)
+        if left or h.hexdigest() != entry["xxh3_64"]:
+            raise CheckpointCorruptError(f"{file_path}: size or checksum mismatch", path=file_path)
 
 
 @dataclass
@@ -216,16 +343,13 @@ def load_parts(path: str, *, verify: bool = True, allow_pickle: bool = False) ->
     """
     from .restore import load_checkpoint
 
-    index = _index(path)
+    index = _index(path)[0]
+    fs = fsutil.url_to_fs(path, None)[0]
     out = []
     for r, part in enumerate(index["parts"]):
-        if part["name"] != part_name(r):  # also keeps every read inside the checkpoint
-            raise CheckpointCorruptError(f"{path}/{INDEX_FILE}: part {r} is {part['name']!r}", path=path)
-        root = os.path.join(path, part["name"])
+        root = os.path.join(path, part["name"])  # a checked name: rank-<r>
         if verify:
-            raw = open(os.path.join(root, storage.MANIFEST_NAME), "rb").read()
-            if xxhash.xxh3_64(raw).hexdigest() != part["manifest_xxh3_64"]:
-                raise CheckpointCorruptError(f"{root}/manifest.json: checksum mismatch", path=path)
+            _part_manifest(fs, path, index, r, verify)
         out.append(load_checkpoint(root, verify=verify, allow_pickle=allow_pickle))
     return index, out
 
@@ -291,7 +415,7 @@ def load_sharded(path: str, model: torch.nn.Module,
     dcp.load({"model": msd, "optim": {"state": osd["state"]}},
              storage_reader=GoCkptStorageReader(path, verify=verify), process_group=process_group)
     set_model_state_dict(model, msd)
-    saved_world = _index(path)["world_size"]
+    saved_world = _index(path)[0]["world_size"]
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
     part = _part_state(path, rank if world == saved_world else 0, allow_pickle)

@@ -17,7 +17,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -29,7 +29,9 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
+    "MAX_DIM",
     "MAX_JSON_DEPTH",
+    "MAX_NDIM",
     "CheckpointCorruptError",
     "ShardLayout",
     "TensorSpec",
@@ -39,6 +41,7 @@ __all__ = [
     "dtype_itemsize",
     "encode_header",
     "encoded_entries",
+    "is_shape",
     "plan_shards",
 ]
 
@@ -67,6 +70,12 @@ MAX_HEADER_BYTES = 100 << 20
 #: The deepest nesting of JSON arrays and objects a decoder here accepts. Our manifests and
 #: headers nest 4 levels; the bound turns hostile input into an error, not a RecursionError.
 MAX_JSON_DEPTH = 64
+
+#: The most dimensions a stored tensor may have.
+MAX_NDIM = 64
+
+#: The largest size of one dimension (torch sizes are 64-bit signed integers).
+MAX_DIM = (1 << 63) - 1
 
 
 def decode_json(raw: bytes | str, path: str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
@@ -120,6 +129,16 @@ def decode_json(raw: bytes | str, path: str, *, max_depth: int = MAX_JSON_DEPTH)
             children = value.values() if isinstance(value, dict) else value
             stack.extend((child, depth + 1) for child in children)
     return obj
+
+
+def is_shape(value: Any) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a list of at most :data:`MAX_NDIM` integers (not bools), each in
+    ``[0, MAX_DIM]``: a shape torch can hold."""
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_NDIM
+        and all(type(s) is int and 0 <= s <= MAX_DIM for s in value)
+    )
 
 
 @dataclass(frozen=True)
@@ -289,7 +308,9 @@ def decode_header(prefix: bytes, file_bytes: int, path: str) -> tuple[dict[str, 
 
     Raises:
         CheckpointCorruptError: truncated file, header overrunning the file, bad JSON, unknown
-            dtype, offsets that do not match the shape or leave holes / overrun the data section.
+            dtype, a malformed shape (not a list, over :data:`MAX_NDIM` dimensions, a dimension
+            outside ``[0, MAX_DIM]``), offsets that do not match the shape or leave holes /
+            overrun the data section.
     """
     if len(prefix) < 8 or file_bytes < 8:
         raise CheckpointCorruptError(f"{path}: file too short for a safetensors header")
@@ -311,8 +332,11 @@ def decode_header(prefix: bytes, file_bytes: int, path: str) -> tuple[dict[str, 
             raise CheckpointCorruptError(f"{path}: malformed header entry for {key!r}") from None
         if not isinstance(code, str) or code not in CODE_TO_DTYPE:
             raise CheckpointCorruptError(f"{path}: tensor {key!r} has unknown dtype {code!r}")
-        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-            raise CheckpointCorruptError(f"{path}: tensor {key!r} has a malformed shape")
+        if not is_shape(shape):
+            raise CheckpointCorruptError(
+                f"{path}: tensor {key!r} has a malformed shape (at most {MAX_NDIM} dimensions, "
+                f"each from 0 to 2**63 - 1)"
+            )
         spec = TensorSpec(key, CODE_TO_DTYPE[code], tuple(shape))
         if not (type(begin) is int and type(end) is int) or end - begin != spec.nbytes:
             raise CheckpointCorruptError(f"{path}: tensor {key!r}: offsets do not match its shape")

@@ -15,6 +15,7 @@ maps alias keys of tied tensors to their stored key, and carries the engine's me
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -23,8 +24,10 @@ from gockpt.format import (
     CODE_TO_DTYPE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_NDIM,
     ShardLayout,
     encoded_entries,
+    is_shape,
 )
 
 _HEX64_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -102,6 +105,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _brief(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def validate_manifest(obj: Any, path: str) -> dict:
     """Check the structure of a decoded manifest.
 
@@ -114,8 +122,10 @@ def validate_manifest(obj: Any, path: str) -> dict:
 
     Raises:
         CheckpointCorruptError: wrong format name or version, a missing or malformed field, a
-            file name escaping the directory, a tensor in an unlisted file, an alias to an
-            unknown key; the message names ``path`` and the offending key or file.
+            file name escaping the directory, a tensor in an unlisted file, a shape with more
+            than :data:`gockpt.format.MAX_NDIM` dimensions or a dimension outside int64 range,
+            data offsets whose span is not the shape's byte size, an alias to an unknown key;
+            the message names ``path`` and the offending key or file.
     """
 
     def bad(msg: str) -> CheckpointCorruptError:
@@ -162,8 +172,9 @@ def validate_manifest(obj: Any, path: str) -> dict:
         if not isinstance(dtype, str) or dtype not in CODE_TO_DTYPE:
             raise bad(f"tensor {key!r} in {file!r}: unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
-        if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
-            raise bad(f"tensor {key!r} in {file!r}: malformed shape {shape!r}")
+        if not is_shape(shape):
+            raise bad(f"tensor {key!r} in {file!r}: malformed shape {_brief(shape)} (at most "
+                      f"{MAX_NDIM} dimensions, each from 0 to 2**63 - 1)")
         offsets = entry.get("data_offsets")
         if not (
             isinstance(offsets, list)
@@ -172,6 +183,10 @@ def validate_manifest(obj: Any, path: str) -> dict:
             and 0 <= offsets[0] <= offsets[1]
         ):
             raise bad(f"tensor {key!r} in {file!r}: malformed data_offsets {offsets!r}")
+        nbytes = math.prod(shape) * CODE_TO_DTYPE[dtype].itemsize  # Python ints: no overflow
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"tensor {key!r} in {file!r}: data_offsets {offsets!r} span "
+                      f"{offsets[1] - offsets[0]} bytes, its shape and dtype {nbytes}")
 
     tensors = obj["tensors"]
     for alias, target in obj["aliases"].items():

@@ -154,9 +154,15 @@ def _from_trees(path: str, ck: Any, blob: dict[str, Any], bad: Any) -> LoadedSta
 def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedState) -> None:
     """Load ``state`` into a live model and its optimizers.
 
+    Everything is checked before anything is written: a checkpoint that does not fit leaves the
+    model and the optimizers untouched.
+
     Raises:
         ValueError: a tensor whose shape or dtype does not fit the model, a missing or unexpected
-            key, or a different number of optimizers (the message names the key).
+            key (the message names the key); a different number of optimizers, or an optimizer
+            whose stored state has a different number of parameter groups or of parameters in
+            a group than the live one, or is not an optimizer ``state_dict`` (the message names
+            the optimizer's index and the group).
     """
     live = model.state_dict()
     for k, v in state.model_state_dict.items():
@@ -174,8 +180,12 @@ def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedSt
     if len(optimizers) != len(state.optimizer_state_dicts):
         raise ValueError(
             f"checkpoint has {len(state.optimizer_state_dicts)} optimizers, the model {len(optimizers)}")
+    for i, (opt, sd) in enumerate(zip(optimizers, state.optimizer_state_dicts, strict=True)):
+        _check_optimizer_fits(i, opt, sd)
     outside = {}
     for (oi, idx), v in state.optimizer_params.items():
+        if not 0 <= oi < len(optimizers):
+            raise ValueError(f"checkpoint parameter optim.{oi}.{idx}: no optimizer {oi}")
         params = [p for g in optimizers[oi].param_groups for p in g["params"]]
         if idx >= len(params) or params[idx].shape != v.shape or params[idx].dtype != v.dtype:
             raise ValueError(f"checkpoint parameter optim.{oi}.{idx} does not fit optimizer {oi}")
@@ -186,3 +196,25 @@ def load_into(model: nn.Module, optimizers: Sequence[Optimizer], state: LoadedSt
             p.copy_(v)
     for opt, sd in zip(optimizers, state.optimizer_state_dicts, strict=True):
         opt.load_state_dict(sd)
+
+
+def _check_optimizer_fits(i: int, opt: Optimizer, sd: Any) -> None:
+    """What ``Optimizer.load_state_dict`` refuses, checked before anything is loaded: the
+    number of parameter groups and the number of parameters in each.
+
+    Raises:
+        ValueError: naming optimizer ``i`` (and the group).
+    """
+    groups = sd.get("param_groups") if isinstance(sd, dict) else None
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(groups, list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        raise ValueError(f"checkpoint optimizer {i}: not an optimizer state_dict (a 'state' dict "
+                         "and a 'param_groups' list of groups with 'params' lists)")
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint optimizer {i} has {len(groups)} parameter group(s), the "
+                         f"live optimizer {i} has {len(opt.param_groups)}")
+    for g, (saved, group) in enumerate(zip(groups, opt.param_groups, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"checkpoint optimizer {i}, parameter group {g}: "
+                             f"{len(saved['params'])} parameter(s), the live optimizer's group "
+                             f"has {len(group['params'])}")

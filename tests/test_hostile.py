@@ -261,3 +261,233 @@ def test_a_hostile_directory_never_breaks_scanning(store, make_request, make_ten
     store.fs.pipe_file(store.fs_path("junk"), b"not a directory")
     assert latest_checkpoint(store.root) == store.path("good")
 
+
+
+# --- shapes: each dimension in int64 range, at most MAX_NDIM dimensions ----------------------
+
+
+def _add_tensor(store, manifest, key, entry, name="ckpt"):
+    """Add ``key`` to the first shard's header and to the manifest, sizes and checksums fixed
+    up: a checkpoint consistent in every respect but the entry itself."""
+    import xxhash
+
+    shard = shard_of(manifest)
+    path = store.fs_path(name, shard)
+    data = store.fs.cat_file(path)
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header[key] = entry
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    new = struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+    store.fs.pipe_file(path, new)
+    manifest["files"][shard] = {"bytes": len(new), "xxh3_64": xxhash.xxh3_64_hexdigest(new)}
+    manifest["tensors"][key] = {"file": shard, **entry}
+    put_manifest_text(store, json.dumps(manifest), name=name)
+
+
+HOSTILE_SHAPES = {
+    "a dimension over int64": [0, 10**30],
+    "a dimension of 2**63": [0, 1 << 63],
+    "65 dimensions": [0] * 65,
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_SHAPES))
+def test_a_hostile_shape_is_refused_naming_the_file_and_key(ckpt, case, capsys):
+    from gockpt.cli import main
+
+    store, manifest = ckpt
+    _add_tensor(store, manifest, "evil", {"dtype": "F32", "shape": HOSTILE_SHAPES[case],
+                                          "data_offsets": [0, 0]})
+    corrupt_error(lambda: read_checkpoint(store.path("ckpt")), "manifest.json", "'evil'", "shape")
+    assert main(["verify", store.path("ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert "'evil'" in err and "malformed shape" in err and "frame #" not in err, err
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_SHAPES))
+def test_a_hostile_shape_in_a_shard_header_is_refused(case):
+    from gockpt.format import decode_header
+
+    raw = json.dumps({"evil": {"dtype": "F32", "shape": HOSTILE_SHAPES[case],
+                               "data_offsets": [0, 0]}}).encode()
+    with pytest.raises(CheckpointCorruptError, match="'evil' has a malformed shape"):
+        decode_header(struct.pack("<Q", len(raw)) + raw, 8 + len(raw), "x.safetensors")
+
+
+def test_the_largest_shape_allowed_still_loads(ckpt):
+    store, manifest = ckpt
+    _add_tensor(store, manifest, "wide", {"dtype": "F32", "shape": [0, (1 << 63) - 1],
+                                          "data_offsets": [0, 0]})
+    _add_tensor(store, manifest, "deep", {"dtype": "F32", "shape": [0] * 64,
+                                          "data_offsets": [0, 0]})
+    tensors = read_checkpoint(store.path("ckpt")).tensors
+    assert tensors["wide"].shape == (0, (1 << 63) - 1) and tensors["deep"].dim() == 64
+
+
+def test_offsets_that_disagree_with_the_shape_are_refused_in_the_manifest(ckpt):
+    store, manifest = ckpt
+    key = "layer.weight"
+    manifest["tensors"][key]["shape"] = [64, 34]
+    put_manifest_text(store, json.dumps(manifest))
+    corrupt_error(lambda: read_checkpoint(store.path("ckpt")), "manifest.json", repr(key),
+                  "data_offsets")
+
+
+# --- sharded checkpoints: the same rules for every file of every part -----------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_template(tmp_path_factory):
+    """A sharded checkpoint of one rank (gloo, in this process) and the model it holds."""
+    import torch.distributed as dist
+
+    from gockpt import GoCkptConfig
+    from gockpt.sharded import ShardedEngine
+
+    assert not dist.is_initialized()
+    path = str(tmp_path_factory.mktemp("sharded") / "ck")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = ShardedEngine(model, opt, GoCkptConfig(mode="sync"), commit_timeout_s=30)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        engine.step_end()
+        engine.save(path).result()
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+    return path, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def sharded(sharded_template, tmp_path):
+    import shutil
+
+    from gockpt.dcp import load_full
+
+    template, want = sharded_template
+    path = tmp_path / "ck"
+    shutil.copytree(template, path)
+    got = load_full(str(path)).model_state_dict  # the copy loads before it is damaged
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    return path
+
+
+def _part_shard(path):
+    return next((path / "rank-00000").glob("*.safetensors"))
+
+
+SHARDED_VICTIMS = {
+    "shard": _part_shard,
+    "part manifest": lambda p: p / "rank-00000" / "manifest.json",
+    "part state": lambda p: next((p / "rank-00000").glob("state-*")),
+    "sharding": lambda p: p / "rank-00000.sharding.json",
+    "index": lambda p: p / "sharded.json",
+}
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "symbolic link"])
+@pytest.mark.parametrize("victim", sorted(SHARDED_VICTIMS))
+def test_a_sharded_checkpoint_refuses_fifos_and_links_to_dev_zero(sharded, victim, kind):
+    from gockpt.dcp import GoCkptStorageReader, load_full
+
+    path = SHARDED_VICTIMS[victim](sharded)
+    path.unlink()
+    if kind == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    corrupt_error(lambda: load_full(str(sharded)), path.name, kind)
+    corrupt_error(lambda: GoCkptStorageReader(str(sharded), verify=False).read_metadata(),
+                  path.name, kind)
+
+
+def test_converting_a_sharded_checkpoint_with_a_shard_linked_to_dev_zero_fails(sharded, tmp_path):
+    from gockpt.convert import open_source
+
+    shard = _part_shard(sharded)
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    corrupt_error(lambda: open_source(str(sharded)), shard.name, "symbolic link")
+
+
+def _relist(path, name):
+    """Record ``name``'s new size and checksum in the global manifest of the checkpoint."""
+    import xxhash
+
+    data = (path / name).read_bytes()
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_part_name_leaving_the_checkpoint_is_refused(sharded):
+    from gockpt.dcp import GoCkptStorageReader
+
+    index = json.loads((sharded / "sharded.json").read_text())
+    index["parts"][0]["name"] = "../ck/rank-00000"  # the very same part, reached through ".."
+    (sharded / "sharded.json").write_text(json.dumps(index))
+    _relist(sharded, "sharded.json")
+    corrupt_error(lambda: GoCkptStorageReader(str(sharded)).read_metadata(), "sharded.json",
+                  "'../ck/rank-00000'")
+
+
+def test_a_sharding_file_is_decoded_strictly(sharded):
+    from gockpt.dcp import load_full
+
+    name = "rank-00000.sharding.json"
+    text = (sharded / name).read_text()
+    assert text.startswith('{"aliases": {}')
+    (sharded / name).write_text('{"aliases": {}, "aliases": {}' + text[len('{"aliases": {}'):])
+    _relist(sharded, name)
+    corrupt_error(lambda: load_full(str(sharded)), name, "duplicate JSON key 'aliases'")
+
+
+def test_a_sharding_file_not_matching_the_global_manifest_is_refused(sharded):
+    from gockpt.dcp import load_full
+
+    name = "rank-00000.sharding.json"
+    (sharded / name).write_bytes((sharded / name).read_bytes() + b" " * 64)
+    corrupt_error(lambda: load_full(str(sharded)), name, "manifest says")
+
+
+# --- Accelerate folders: every file read bounded, regular files only -------------------------
+
+
+@pytest.fixture
+def accelerate_folder(tmp_path):
+    import safetensors.torch
+
+    folder = tmp_path / "acc"
+    folder.mkdir()
+    safetensors.torch.save_file({"w": torch.arange(6.0)}, str(folder / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, folder / "optimizer.bin")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "symbolic link"])
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.bin"])
+def test_an_accelerate_folder_refuses_fifos_and_links_to_dev_zero(accelerate_folder, victim, kind):
+    from gockpt.convert import open_source
+
+    assert open_source(str(accelerate_folder)).model_state_dict["w"].tolist() == list(range(6))
+    path = accelerate_folder / victim
+    path.unlink()
+    if kind == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    corrupt_error(lambda: open_source(str(accelerate_folder)), victim, kind)
+
+
+def test_an_undecodable_accelerate_model_names_the_file(accelerate_folder):
+    from gockpt.convert import open_source
+
+    (accelerate_folder / "model.safetensors").write_bytes(b"\0" * 64)
+    corrupt_error(lambda: open_source(str(accelerate_folder)), "model.safetensors",
+                  "not a safetensors file")
