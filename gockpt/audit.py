@@ -20,7 +20,7 @@ import xxhash
 from . import fsutil, storage
 from ._safe_read import open_local_regular
 from .errors import CheckpointCorruptError
-from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, dtype_itemsize
+from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, decode_json, dtype_itemsize
 
 __all__ = ["Problem", "describe_checkpoint", "read_manifest", "verify_checkpoint"]
 
@@ -191,12 +191,24 @@ def _verify_parts(fs: Any, root: str, path: str, storage_options: Mapping[str, A
     """Each part of a sharded checkpoint: its manifest against the index, then its files."""
     from .sharded import INDEX_FILE, part_name
 
-    with fs.open(fsutil.join(root, INDEX_FILE), "rb") as f:
-        index = json.loads(f.read())
+    index_path = fsutil.join(root, INDEX_FILE)
+    try:  # read as untrusted: a regular file, bounded, strict JSON
+        index = decode_json(storage.read_bounded(fs, index_path,
+                                                 max_bytes=storage.MAX_METADATA_BYTES), index_path)
+        parts = index["parts"]
+        if not isinstance(parts, list):
+            raise TypeError("'parts' is not a list")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return [Problem(index_path, f"not a valid index: {e}")]
     problems = []
-    for r, part in enumerate(index["parts"]):
-        if part["name"] != part_name(r):  # also keeps every read inside the checkpoint
-            problems.append(Problem(fsutil.join(root, INDEX_FILE), f"part {r} is {part['name']!r}"))
+    for r, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("name") != part_name(r):
+            # also keeps every read inside the checkpoint
+            problems.append(Problem(index_path, f"part {r} is {part!r}"))
+            continue
+        if not (isinstance(part.get("manifest_bytes"), int)
+                and isinstance(part.get("manifest_xxh3_64"), str)):
+            problems.append(Problem(index_path, f"part {r}: malformed manifest size or checksum"))
             continue
         entry = {"bytes": part["manifest_bytes"], "xxh3_64": part["manifest_xxh3_64"]}
         manifest_path = fsutil.join(fsutil.join(root, part["name"]), storage.MANIFEST_NAME)

@@ -389,7 +389,9 @@ class Engine:
         Raises:
             FileNotFoundError: no complete checkpoint at ``path``.
             CheckpointCorruptError: a corrupt file (names the file and key).
-            ValueError: a tensor whose shape or dtype does not fit the model (names the key).
+            ValueError: a tensor whose shape or dtype does not fit the model (names the key),
+                or optimizer state that does not fit the optimizers (another number of
+                parameter groups, or of parameters in a group); nothing is loaded then.
         """
         self.wait()
         state = load_checkpoint(path, storage_options=self.config.storage_options,

@@ -437,6 +437,16 @@ def test_a_part_name_leaving_the_checkpoint_is_refused(sharded):
                   "'../ck/rank-00000'")
 
 
+@pytest.mark.parametrize("index", ['{"parts": 3}', '{"parts": [7]}', '{"a": 1, "a": 2}'])
+def test_verify_reports_a_malformed_sharded_index_as_a_problem(sharded, index):
+    from gockpt.audit import verify_checkpoint
+
+    (sharded / "sharded.json").write_text(index)
+    _relist(sharded, "sharded.json")  # the checksum matches: the content is what is wrong
+    problems = verify_checkpoint(str(sharded), load=False)
+    assert problems and all("sharded.json" in p.file for p in problems), problems
+
+
 def test_a_sharding_file_is_decoded_strictly(sharded):
     from gockpt.dcp import load_full
 
