@@ -17,6 +17,7 @@ applied after the publish). The files are Accelerate's own:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,16 @@ from gockpt.layout import StateLayout
 from gockpt.snapshot import untie
 from gockpt.torchfile import torch_file
 from gockpt.writer import Snapshot, TensorFile
+
+#: Entries of a folder ``accelerator.save_state`` writes (one process or many; FSDP's weights
+#: and optimizer folders included): a folder holding only these (and no GoCkpt manifest) is a
+#: checkpoint Accelerate wrote itself, which GoCkpt's save of that folder replaces as stock's
+#: would write over it (:attr:`gockpt.writer.CheckpointWriter.framework_names`).
+ACCELERATE_NAMES = re.compile(
+    r"(model|pytorch_model)(_\d+)?\.(safetensors|bin)"
+    r"|(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin"
+    r"|scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl"
+    r"|pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?|optimizer_\d+|" + re.escape(SIDECAR_NAME))
 
 SIDECAR_FORMAT = "gockpt-accelerate"
 """The sidecar's ``format`` (version 1); its own fields: ``iteration`` (the save's
@@ -53,6 +64,7 @@ class AccelerateWriter(FolderWriter):
     safe_serialization: bool
     pre_hooks: list[Callable[..., Any]]
     models: list[Any]
+    framework_names: re.Pattern[str] | None = ACCELERATE_NAMES
 
     def _weights_name(self, i: int) -> str:
         base = SAFE_WEIGHTS_NAME if self.safe_serialization else WEIGHTS_NAME

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from time import perf_counter
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -37,7 +38,7 @@ from .persist import (PersistRequest, PersistResult, io_threads, io_threads_cap,
                       lower_thread_priority, persist, slot_chunks)
 from .replay import TorchReplay
 from .snapshot import references, resolve
-from .targets import FileOrigin, LocalTarget
+from .targets import FileOrigin, LocalTarget, open_target
 from .transfer import CopyTicket, Drain, SlotPool
 from .writer import Snapshot
 
@@ -197,8 +198,14 @@ class Pipeline:
                         staging=writer.staging)
         hooks: dict = {"files": dict(writer.files(snap)),
                        "before_publish": lambda _target: writer.before_publish(snap)}
-        if writer.staging is not None:
-            hooks["target_factory"] = lambda fs, root, names, timeout_s: LocalTarget(fs, root, writer.staging)
+        if writer.staging is not None or writer.framework_names is not None:
+            def target(fs: Any, root: str, names: list[str], timeout_s: float | None) -> Any:
+                t = (LocalTarget(fs, root, writer.staging) if writer.staging is not None
+                     else open_target(fs, root, names, timeout_s))
+                if isinstance(t, LocalTarget):
+                    t.framework_names = writer.framework_names
+                return t
+            hooks["target_factory"] = target
         return snap, hooks
 
     def _persist_safely(self, s: SaveRecord) -> None:

@@ -211,7 +211,8 @@ class Engine:
         # resolved): the persist writes there even if the process changes directory or a
         # parent symlink is re-pointed before it runs, and saves match one another by it.
         path = path_key(path)
-        check_save_path(path, update_latest=self.config.update_latest)
+        check_save_path(path, update_latest=self.config.update_latest,
+                        framework_names=getattr(writer, "framework_names", None))
         t0 = perf_counter()
         parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False

@@ -303,19 +303,22 @@ def path_key(path: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(parent or "."), name)
 
 
-def check_replaceable(root: str) -> None:
+def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None) -> None:
     """Refuse to replace the local entry ``root`` unless it is a checkpoint's or nothing's.
 
     A save publishes by swapping its staging directory into ``root`` and deleting what was
     there. That is meant for a checkpoint directory (it holds ``manifest.json``), an empty
     directory (a placeholder made at a request), a file or a symlink (replaced, never written
-    through, as stock Lightning replaces ``last.ckpt``) or nothing. Any other directory holds
-    someone's files (``"."``, the folder of all checkpoints, a project folder), which a save
-    must never delete.
+    through, as stock Lightning replaces ``last.ckpt``), a directory whose every entry
+    ``framework_names`` matches (a checkpoint the framework wrote itself, which its own save
+    would overwrite: :attr:`gockpt.writer.CheckpointWriter.framework_names`) or nothing. Any
+    other directory holds someone's files (``"."``, the folder of all checkpoints, a project
+    folder), which a save must never delete.
 
     Raises:
-        FileExistsError: ``root`` is a directory (not a symlink to one) that is not empty and
-            holds no ``manifest.json``; the message names it and a few of its entries.
+        FileExistsError: ``root`` is a directory (not a symlink to one) that is not empty, holds
+            no ``manifest.json`` and has an entry ``framework_names`` does not match; the
+            message names it and a few of those entries.
         OSError: ``root`` or its entries cannot be read.
     """
     try:
@@ -323,13 +326,15 @@ def check_replaceable(root: str) -> None:
             return
     except FileNotFoundError:
         return
-    with os.scandir(root) as it:
-        names = sorted(e.name for _, e in zip(range(4), it))
-    if not names or os.path.lexists(os.path.join(root, MANIFEST_NAME)):
+    if os.path.lexists(os.path.join(root, MANIFEST_NAME)):
+        return
+    foreign = sorted(n for n in os.listdir(root)
+                     if framework_names is None or not framework_names.fullmatch(n))
+    if not foreign:  # empty, or the framework's own checkpoint
         return
     raise FileExistsError(
         errno.EEXIST, f"gockpt: {root} is a directory that holds no checkpoint (it has "
-        f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); a save there would "
+        f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); a save there would "
         "replace it whole. Save to another path, or remove it first", root)
 
 

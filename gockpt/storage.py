@@ -119,7 +119,8 @@ DEFAULT_STORAGE_TIMEOUT_S = fsutil.DEFAULT_STORAGE_TIMEOUT_S
 S3_MAX_ATTEMPTS = fsutil.S3_MAX_ATTEMPTS
 
 
-def check_save_path(path: str, *, update_latest: bool) -> None:
+def check_save_path(path: str, *, update_latest: bool,
+                    framework_names: re.Pattern[str] | None = None) -> None:
     """Refuse a save to ``path`` (as :func:`gockpt.fsutil.path_key` spells it) that would
     destroy what is not a checkpoint, or clash with GoCkpt's own names; at the request, before
     anything is copied. Object stores replace only the files a manifest names, so only local
@@ -129,8 +130,8 @@ def check_save_path(path: str, *, update_latest: bool) -> None:
         ValueError: the checkpoint's name is ``latest`` while the ``latest`` pointer beside it
             is kept (``update_latest``), or a scratch name that clean-up deletes
             (:data:`gockpt.fsutil.SCRATCH_RE`).
-        FileExistsError: a local directory that is not empty and holds no checkpoint
-            (:func:`gockpt.fsutil.check_replaceable`).
+        FileExistsError: a local directory that is not empty and holds no checkpoint, nor only
+            entries ``framework_names`` matches (:func:`gockpt.fsutil.check_replaceable`).
     """
     name = split(path)[1]
     if update_latest and name == LATEST_NAME:
@@ -141,7 +142,7 @@ def check_save_path(path: str, *, update_latest: bool) -> None:
         raise ValueError(f"gockpt: {path}: a name of GoCkpt's scratch entries, which clean-up "
                          "deletes; name the checkpoint otherwise")
     if "://" not in path:
-        check_replaceable(path)
+        check_replaceable(path, framework_names)
 
 
 def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:

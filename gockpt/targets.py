@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -166,6 +167,9 @@ class LocalTarget(StorageTarget):
         """
         self.fs = fs
         self.direct_io = direct_io
+        # Entries of a checkpoint its framework wrote itself, replaced like a checkpoint
+        # (CheckpointWriter.framework_names); set by the engine for a writer's save.
+        self.framework_names: re.Pattern[str] | None = None
         self.root = root
         self.parent, name = fsutil.split(root)
         os.makedirs(self.parent, exist_ok=True)
@@ -260,7 +264,7 @@ class LocalTarget(StorageTarget):
         storage.unlock_staging(self.lock, unlink=True)
         self.lock = None
         # Checked at the request too; again here, since the folder is swapped out and deleted.
-        fsutil.check_replaceable(self.root)
+        fsutil.check_replaceable(self.root, self.framework_names)
         try:
             if not os.path.lexists(self.root):
                 os.rename(self.staging, self.root)

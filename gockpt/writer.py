@@ -21,6 +21,7 @@ Call sequence of one save with a writer (persist thread unless noted):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,11 +90,18 @@ class CheckpointWriter:
             snapshot's tensors (views of the engine's host slot), so the slot is held until
             the save ends. False lets the next save reuse the slot as soon as every file's
             bytes are written, before the fsyncs, the manifest and the publish.
+        framework_names: the names (matched whole) of the entries a checkpoint in this layout
+            holds when its framework wrote it without GoCkpt (no ``manifest.json``): a local
+            directory holding only such entries is replaced like a checkpoint, as the
+            framework's own save would write over them. None: only GoCkpt checkpoints, empty
+            directories, files and symlinks are replaced; a save to any other directory raises
+            ``FileExistsError`` (:func:`gockpt.fsutil.check_replaceable`).
     """
 
     staging: str | None = None
     claim_directory: bool = True
     reads_tensors_at_publish: bool = True
+    framework_names: re.Pattern[str] | None = None
 
     def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
         """The tensor files of this save; None: GoCkpt's shards of every tracked tensor.

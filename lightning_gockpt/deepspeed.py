@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -136,6 +137,10 @@ class _Writer:
     :class:`HostCopyEngine` as DeepSpeed's checkpoint engine (the host copy is the stall), then
     writes the files on a thread of its own.
     """
+
+    #: A DeepSpeed checkpoint directory as Lightning's strategy writes it (tag ``checkpoint``):
+    #: a directory of only these is replaced by the next save of its path, as stock's would be.
+    framework_names = re.compile(r"checkpoint|latest|zero_to_fp32\.py")
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

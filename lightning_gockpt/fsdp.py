@@ -16,6 +16,7 @@ take no multi-step overlap or replay: each is captured at its request (``lazy``)
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +33,11 @@ class _Writer:
     Makes a gloo group over every rank for DCP (collective: build it on every rank);
     :meth:`close` destroys it.
     """
+
+    #: A sharded checkpoint directory as ``FSDPStrategy`` writes it (DCP's ``.metadata`` and
+    #: ``.distcp`` files, Lightning's ``meta.pt``): a directory of only these is replaced by
+    #: the next save of its path, as stock's would be.
+    framework_names = re.compile(r"\.metadata|__\d+_\d+\.distcp|meta\.pt")
 
     def __init__(self, strategy: Any) -> None:
         import torch.distributed as dist

@@ -34,7 +34,7 @@ from typing import Any
 import gockpt
 from gockpt import CheckpointMetrics, GoCkptConfig
 from gockpt._sharded_commit import await_part, mark, part_name
-from gockpt.fsutil import fsync_path, is_local, url_to_fs
+from gockpt.fsutil import check_replaceable, fsync_path, is_local, url_to_fs
 from gockpt.storage import BackgroundDeleter, ClaimedStaging
 from gockpt.targets import LocalTarget
 
@@ -90,7 +90,8 @@ class StagedAdapterEngine:
 
     With more than one rank the engine makes a gloo group over them for its own collectives
     (collective: build it on every rank). ``write`` may have a ``close()``, called by
-    :meth:`close`.
+    :meth:`close`, and a ``framework_names`` pattern: the entries of a checkpoint in its format
+    (:attr:`gockpt.writer.CheckpointWriter.framework_names`).
     """
 
     def __init__(self, strategy: Any, config: GoCkptConfig, write: Writer, *, rank: int, world: int,
@@ -107,6 +108,9 @@ class StagedAdapterEngine:
 
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=commit_timeout_s))
         self._write = write
+        # A directory in the strategy's own format is replaced by a save of its path; any
+        # other non-empty one is refused (gockpt.fsutil.check_replaceable).
+        self._framework_names = getattr(write, "framework_names", None)
         self._collective = collective
         self.version = 0  # batch ends seen: the step the metrics name
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if rank == 0 else None
@@ -134,7 +138,9 @@ class StagedAdapterEngine:
 
         Raises:
             ValueError: ``path`` is not local.
-            RuntimeError: the staging directory could not be made (every rank raises).
+            RuntimeError: the staging directory could not be made, or ``path`` is a directory
+                holding other files than a checkpoint of the strategy's format (every rank
+                raises; nothing is deleted).
             What the writer raises.
         """
         t0 = perf_counter()
@@ -149,7 +155,9 @@ class StagedAdapterEngine:
                 if os.path.ismount(root):
                     # Publishing is one rename in the parent directory; a mount point cannot be.
                     raise ValueError(f"{root} is a mount point: checkpoint into a directory inside it")
+                check_replaceable(root, self._framework_names)
                 target = LocalTarget(fs, root, staging=self._staging.make(root))
+                target.framework_names = self._framework_names
             except BaseException as e:  # noqa: BLE001 - every rank must reach the broadcast
                 problem = f"{type(e).__name__}: {e}"
         stage, problem = self.strategy.broadcast((target.staging if target else None, problem))

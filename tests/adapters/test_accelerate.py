@@ -341,6 +341,31 @@ def test_explicit_output_dir_is_replaced_whole(tmp_path, reference):
     assert _assert_resumes_exactly(target, live, use_gockpt=True) == 4
 
 
+def test_a_folder_accelerate_wrote_itself_is_replaced_and_one_with_other_files_is_kept(
+        tmp_path, reference):
+    # Switching GoCkpt on in a run whose output folder holds Accelerate's own checkpoint: the
+    # save replaces it, as stock's would write over it. A folder that also holds someone's
+    # other files is refused (a save replaces the folder whole) and left as it was.
+    live = reference(1)
+    run = child.build(str(tmp_path / "run"), automatic_naming=False)
+    child.train(run, 2)
+    stock, other = tmp_path / "out", tmp_path / "other"
+    run.acc.save_state(str(stock))  # Accelerate itself
+    run.acc.save_state(str(other))
+    (other / "README.txt").write_text("notes")
+    before = {n: (other / n).read_bytes() for n in os.listdir(other)}
+    assert "manifest.json" not in os.listdir(stock)
+    ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
+    with pytest.raises(FileExistsError, match="README.txt"):
+        run.acc.save_state(str(other))
+    assert {n: (other / n).read_bytes() for n in os.listdir(other)} == before
+    run.acc.save_state(str(stock))
+    ckpt.close()
+    assert sorted(n for n in os.listdir(tmp_path) if "gockpt" in n) == []  # no staging left
+    assert gockpt.is_complete(str(stock)) and listing(stock) == ACCELERATE_FILES
+    assert _assert_resumes_exactly(stock, live, use_gockpt=True) == 2
+
+
 def test_publish_error_is_raised_on_the_training_thread(tmp_path):
     def broken(models, weights, output_dir):  # fails while the checkpoint is being written
         raise OSError(28, "No space left on device", output_dir)

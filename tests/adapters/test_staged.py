@@ -9,6 +9,7 @@ process, or over the gloo group of two spawned ranks.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -32,6 +33,8 @@ class OneProcess:
 
 class FileWriter:
     """Writes ``checkpoint["files"]`` into the staging directory on a thread, after ``gate``."""
+
+    framework_names = re.compile(r"[a-z]\.pt|r\d+\.pt")  # the files of its checkpoints
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(1)
@@ -87,6 +90,21 @@ def test_a_checkpoint_appears_whole_and_replaces_the_previous_one(tmp_path):
     assert m.persist_bytes == 4 and m.mode == "lazy" and m.time_to_durable_s >= m.stall_s
     eng.close()
     assert _hidden(tmp_path) == []  # no staging, no markers, no lock left
+
+
+def test_a_directory_with_other_files_than_the_format_is_refused_and_kept(tmp_path):
+    eng = _engine(FileWriter())
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    (path / "a.pt").write_bytes(b"stock")  # a checkpoint of the format: replaced
+    _request(eng, path, {"a.pt": b"one"}).result(30)
+    assert (path / "a.pt").read_bytes() == b"one"
+    (path / "notes.txt").write_text("mine")  # not the format's: the save is refused
+    with pytest.raises(RuntimeError, match="notes.txt"):
+        _request(eng, path, {"a.pt": b"two"})
+    assert sorted(os.listdir(path)) == ["a.pt", "notes.txt"] and (path / "a.pt").read_bytes() == b"one"
+    eng.close()
+    assert _hidden(tmp_path) == []
 
 
 def test_a_failed_write_publishes_nothing_and_keeps_the_previous_checkpoint(tmp_path):
