@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_STORAGE_TIMEOUT_S",
     "MANIFEST_NAME",
     "S3_MAX_ATTEMPTS",
+    "GOCKPT_NAMES",
     "SCRATCH_RE",
     "bounded_call",
     "call_bound",
@@ -142,8 +143,7 @@ def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str) -> _T
     future, which releases the GIL. Past ``timeout_s`` the call is abandoned where it is: it
     keeps its daemon thread until it returns, if ever (Python cannot interrupt a thread), its
     result or error is dropped, and it does not keep the process from exiting. ``None`` calls
-    ``fn`` on this thread, unbounded; so does a call made where no thread can start (at
-    interpreter shutdown, Python 3.12 refuses new threads).
+    ``fn`` on this thread, unbounded.
 
     Args:
         fn: the storage call.
@@ -156,14 +156,18 @@ def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str) -> _T
     Raises:
         TimeoutError: no answer within ``timeout_s`` (callers name the checkpoint and file with
             :func:`storage_error`, which makes it a :class:`CheckpointTimeoutError`).
+        RuntimeError: no worker thread could start (a thread limit; at interpreter shutdown,
+            Python 3.12 refuses new threads): the call is not made.
         BaseException: whatever ``fn`` raised, unchanged.
     """
-    future = None if timeout_s is None else _CALLS.submit(fn)
-    if future is None:  # unbounded, or no thread can start (the interpreter is exiting)
+    if timeout_s is None:
         return fn()
+    future = _CALLS.submit(fn)
     try:
         return future.result(timeout=max(timeout_s, 0.0))
     except concurrent.futures.TimeoutError:
+        if future.done():  # the call itself raised a TimeoutError (a socket's, fsspec's)
+            raise
         # Not started yet: never started. Running: abandoned on its daemon thread.
         future.cancel()
         raise TimeoutError(
@@ -190,18 +194,17 @@ class _CallPool:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
 
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future | None:
-        """The future of ``fn()`` run on a worker; None where no worker can start (then the
-        caller runs ``fn`` itself)."""
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """The future of ``fn()`` run on a worker: an idle one reserved, else a new one started,
+        before the call is queued (so that every queued call has a worker of its own).
+
+        Raises:
+            RuntimeError: no thread could start; nothing was queued.
+        """
+        if not self._idle.acquire(blocking=False):
+            threading.Thread(target=self._work, name="gockpt-storage-call", daemon=True).start()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((future, fn))
-        if not self._idle.acquire(blocking=False):
-            try:
-                threading.Thread(target=self._work, name="gockpt-storage-call",
-                                 daemon=True).start()
-            except RuntimeError:  # "can't create new thread at interpreter shutdown"
-                future.cancel()  # a worker that finds it skips it
-                return None
         return future
 
     def _work(self) -> None:
@@ -303,22 +306,34 @@ def path_key(path: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(parent or "."), name)
 
 
+#: Entries GoCkpt itself puts in a checkpoint directory (shards, the pickled rest, manifests,
+#: a sharded checkpoint's index, parts and markers, a folder writer's sidecar); a directory left
+#: half-deleted or half-copied by a crash holds only these.
+GOCKPT_NAMES = re.compile(
+    r"manifest\.json|shard-[0-9a-z-]+\.safetensors|state-[0-9a-f]+\.pt|sharded\.json"
+    r"|rank-\d+(\.sharding\.json|\.done|\.failed)?|gockpt\.json")
+_GOCKPT_FORMAT = re.compile(rb'"format"\s*:\s*"gockpt')
+_MAX_MANIFEST_PROBE = 64 << 20
+
+
 def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None) -> None:
     """Refuse to replace the local entry ``root`` unless it is a checkpoint's or nothing's.
 
     A save publishes by swapping its staging directory into ``root`` and deleting what was
-    there. That is meant for a checkpoint directory (it holds ``manifest.json``), an empty
-    directory (a placeholder made at a request), a file or a symlink (replaced, never written
-    through, as stock Lightning replaces ``last.ckpt``), a directory whose every entry
-    ``framework_names`` matches (a checkpoint the framework wrote itself, which its own save
-    would overwrite: :attr:`gockpt.writer.CheckpointWriter.framework_names`) or nothing. Any
-    other directory holds someone's files (``"."``, the folder of all checkpoints, a project
+    there. That is meant for a file or a symlink (replaced, never written through, as stock
+    Lightning replaces ``last.ckpt``), nothing, or a directory whose every entry is one GoCkpt
+    writes (:data:`GOCKPT_NAMES`: a checkpoint, an empty placeholder made at a request, what a
+    crash left of one) or one ``framework_names`` matches (a checkpoint the framework wrote
+    itself, which its own save would overwrite:
+    :attr:`gockpt.writer.CheckpointWriter.framework_names`); a ``manifest.json`` there must be
+    a regular file of GoCkpt's format. Any other directory holds someone's files (``"."``, the
+    folder of all checkpoints, a project or dataset folder, files added to a checkpoint's
     folder), which a save must never delete.
 
     Raises:
-        FileExistsError: ``root`` is a directory (not a symlink to one) that is not empty, holds
-            no ``manifest.json`` and has an entry ``framework_names`` does not match; the
-            message names it and a few of those entries.
+        FileExistsError: ``root`` is a directory (not a symlink to one) holding another entry,
+            or a ``manifest.json`` that is not GoCkpt's; the message names it and a few of
+            those entries.
         OSError: ``root`` or its entries cannot be read.
     """
     try:
@@ -326,16 +341,32 @@ def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None)
             return
     except FileNotFoundError:
         return
-    if os.path.lexists(os.path.join(root, MANIFEST_NAME)):
+    foreign = sorted(n for n in os.listdir(root) if not GOCKPT_NAMES.fullmatch(n)
+                     and not (framework_names is not None and framework_names.fullmatch(n)))
+    if not foreign and not _foreign_manifest(os.path.join(root, MANIFEST_NAME)):
         return
-    foreign = sorted(n for n in os.listdir(root)
-                     if framework_names is None or not framework_names.fullmatch(n))
-    if not foreign:  # empty, or the framework's own checkpoint
-        return
+    what = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "") or \
+        f"a {MANIFEST_NAME} of another format"
     raise FileExistsError(
-        errno.EEXIST, f"gockpt: {root} is a directory that holds no checkpoint (it has "
-        f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); a save there would "
-        "replace it whole. Save to another path, or remove it first", root)
+        errno.EEXIST, f"gockpt: {root} is a directory that is not a checkpoint (it holds "
+        f"{what}); a save there would replace it whole. Save to another path, or remove it "
+        "first", root)
+
+
+def _foreign_manifest(path: str) -> bool:
+    """Whether ``path`` exists and is not a manifest of GoCkpt's (a regular file, read without
+    following a link, at most 64 MiB, naming the ``gockpt`` format)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:  # a symlink (ELOOP), unreadable: not ours
+        return True
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST_PROBE:
+            return True
+        return _GOCKPT_FORMAT.search(f.read(_MAX_MANIFEST_PROBE)) is None
 
 
 def scratch_path(parent: str, name: str, kind: str = "tmp") -> str:

@@ -309,6 +309,17 @@ class LocalTarget(StorageTarget):
         # After an exchange the staging name holds the previous checkpoint.
         for path in (self.staging, self.aside):
             try:
+                if published and os.path.isdir(path) and not os.path.islink(path):
+                    try:
+                        # Checked before the swap; files added since are someone's: kept.
+                        fsutil.check_replaceable(path, self.framework_names)
+                    except FileExistsError:
+                        kept = f"{self.root}.gockpt-kept-{uuid.uuid4().hex[:8]}"
+                        os.rename(path, kept)
+                        log.warning("gockpt: files were added to %s while it was being "
+                                    "replaced; its previous content is kept at %s",
+                                    self.root, kept)
+                        continue
                 fsutil.remove_local(path)
             except Exception as e:  # noqa: BLE001 - never mask the save's own outcome
                 log.warning("gockpt: could not remove %s (cleanup_staging will): %s", path, e)

@@ -42,11 +42,25 @@ def test_a_save_never_replaces_a_directory_that_holds_no_checkpoint(tmp_path, mo
     monkeypatch.chdir(user)
     # A user's folder, the working directory, the folder of all checkpoints (a typo).
     for path in (str(user), ".", str(run)):
-        with pytest.raises(FileExistsError, match="holds no checkpoint"):
+        with pytest.raises(FileExistsError, match="is not a checkpoint"):
             eng.save(path)
     assert {p: _tree(p) for p in (run, user)} == before
     assert sorted(os.listdir(user)) == ["data.csv", "src"]
     assert gockpt.latest_checkpoint(str(run)) == first.path
+    # A folder with a manifest.json of another tool, alone or beside its data; a checkpoint's
+    # folder someone added files to (a tokenizer saved beside it).
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "manifest.json").write_text('{"audio": "a.wav"}')
+    (tmp_path / "lone").mkdir()
+    (tmp_path / "lone" / "manifest.json").write_text('{"version": 1}')
+    (tmp_path / "dataset" / "a.wav").write_bytes(b"RIFF")
+    (run / "step-2" / "tokenizer.json").write_text("{}")
+    for path in (tmp_path / "dataset", tmp_path / "lone", run / "step-2"):
+        kept = _tree(path)
+        with pytest.raises(FileExistsError, match="is not a checkpoint"):
+            eng.save(str(path))
+        assert _tree(path) == kept
+    (run / "step-2" / "tokenizer.json").unlink()
     # What a save may replace: nothing, an empty directory (a placeholder), a file (stock's
     # last.ckpt), a symlink (replaced, its target kept) and a checkpoint.
     (tmp_path / "empty").mkdir()
@@ -55,7 +69,11 @@ def test_a_save_never_replaces_a_directory_that_holds_no_checkpoint(tmp_path, mo
     (tmp_path / "target" / "keep").write_text("x")
     os.symlink(tmp_path / "target", tmp_path / "link")
     live = snapshot(model, opt)
-    for name in ("new", "empty", "file.ckpt", "link", "new"):
+    # What a crash leaves of a checkpoint: GoCkpt's own files, no manifest.
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "shard-1a2b3c4d-00000-of-00001.safetensors").write_bytes(b"x")
+    (tmp_path / "torn" / "state-0123456789ab.pt").write_bytes(b"x")
+    for name in ("new", "empty", "file.ckpt", "link", "new", "torn"):
         m = eng.save(str(tmp_path / name)).result()
         state = gockpt.load_checkpoint(m.path)
         assert_state_equal(state.model_state_dict, live["model"], name)
@@ -72,14 +90,14 @@ def test_a_directory_filled_while_its_save_is_in_flight_is_left_whole(tmp_path):
     h = eng.save(str(path))
     path.mkdir()
     (path / "notes.txt").write_text("mine")
-    with pytest.raises(OSError, match="holds no checkpoint"):
+    with pytest.raises(OSError, match="is not a checkpoint"):
         train(model, opt, sched, scaler, 6, start_iter=2)  # raised at a training hook, or
         h.result()
-    with pytest.raises(OSError, match="holds no checkpoint"):
+    with pytest.raises(OSError, match="is not a checkpoint"):
         h.result()
     assert os.listdir(path) == ["notes.txt"] and (path / "notes.txt").read_text() == "mine"
     assert [n for n in os.listdir(tmp_path) if "gockpt" in n] == []  # no scratch left
-    with pytest.raises(OSError, match="holds no checkpoint"):
+    with pytest.raises(OSError, match="is not a checkpoint"):
         eng.close()  # the failed save's error, once more
 
 
@@ -119,5 +137,31 @@ def test_the_cli_refuses_to_convert_over_a_directory_of_checkpoints(tmp_path, ca
     torch.save({"state_dict": {"w": torch.ones(3)}, "pytorch-lightning_version": "2.6.0",
                 "global_step": 2}, out)
     assert cli_main(["convert", str(out), str(tmp_path / "checkpoints"), "--to", "gockpt"]) != 0
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert "is not a checkpoint" in capsys.readouterr().err
     assert _tree(tmp_path / "checkpoints") == before and gockpt.is_complete(ck)
+
+
+def test_files_added_to_the_old_folder_during_the_swap_are_kept(tmp_path, caplog):
+    # The folder is checked right before the swap; a file put in it after that check would be
+    # swapped out with the old checkpoint. The clean-up checks again and keeps such a folder.
+    import fsspec
+
+    from gockpt.targets import LocalTarget
+
+    eng, _ = _engine(mode="lazy")
+    path = tmp_path / "ck"
+    eng.save(str(path)).result()
+    eng.close()
+    target = LocalTarget(fsspec.filesystem("file"), str(path))
+    target.write("a.bin", iter([b"new"]), lambda: None)
+    target.prepare(b'{"format": "gockpt"}')
+    target.publish(b"")
+    old = target.staging  # after the swap: the previous checkpoint
+    with open(os.path.join(old, "notes.txt"), "w") as f:
+        f.write("mine")
+    with caplog.at_level("WARNING", logger="gockpt"):
+        target.cleanup(True)
+    kept = [n for n in os.listdir(tmp_path) if n.startswith("ck.gockpt-kept-")]
+    assert len(kept) == 1 and (tmp_path / kept[0] / "notes.txt").read_text() == "mine"
+    assert any("kept" in r.getMessage() for r in caplog.records)
+    assert sorted(os.listdir(path)) == ["a.bin", "manifest.json"]

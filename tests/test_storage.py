@@ -510,3 +510,29 @@ def test_path_key_names_one_directory_however_it_is_spelled(tmp_path, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path / "d"))
     assert path_key("~/ckpt") == want  # fsspec expands "~": the home's, not "./~/ckpt"
     assert path_key("./~/ckpt") != want and path_key("./file:/x") != path_key("file:/x")
+
+
+def test_bounded_calls_from_many_threads_all_run_and_keep_their_own_errors():
+    # Every call gets a worker of its own (an idle one, or a new one), whatever the interleaving
+    # of callers; a TimeoutError the call itself raises is its own, not "no answer".
+    import concurrent.futures
+    import random
+
+    from gockpt.fsutil import bounded_call
+
+    def call(i: int) -> int:
+        time.sleep(random.random() / 200)
+        return i * i
+
+    with concurrent.futures.ThreadPoolExecutor(8) as callers:
+        got = list(callers.map(lambda i: bounded_call(lambda: call(i), 10.0, f"call {i}"),
+                               range(200)))
+    assert got == [i * i for i in range(200)]
+
+    def socket_timeout() -> None:
+        raise TimeoutError("read timed out (the socket's own)")
+
+    with pytest.raises(TimeoutError, match="the socket's own"):
+        bounded_call(socket_timeout, 10.0, "read")
+    with pytest.raises(TimeoutError, match="no answer"):
+        bounded_call(lambda: time.sleep(1.0), 0.05, "slow read")
