@@ -168,6 +168,9 @@ class Windows:
         # windows would be open, so later saves copy at their request (Engine.save).
         self.edits_between_updates = False
         self._loaded = False  # a load_state_dict since the latest window end: not an edit
+        # Optimizers that applied an update: only edits after one count (in-place init, a
+        # DDP broadcast or loaded weights before the first update are not the loop's edits).
+        self._updated: set[int] = set()
 
     # ------------------------------------------------------------------ request
 
@@ -249,6 +252,7 @@ class Windows:
             self._t_first_update = now
         self._t_update_end = now
         self._updated_versions[opt_index] = self._param_versions(opt_index)
+        self._updated.add(opt_index)
         for s in list(self.saves):
             if s.phase is Phase.COPYING:
                 self.fail(s, CheckpointTornError(
@@ -289,7 +293,8 @@ class Windows:
             self._loaded = False
             self._updated_versions = {i: self._param_versions(i) for i in self._updated_versions}
             return
-        if self.edited_since_update():
+        if self._updated and any(p._version != v for i in self._updated
+                                 for p, v in self._updated_versions[i]):
             self.edits_between_updates = True
             log.info("gockpt: parameters change outside optimizer.step() between updates; "
                      "later checkpoints are copied at their request (mode 'async')")
@@ -639,13 +644,14 @@ class Windows:
         # before accumulation, so it waits there when the same gradient tensor is still live.
         self._pending_grads.append((ticket, pairs))
         by_grad = {id(g) for g, _ in pairs}
-        # Gradients that are views into one larger buffer (DDP's gradient_as_bucket_view) get
+        # Gradients that are views into a buffer (DDP's gradient_as_bucket_view; a bucket may
+        # hold one large parameter alone, then the view is the whole buffer) get
         # written by the next backward even after zero_grad(set_to_none=True) (the reducer
         # puts the bucket back as .grad), and a write for any parameter of that buffer moves
         # the version counter the copy is checked against: every parameter whose gradient
         # shares such a buffer is guarded, and stays guarded when its gradient is set to None.
         buffers = {g.untyped_storage().data_ptr() for g, _ in pairs
-                   if g.untyped_storage().nbytes() > g.nbytes}
+                   if g._base is not None or g.untyped_storage().nbytes() > g.nbytes}
         for o in self._optimizers:
             for group in o.param_groups:
                 for p in group["params"]:
@@ -662,7 +668,10 @@ class Windows:
             # A gradient set to None is not written into again, unless its buffer is shared.
             if (shared or p.grad is not None) and not ticket.done():
                 t0 = perf_counter()
-                ticket.wait()
+                try:
+                    ticket.wait()
+                except Exception:  # noqa: BLE001 - the copy's error fails its save (replay), not this backward
+                    pass
                 for s in self.saves:
                     s.metrics.add_stall("guard", (perf_counter() - t0) / max(1, len(self.saves)))
         return hook

@@ -33,12 +33,14 @@ def _worker(rank: int, port: int, root: str, set_to_none: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
     torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
-    # Several buckets, each shared by a few parameters.
+    net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)],
+                              torch.nn.Linear(128, 512), torch.nn.Linear(512, 128, bias=False))
+    # Several buckets, each shared by a few parameters; the last 256 KB weight fills a bucket
+    # alone (its gradient is a view of the whole bucket).
     ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True,
                                                     bucket_cap_mb=0.1)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    # About 10 ms per window's gradients: the copy runs into the next backward.
+    # Tens of ms per window's gradients: the copy runs into the next backward.
     cfg = gockpt.GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3,
                               host_link_bytes_per_s=40e6)
     eng = gockpt.Engine(net, opt, cfg)
@@ -47,6 +49,9 @@ def _worker(rank: int, port: int, root: str, set_to_none: bool) -> None:
     for it in range(12):
         ddp(torch.randn(32, 128, generator=g)).pow(2).mean().backward()
         assert net[0].weight.grad.untyped_storage().nbytes() > net[0].weight.grad.nbytes
+        alone = net[7].weight.grad
+        if it >= 1:  # DDP's buckets as rebuilt after the first backward
+            assert alone._base is not None and alone.untyped_storage().nbytes() == alone.nbytes
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
         eng.step_end()

@@ -974,6 +974,9 @@ def test_a_load_state_dict_between_updates_is_not_taken_for_a_weight_edit(tmp_pa
     # so it does not make later saves copy at their request.
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3))
+    with torch.no_grad():  # an in-place init after the engine, before any update: not the loop's
+        for p in model.parameters():
+            p.mul_(1.0)
     handles = []
 
     def on_step_end(it: int) -> None:
