@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from concurrent.futures import Future
 from time import monotonic
@@ -52,7 +53,8 @@ def xxh3(data: bytes) -> str:
 
 
 def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
-           config: GoCkptConfig, timeout_s: float, replicated: bool = False) -> CheckpointMetrics:
+           config: GoCkptConfig, timeout_s: float, replicated: bool = False,
+           framework_names: re.Pattern[str] | None = None) -> CheckpointMetrics:
     """Wait for every part in ``stage``, check them, write the index and the global manifest
     last, publish ``stage`` as ``path`` and move ``latest`` (rank 0's commit thread).
 
@@ -67,6 +69,8 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         timeout_s: seconds to wait for the other parts once rank 0's own is durable.
         replicated: the parts are shares of a replicated state (DDP ranks sharing the write:
             each tensor whole, in one part); recorded in the index and in ``meta.sharded``.
+        framework_names: entries of a checkpoint the writer's framework wrote itself, which
+            the publish may replace (:attr:`gockpt.writer.CheckpointWriter.framework_names`).
 
     Returns:
         Rank 0's part metrics.
@@ -101,6 +105,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         index = json.dumps({"format": "gockpt-sharded", "world_size": world, "replicated": replicated,
                             "captured_step": target, "parts": parts}, sort_keys=True).encode()
         target_dir = LocalTarget(fs, root, staging=stage)
+        target_dir.framework_names = framework_names
         try:
             nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
             meta = {"requested_step": metrics.requested_step, "captured_step": target,

@@ -308,7 +308,9 @@ class ShardedEngine:
 
         Raises:
             RuntimeError: the ranks disagree on the captured step, or the request failed on a
-                rank (every rank raises; nothing is written); the engine is closed.
+                rank (every rank raises; nothing is written), e.g. ``path`` is a directory that
+                is not a checkpoint (rank 0 raises the ``FileExistsError`` itself); the engine
+                is closed.
             ValueError: ``path`` is not local; both ``state_fn`` and ``part_state_fn`` given.
         """
         if self._group is None:
@@ -319,11 +321,15 @@ class ShardedEngine:
         fs, root = fsutil.url_to_fs(path, self.config.storage_options)
         if not fsutil.is_local(fs):
             raise ValueError(f"sharded checkpoints are written to local paths only, got {path}")
+        framework_names = getattr(writer, "framework_names", None)
         stage, problem = None, None
         try:
             # A background error of an earlier save is raised here, on every rank alike.
             self.engine._pipeline.raise_errors()  # noqa: SLF001
             if self.rank == 0:
+                # At the request, on every rank alike: never replace someone's directory.
+                storage.check_save_path(fsutil.path_key(root), update_latest=self.config.update_latest,
+                                        framework_names=framework_names)
                 stage = self._staging.make(root)
         except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
             problem = e
@@ -380,7 +386,8 @@ class ShardedEngine:
         if self._commits is not None:
             commit = self._commits.submit(commit_parts, path, stage, target, handle, world=self.world,
                                           config=self.config, timeout_s=self.commit_timeout_s,
-                                          replicated=self.replicated)
+                                          replicated=self.replicated,
+                                          framework_names=framework_names)
         sh = ShardedHandle(path, handle, commit)
         self._handles = [h for h in self._handles if not h.done()] + [sh]
         return sh

@@ -102,6 +102,16 @@ def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
             if target == eng.version and name not in live:
                 live[name] = (target, _full(m, opt))
     eng.wait()
+    # A directory that is not a checkpoint is refused at the request, on every rank, and kept.
+    foreign = f"{root}/foreign"
+    if rank == 0:
+        os.makedirs(foreign)
+        with open(f"{foreign}/notes.txt", "w") as f:
+            f.write("mine")
+    dist.barrier()
+    with pytest.raises((FileExistsError, RuntimeError), match="not a checkpoint"):
+        eng.save(foreign)
+    assert os.listdir(foreign) == ["notes.txt"]
     assert saves["gockpt_o"].part.metrics.num_overlap_steps == 3
     assert saves["gockpt_o"].part.metrics.mode == "gockpt_o"
     assert saves["lazy"].part.metrics.num_overlap_steps == 1
