@@ -136,7 +136,8 @@ def call_bound(fs: AbstractFileSystem, timeout_s: float | None) -> float | None:
     return float(timeout_s)
 
 
-def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str) -> _T:
+def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str, *,
+                 serial: bool = False) -> _T:
     """``fn()``, waiting at most ``timeout_s`` seconds for it.
 
     The call runs on a daemon worker thread (:class:`_CallPool`); the caller waits on its
@@ -149,6 +150,10 @@ def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str) -> _T
         fn: the storage call.
         timeout_s: the bound in seconds, or None.
         what: the call, for the message (e.g. ``"write of /bucket/ckpt/shard-0.safetensors"``).
+        serial: run on the one thread that runs every serial call in the order submitted, and
+            let a call past its bound run later rather than never: a later call is never
+            overtaken by an earlier, abandoned one (writes of the ``latest`` pointer: an older
+            write landing late would move it back).
 
     Returns:
         What ``fn`` returned.
@@ -162,14 +167,14 @@ def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str) -> _T
     """
     if timeout_s is None:
         return fn()
-    future = _CALLS.submit(fn)
+    future = (_SERIAL if serial else _CALLS).submit(fn)
     try:
         return future.result(timeout=max(timeout_s, 0.0))
     except concurrent.futures.TimeoutError:
         if future.done():  # the call itself raised a TimeoutError (a socket's, fsspec's)
             raise
-        # Not started yet: never started. Running: abandoned on its daemon thread.
-        future.cancel()
+        if not serial:  # not started yet: never started; running: abandoned where it is
+            future.cancel()
         raise TimeoutError(
             f"no answer from the storage within {timeout_s:g} s (storage_timeout_s) to the "
             f"{what}; the call was abandoned"
@@ -227,13 +232,51 @@ class _CallPool:
             self._idle.release()
 
 
+class _SerialCalls:
+    """One daemon thread that runs the serial :func:`bounded_call` calls in the order submitted
+    (started at the first; it waits for calls for the rest of the process)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """The future of ``fn()``, run after every call submitted before it.
+
+        Raises:
+            RuntimeError: the thread could not start; nothing was queued.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._work, name="gockpt-storage-serial",
+                                          daemon=True)
+                thread.start()
+                self._thread = thread
+            self._queue.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                    future.set_exception(e)
+            del future, fn
+
+
 _CALLS = _CallPool()
+_SERIAL = _SerialCalls()
 
 
 def _calls_after_fork_in_child() -> None:
     # The pool's threads did not survive the fork; its idle count did.
-    global _CALLS
+    global _CALLS, _SERIAL
     _CALLS = _CallPool()
+    _SERIAL = _SerialCalls()
 
 
 os.register_at_fork(after_in_child=_calls_after_fork_in_child)

@@ -194,14 +194,15 @@ def latest_checkpoint(
 
 
 def _bounded(fs: Any, timeout_s: float | None, path: str, what: str, fn: Callable[[], Any],
-             *, scale: float = 1.0) -> Any:
+             *, scale: float = 1.0, serial: bool = False) -> Any:
     """``fn()`` (calls into ``fs``), waited for at most ``scale * timeout_s`` where ``fs`` may
     hang (:func:`gockpt.fsutil.call_bound`); a timeout raises :class:`CheckpointTimeoutError`
     naming ``path``. Calls made under ``LATEST_LOCK`` go through here: an abandoned call runs
-    on without the lock."""
+    on without the lock. ``serial``: calls that change the pointer, run in order (a write
+    abandoned past its bound may land later, but never after a newer one)."""
     bound = call_bound(fs, timeout_s)
     try:
-        return bounded_call(fn, None if bound is None else bound * scale, what)
+        return bounded_call(fn, None if bound is None else bound * scale, what, serial=serial)
     except TimeoutError as e:
         if isinstance(e, CheckpointError):
             raise
@@ -240,8 +241,8 @@ def advance_latest(
     parent, name = split(root)
     what = "updating 'latest' in"
 
-    def bounded(fn: Callable[[], Any]) -> Any:
-        return _bounded(fs, timeout_s, path, what, fn)
+    def bounded(fn: Callable[[], Any], serial: bool = False) -> Any:
+        return _bounded(fs, timeout_s, path, what, fn, serial=serial)
 
     with _pointer.LATEST_LOCK:  # looked up per call: a forked child replaces it
         current = bounded(lambda: read_pointer(fs, parent, strict=False))
@@ -254,7 +255,8 @@ def advance_latest(
             return False
         try:
             bounded(lambda: write_pointer(fs, parent, {"name": name,
-                                                       "captured_step": int(captured_step)}))
+                                                       "captured_step": int(captured_step)}),
+                    serial=True)
         except CheckpointStorageError as e:
             if current is None or current["name"] == name:
                 raise
@@ -262,7 +264,7 @@ def advance_latest(
             # scans the manifests and finds this newer one (unlinking needs no free space).
             pointer_path = join(parent, LATEST_NAME)
             try:
-                bounded(lambda: remove_file(fs, pointer_path))
+                bounded(lambda: remove_file(fs, pointer_path), serial=True)
                 state = "removed it; latest_checkpoint() finds the new checkpoint by scanning"
             except Exception:  # noqa: BLE001 - the older pointer is still a valid checkpoint
                 state = f"it still names the older checkpoint {current['name']!r}"
@@ -304,8 +306,8 @@ def remove_checkpoint(
     parent, name = split(root)
     what = "removing checkpoint"
 
-    def bounded(fn: Callable[[], Any], scale: float = 1.0) -> Any:
-        return _bounded(fs, timeout_s, path, what, fn, scale=scale)
+    def bounded(fn: Callable[[], Any], scale: float = 1.0, serial: bool = False) -> Any:
+        return _bounded(fs, timeout_s, path, what, fn, scale=scale, serial=serial)
 
     with _pointer.LATEST_LOCK:
         current = bounded(lambda: read_pointer(fs, parent, strict=False))
@@ -314,15 +316,16 @@ def remove_checkpoint(
             best = bounded(lambda: best_checkpoint(fs, parent, exclude=name), scale=4.0)
             try:
                 if best is None:
-                    bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)))
+                    bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)), serial=True)
                 else:
                     bounded(lambda: write_pointer(fs, parent, {"name": best[0],
-                                                               "captured_step": best[1]}))
+                                                               "captured_step": best[1]}),
+                            serial=True)
             except CheckpointStorageError as e:
                 # A pointer naming a missing checkpoint is recovered by scanning; one naming
                 # the deleted checkpoint would be too, but deleting it is then our choice.
                 try:
-                    bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)))
+                    bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)), serial=True)
                 except Exception:
                     raise e from None
                 log.warning("gockpt: %s; removed the 'latest' pointer instead", e)

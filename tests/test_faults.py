@@ -472,6 +472,30 @@ def test_moving_latest_and_removing_a_checkpoint_on_a_hung_store_are_bounded(
     assert error is None and latest_checkpoint(store.root) == store.path("b")
 
 
+def test_a_pointer_write_abandoned_past_its_bound_never_lands_after_a_newer_one(
+        hung_store, make_request, make_tensors):
+    # Both moves of 'latest' time out while the store hangs; once it answers they land in the
+    # order they were made, so the pointer ends at the newer checkpoint, never the older.
+    store, fault, release = hung_store
+    persist(make_request(store.path("a"), make_tensors(1), step=1, update_latest=False))
+    persist(make_request(store.path("b"), make_tensors(2), step=2, update_latest=False))
+    fault.hang({"pipe"}, release)
+    for name, step in (("a", 1), ("b", 2)):
+        _, error, _ = run_bounded(lambda: gockpt.storage.advance_latest(
+            store.path(name), step, timeout_s=HUNG_TIMEOUT_S))
+        assert isinstance(error, CheckpointTimeoutError), error
+    fault.hook = fault.op_hook = None
+    release.set()
+    deadline = time.monotonic() + 10
+    fs, parent = url_to_fs(store.root, None)
+    while gockpt.storage.read_pointer(fs, parent,
+                                      strict=False) != {"name": "b", "captured_step": 2}:
+        assert time.monotonic() < deadline, "the writes did not land in order"
+        time.sleep(0.05)
+    time.sleep(0.2)  # nothing lands after it
+    assert latest_checkpoint(store.root) == store.path("b")
+
+
 # --- a real, small filesystem ---------------------------------------------------------------------
 
 
