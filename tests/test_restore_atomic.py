@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _loop import assert_state_equal
 from torch import nn
 
 import gockpt
@@ -48,21 +49,6 @@ def _bits(tree):
     return copy.deepcopy(tree)
 
 
-def _assert_same_bits(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same_bits(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same_bits(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def _split_by_decay(model: nn.Module) -> list[dict]:
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
@@ -94,8 +80,8 @@ def test_engine_restore_with_other_param_groups_leaves_everything_untouched(
             engine.restore(saved)
         assert fragment in str(info.value)
         assert engine.version == version
-    _assert_same_bits(_bits(model.state_dict()), before_model, "model")
-    _assert_same_bits(_bits(opt.state_dict()), before_opt, "optimizer")
+    assert_state_equal(_bits(model.state_dict()), before_model, "model")
+    assert_state_equal(_bits(opt.state_dict()), before_opt, "optimizer")
 
 
 def test_load_into_checks_every_optimizer_before_loading_any(saved):
@@ -111,7 +97,7 @@ def test_load_into_checks_every_optimizer_before_loading_any(saved):
     with pytest.raises(ValueError, match="checkpoint optimizer 1 has 1 parameter group"):
         gockpt.load_into(model, [fits, other], state)
     after = _bits(model.state_dict()), _bits(fits.state_dict()), _bits(other.state_dict())
-    _assert_same_bits(after, before)
+    assert_state_equal(after, before)
 
 
 def test_a_matching_restore_still_loads(saved):
@@ -121,4 +107,4 @@ def test_a_matching_restore_still_loads(saved):
     with gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode="sync")) as engine:
         engine.restore(saved)
         assert engine.version == want.captured_step == 2
-    _assert_same_bits(_bits(model.state_dict()), _bits(want.model_state_dict), "model")
+    assert_state_equal(_bits(model.state_dict()), _bits(want.model_state_dict), "model")
