@@ -11,10 +11,10 @@ Paths inside a filesystem (what :func:`url_to_fs` returns) use ``/`` and carry n
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import errno
 import os
-import queue
 import re
 import shutil
 import stat
@@ -183,63 +183,42 @@ def bounded_call(fn: Callable[[], _T], timeout_s: float | None, what: str, *,
         del future  # an error's traceback must not keep an abandoned call's result alive
 
 
+def _run(future: concurrent.futures.Future, fn: Callable[[], Any]) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(e)
+
+
 class _CallPool:
-    """Daemon threads that run :func:`bounded_call` calls, started when none is idle.
+    """A daemon thread per :func:`bounded_call` call, ending with it.
 
     Daemon threads (not :class:`concurrent.futures.ThreadPoolExecutor`, whose workers the
-    interpreter joins at exit): a call that never returns must not hang the process's exit. A
-    thread idle for :attr:`IDLE_S` seconds ends, so a process that stopped saving runs none.
-    ``_idle`` counts the idle threads nobody has handed a call yet: a submit takes one or
-    starts a thread; a thread ends only if it can take one back.
+    interpreter joins at exit): a call that never returns must not hang the process's exit.
+    None is kept idle: a process (or a test) that stopped saving runs no thread of GoCkpt's.
     """
 
-    IDLE_S = 2.0
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
-
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """The future of ``fn()`` run on a worker: an idle one reserved, else a new one started,
-        before the call is queued (so that every queued call has a worker of its own).
+        """The future of ``fn()``, run on a thread of its own.
 
         Raises:
-            RuntimeError: no thread could start; nothing was queued.
+            RuntimeError: no thread could start; nothing runs.
         """
-        if not self._idle.acquire(blocking=False):
-            threading.Thread(target=self._work, name="gockpt-storage-call", daemon=True).start()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn))
+        threading.Thread(target=_run, args=(future, fn), name="gockpt-storage-call",
+                         daemon=True).start()
         return future
-
-    def _work(self) -> None:
-        while True:
-            try:
-                future, fn = self._queue.get(timeout=self.IDLE_S)
-            except queue.Empty:
-                if self._idle.acquire(blocking=False):
-                    return  # nobody counts on this thread
-                continue  # a submit took this thread's count: its call is on the way
-            result = None
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn()
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-            del future, fn, result  # hold no buffer while idle
-            self._idle.release()
 
 
 class _SerialCalls:
-    """One daemon thread that runs the serial :func:`bounded_call` calls in the order submitted
-    (started at the first; it waits for calls for the rest of the process)."""
+    """Serial :func:`bounded_call` calls, run one after another in the order submitted, on one
+    daemon thread that ends once none is left."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._running = False
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """The future of ``fn()``, run after every call submitted before it.
@@ -249,23 +228,26 @@ class _SerialCalls:
         """
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._thread is None:
-                thread = threading.Thread(target=self._work, name="gockpt-storage-serial",
-                                          daemon=True)
-                thread.start()
-                self._thread = thread
-            self._queue.put((future, fn))
+            self._queue.append((future, fn))
+            if not self._running:
+                try:
+                    threading.Thread(target=self._work, name="gockpt-storage-serial",
+                                     daemon=True).start()
+                except BaseException:
+                    self._queue.pop()
+                    raise
+                self._running = True
         return future
 
     def _work(self) -> None:
         while True:
-            future, fn = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                    future.set_exception(e)
-            del future, fn
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                future, fn = self._queue.popleft()
+            _run(future, fn)
+            del future, fn  # hold no buffer while waiting for the lock
 
 
 _CALLS = _CallPool()
@@ -273,9 +255,8 @@ _SERIAL = _SerialCalls()
 
 
 def _calls_after_fork_in_child() -> None:
-    # The pool's threads did not survive the fork; its idle count did.
-    global _CALLS, _SERIAL
-    _CALLS = _CallPool()
+    # The serial runner did not survive the fork; its queue and flag did.
+    global _SERIAL
     _SERIAL = _SerialCalls()
 
 

@@ -535,4 +535,11 @@ def test_bounded_calls_from_many_threads_all_run_and_keep_their_own_errors():
     with pytest.raises(TimeoutError, match="the socket's own"):
         bounded_call(socket_timeout, 10.0, "read")
     with pytest.raises(TimeoutError, match="no answer"):
-        bounded_call(lambda: time.sleep(1.0), 0.05, "slow read")
+        bounded_call(lambda: time.sleep(0.3), 0.05, "slow read")
+    assert bounded_call(lambda: 7, 10.0, "pointer write", serial=True) == 7
+    # No thread is kept once the calls have returned (test suites that police threads, as
+    # Lightning's does, see none of GoCkpt's).
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name.startswith("gockpt-storage")]:
+        assert time.monotonic() < deadline, threading.enumerate()
+        time.sleep(0.01)
