@@ -20,7 +20,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import xxhash
@@ -36,9 +36,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import fsutil, storage
-from ._safe_read import open_local_regular, read_bounded
+from ._safe_read import open_local_regular
 from .errors import CheckpointCorruptError
-from .format import CODE_TO_DTYPE, decode_json, is_shape
+from .format import CODE_TO_DTYPE, decode_json, is_int, is_shape
+from .load import read_listed
 from .manifest import validate_manifest
 from .sharded import INDEX_FILE, part_name, sharding_name
 
@@ -81,14 +82,14 @@ def _index(path: str) -> tuple[dict, dict]:
     if not isinstance(index, dict) or not isinstance(index.get("parts"), list):
         raise bad("not a JSON object with a 'parts' list")
     world = index.get("world_size")
-    if not _is_int(world) or world < 1:
+    if not is_int(world) or world < 1:
         raise bad(f"world_size {world!r} is not a positive integer")
     for r, part in enumerate(index["parts"]):
         if not isinstance(part, dict):
             raise bad(f"part {r} is not an object: {part!r}")
         if part.get("name") != part_name(r):  # also keeps every read inside the checkpoint
             raise bad(f"part {r} is {part.get('name')!r}")
-        if not (_is_int(part.get("manifest_bytes"))
+        if not (is_int(part.get("manifest_bytes"))
                 and isinstance(part.get("manifest_xxh3_64"), str)):
             raise bad(f"part {r}: malformed 'manifest_bytes' / 'manifest_xxh3_64'")
     return index, manifest
@@ -98,32 +99,18 @@ def _index(path: str) -> tuple[dict, dict]:
 _DTYPES: dict[Any, torch.dtype] = {str(d).removeprefix("torch."): d for d in CODE_TO_DTYPE.values()}
 
 
-def _is_int(x: Any) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _read_listed(fs: Any, file_path: str, entry: Any, verify: bool) -> bytes:
-    """The bytes of a metadata file whose size and checksum a manifest or index records.
-
-    At most ``storage.MAX_METADATA_BYTES`` are read, locally only from a regular file that is
-    not a symlink, and the size must be the recorded one (with ``verify``, the checksum too).
+    """The bytes of a metadata file whose size and checksum a manifest or index records: at
+    most ``storage.MAX_METADATA_BYTES`` (:func:`gockpt.load.read_listed`).
 
     Raises:
         CheckpointCorruptError: no record, the file missing, not a regular file, over the
             bound, or not the recorded size or checksum (names the file).
     """
-    if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))):
+    if not (isinstance(entry, dict) and is_int(entry.get("bytes"))):
         raise CheckpointCorruptError(f"{file_path}: not listed in the checkpoint's manifest",
                                      path=file_path)
-    try:
-        raw = read_bounded(fs, file_path, max_bytes=storage.MAX_METADATA_BYTES,
-                           exact_bytes=entry["bytes"])
-    except (FileNotFoundError, NotADirectoryError):
-        raise CheckpointCorruptError(f"{file_path}: file listed in the manifest is missing",
-                                     path=file_path) from None
-    if verify and xxhash.xxh3_64_hexdigest(raw) != entry.get("xxh3_64"):
-        raise CheckpointCorruptError(f"{file_path}: checksum mismatch", path=file_path)
-    return raw
+    return read_listed(fs, file_path, entry, verify, max_bytes=storage.MAX_METADATA_BYTES)
 
 
 def _part_manifest(fs: Any, path: str, index: dict, r: int, verify: bool) -> tuple[str, dict]:
@@ -169,7 +156,7 @@ def _sharding(fs: Any, path: str, r: int, top: dict, manifest: dict) -> dict:
         glob, offsets, shape = info.get("global_shape"), info.get("offsets"), entry["shape"]
         if not (
             isinstance(info.get("fqn"), str)
-            and _is_int(info.get("replica"))
+            and is_int(info.get("replica"))
             and is_shape(glob)
             and is_shape(offsets)
             and len(glob) == len(offsets) == len(shape)

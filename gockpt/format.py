@@ -131,6 +131,11 @@ def decode_json(raw: bytes | str, path: str, *, max_depth: int = MAX_JSON_DEPTH)
     return obj
 
 
+def is_int(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (JSON's numbers as a manifest holds them)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_shape(value: Any) -> TypeGuard[list[int]]:
     """Whether ``value`` is a list of at most :data:`MAX_NDIM` integers (not bools), each in
     ``[0, MAX_DIM]``: a shape torch can hold."""

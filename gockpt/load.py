@@ -106,7 +106,7 @@ def read_checkpoint(
         tensors[alias] = tensors[target]
 
     extra_path = fsutil.join(root, manifest["extra_file"])
-    blob = _read_bytes(fs, extra_path, manifest["files"][manifest["extra_file"]], verify)
+    blob = read_listed(fs, extra_path, manifest["files"][manifest["extra_file"]], verify)
     try:
         extra = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=not allow_pickle)
     except Exception as e:
@@ -130,7 +130,19 @@ def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
             )
 
 
-def _read_bytes(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool) -> bytes:
+def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool, *,
+                max_bytes: int | None = None) -> bytes:
+    """The bytes of ``file_path``, which a manifest lists as ``entry`` (``bytes``, ``xxh3_64``):
+    read as untrusted (a regular file, no symlink, FIFO or device; exactly the recorded size,
+    at most ``max_bytes``), the checksum checked with ``verify``.
+
+    Raises:
+        CheckpointCorruptError: the file missing, not a regular file, over ``max_bytes``, or not
+            the recorded size or checksum (names the file).
+    """
+    if max_bytes is not None and entry["bytes"] > max_bytes:
+        raise CheckpointCorruptError(f"{file_path}: {entry['bytes']} bytes listed, over the "
+                                     f"{max_bytes} a file of this kind may hold", path=file_path)
     try:
         data = storage.read_bounded(
             fs, file_path, max_bytes=entry["bytes"], exact_bytes=entry["bytes"]
@@ -215,7 +227,7 @@ def _load_local_shard(
 def _load_remote_shard(
     fs: AbstractFileSystem, file_path: str, entry: dict, index: dict[str, dict], verify: bool
 ) -> dict[str, torch.Tensor]:
-    data = _read_bytes(fs, file_path, entry, verify)
+    data = read_listed(fs, file_path, entry, verify)
     _decode(file_path, data, index)
     try:
         loaded = safetensors.torch.load(data)

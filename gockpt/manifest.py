@@ -27,6 +27,7 @@ from gockpt.format import (
     MAX_NDIM,
     ShardLayout,
     encoded_entries,
+    is_int,
     is_shape,
 )
 
@@ -101,10 +102,6 @@ def build_manifest(
     }
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _brief(value: Any, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -136,7 +133,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
     if obj.get("format") != FORMAT_NAME:
         raise bad(f"not a GoCkpt manifest (format {obj.get('format')!r})")
     version = obj.get("format_version")
-    if version != FORMAT_VERSION or not _is_int(version):
+    if version != FORMAT_VERSION or not is_int(version):
         raise bad(f"format version {version!r}; this reader reads version {FORMAT_VERSION}")
     for field, kind in (("files", dict), ("tensors", dict), ("aliases", dict), ("meta", dict)):
         if not isinstance(obj.get(field), kind):
@@ -147,7 +144,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
         check_name(name, path)
         if not (
             isinstance(entry, dict)
-            and _is_int(entry.get("bytes"))
+            and is_int(entry.get("bytes"))
             and entry["bytes"] >= 0
             and isinstance(entry.get("xxh3_64"), str)
             and _HEX64_RE.match(entry["xxh3_64"])
@@ -157,7 +154,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
     if extra_file not in files:
         raise bad(f"extra file {extra_file!r} is not listed in 'files'")
     for field in ("captured_step", "requested_step"):
-        if field in obj["meta"] and not _is_int(obj["meta"][field]):
+        if field in obj["meta"] and not is_int(obj["meta"][field]):
             raise bad(f"meta field {field!r} is not an integer: {obj['meta'][field]!r}")
 
     for key, entry in obj["tensors"].items():
@@ -179,7 +176,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
-            and all(_is_int(o) for o in offsets)
+            and all(is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]
         ):
             raise bad(f"tensor {key!r} in {file!r}: malformed data_offsets {offsets!r}")
