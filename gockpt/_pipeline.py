@@ -81,6 +81,7 @@ class Pipeline:
             initializer=lower_thread_priority, initargs=(config.io_nice,))
         # (state bytes, seconds) of the latest replays, for the planner's replay rate.
         self._replay_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=32)
+        self._queued_replay_bytes = 0  # under _samples_lock: replays queued, not yet done
         self._samples_lock = threading.Lock()
         self._replay_q: queue.Queue = queue.Queue()
         self._replay_thread = threading.Thread(target=self._replay_loop, name="gockpt-replay", daemon=True)
@@ -90,7 +91,15 @@ class Pipeline:
 
     def submit_replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
         """Queue the replay of one update's gradients, copied by ``ticket``, onto ``s``."""
-        self._replay_q.put(("replay", s, record, ticket))
+        nbytes = sum(s.layout.units[i].state_bytes for i in record[3])
+        with self._samples_lock:
+            self._queued_replay_bytes += nbytes
+        self._replay_q.put(("replay", s, record, ticket, nbytes))
+
+    def replay_backlog_bytes(self) -> int:
+        """State bytes of the replays queued and not yet done (their updates' units)."""
+        with self._samples_lock:
+            return self._queued_replay_bytes
 
     def replay_bytes_per_s(self) -> float:
         """State bytes the latest replays brought forward per second of replay (after their
@@ -145,7 +154,7 @@ class Pipeline:
                     r.failed = r.failed or e
                     r.cancel.set()
 
-    def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket) -> None:
+    def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket, nbytes: int) -> None:
         opt_index, cls, hparams, units, turn, found_inf = record
         try:
             if not s.share.alive():  # every save using this snapshot failed or was cancelled
@@ -185,6 +194,8 @@ class Pipeline:
             with self._samples_lock:
                 self._replay_samples.append((replayed, perf_counter() - t0))
         finally:
+            with self._samples_lock:
+                self._queued_replay_bytes -= nbytes
             s.slot.grad_busy[turn].set()
 
     def _writer_parts(self, s: SaveRecord) -> tuple[Snapshot, dict]:

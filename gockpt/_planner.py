@@ -95,13 +95,15 @@ class Planner:
 
     def __init__(self, model: nn.Module, optimizers: list[Optimizer], config: GoCkptConfig,
                  copier: Any, copy_bytes_per_s: float,
-                 replay_bytes_per_s: Callable[[], float] | None = None) -> None:
+                 replay_bytes_per_s: Callable[[], float] | None = None,
+                 replay_backlog_bytes: Callable[[], int] | None = None) -> None:
         self._model = model
         self._optimizers = optimizers
         self._config = config
         self._copier = copier
         self._copy_bw = copy_bytes_per_s
         self._replay_rate = replay_bytes_per_s  # the pipeline's measured replay rate
+        self._replay_backlog = replay_backlog_bytes  # the pipeline's replays still queued
         self._layout: StateLayout | None = None
         self.layouts_built = 0  # layouts enumerated so far (the first and each change)
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
@@ -231,8 +233,10 @@ class Planner:
         if busy > 0.05:  # enough copying seen to trust the measured pace over the probe's
             bw = done / busy
         replay = self._replay_rate() if self._replay_rate is not None else 0.0
+        backlog = self._replay_backlog() if self._replay_backlog is not None else 0
         return Costs(copy_bytes_per_s=bw, window_s=window_s, overhead_samples_s=overhead_samples_s,
-                     replay_bytes_per_s=replay, step_s=step_s or 0.0)
+                     replay_bytes_per_s=replay, step_s=step_s or 0.0,
+                     replay_backlog_s=backlog / replay if replay > 0 else 0.0)
 
     def slot_layout(self, layout: StateLayout) -> SlotLayout:
         """Where each tensor of ``layout`` lives in a host slot and in the shard files."""

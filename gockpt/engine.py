@@ -133,7 +133,8 @@ class Engine:
         self._planner = Planner(model, self.optimizers, self.config, self._copier,
                                 probe_copy_bandwidth(self._copier, device,
                                                      self.config.host_link_bytes_per_s),
-                                self._pipeline.replay_bytes_per_s)
+                                self._pipeline.replay_bytes_per_s,
+                                self._pipeline.replay_backlog_bytes)
         if self.config.mode in MULTI_STEP_MODES + ("auto",):
             # The replay self-check runs here, not inside a save's stall.
             self._backends.select_replayable()

@@ -85,6 +85,9 @@ class Costs:
             buffer (:func:`replay_wait_s`).
         step_s: seconds between two optimizer updates (the window and the update); 0.0 when
             unknown: ``window_s`` stands in.
+        replay_backlog_s: seconds of replay already queued at the request (earlier saves'
+            updates, with several host slots), before which this save's first replay cannot
+            start.
     """
 
     copy_bytes_per_s: float
@@ -93,6 +96,7 @@ class Costs:
     overhead_samples_s: tuple[float, ...] = ()
     replay_bytes_per_s: float = 0.0
     step_s: float = 0.0
+    replay_backlog_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -229,8 +233,9 @@ def replay_wait_s(
     period (:attr:`Costs.step_s`), capture ``c`` comes at ``(c + 1) P`` plus the waits before
     it, its gradients arrive ``G_c / bw`` later, and the replays run one after another, each
     ``R_c / replay_bytes_per_s`` long, ``R_c`` the state bytes of the units of blocks ``0..c``
-    that have a gradient. Window-end waits, which also delay later captures, are left out (the
-    prediction errs towards more replay wait).
+    that have a gradient, the first no earlier than :attr:`Costs.replay_backlog_s` (replays
+    queued before the request). Window-end waits, which also delay later captures, are left
+    out (the prediction errs towards more replay wait).
 
     Args:
         mode: the plan's mode; only ``gockpt`` and ``gockpt_o`` replay.
@@ -262,9 +267,7 @@ def replay_wait_s(
         if c >= 2 and finish[c - 2] > t:
             wait = finish[c - 2] - t
             waited, shift, t = waited + wait, shift + wait, t + wait
-        start = t + grads / bw
-        if finish:
-            start = max(start, finish[-1])
+        start = max(t + grads / bw, finish[-1] if finish else costs.replay_backlog_s)
         finish.append(start + replayed / rate)
     return waited
 

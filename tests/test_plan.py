@@ -545,6 +545,10 @@ def test_replay_wait_follows_the_two_buffer_timeline():
     costs = Costs(copy_bytes_per_s=1000.0, window_s=0.5, replay_bytes_per_s=50.0, step_s=1.0)
     assert replay_wait_s("gockpt_o", units, grads, blocks, costs) == pytest.approx(3.01)
     assert replay_wait_s("gockpt", units, grads, blocks, costs) == pytest.approx(3.01)
+    # Replays queued before the request (2 s of them): replay 0 runs 2-4 s, replay 1 4-8 s;
+    # capture 2 (3 s) waits 1 s, capture 3 (5 s) waits 3 s.
+    assert replay_wait_s("gockpt_o", units, grads, blocks,
+                         dataclasses.replace(costs, replay_backlog_s=2.0)) == pytest.approx(4.0)
     # Three captures or fewer use each buffer once; lazy replays nothing; no rate, no model.
     assert replay_wait_s("gockpt_o", units, grads, blocks, costs, captures=2) == 0.0
     assert replay_wait_s("gockpt_o", units, grads, blocks[:3] + ((3, 4),), costs) == \

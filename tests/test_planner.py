@@ -562,3 +562,35 @@ def test_a_k_agreed_with_other_ranks_is_planned_and_priced_as_this_rank_runs_it(
     assert lazy.mode == "lazy" and lazy.blocks == (tuple(range(len(units))),)
     assert lazy.predicted_stall_s == pytest.approx(predict_stall_s(
         "lazy", units, grads, lazy.blocks, costs, static_bytes=static))
+
+
+def test_replays_still_queued_at_a_request_reach_its_plan(tmp_path, monkeypatch):
+    # Two host slots and a slow replay (emulated): the second save is requested while the
+    # first one's replays are still queued; its costs carry them (Costs.replay_backlog_s).
+    seen = []
+    original = Planner._costs
+
+    def spy(self, *args, **kwargs):
+        costs = original(self, *args, **kwargs)
+        seen.append(costs)
+        return costs
+
+    monkeypatch.setattr(Planner, "_costs", spy)
+    model, opt, sched, scaler = _deep(width=64)
+    state = sum(p.numel() * 4 * 3 for p in model.parameters())  # AdamW: param + two moments
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=4, max_overlap_steps=4,
+                                          host_buffer_bytes=64 << 20, max_inflight=2,
+                                          replay_bytes_per_s=state / 0.3))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in (3, 7, 11):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 16, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    assert all(h.result().num_overlap_steps == 4 for h in handles)
+    backlogs = [c.replay_backlog_s for c in seen if c is not None]
+    assert backlogs and backlogs[0] == 0.0  # nothing queued before the first save
+    assert max(backlogs) > 0.01, backlogs  # later requests found earlier replays queued
