@@ -18,7 +18,7 @@ applied after the publish). The files are Accelerate's own:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +54,17 @@ class AccelerateWriter(FolderWriter):
         key_map: engine model key -> (model index, Accelerate's key).
         num_models: models prepared by the accelerator.
         safe_serialization: weights as safetensors (True) or ``torch.save`` (False).
-        pre_hooks: ``register_save_state_pre_hook`` hooks: ``hook(models, weights, output_dir)``.
-        models: the accelerator's prepared models (passed to ``pre_hooks``).
+        hooked_weights: None, or the models' state dicts (host tensors) as the
+            ``register_save_state_pre_hook`` hooks left them, run at the request on the
+            training thread: written instead of the snapshot's weights (a model whose dict a
+            hook removed is not written).
     """
 
     sidecar_format: str = SIDECAR_FORMAT
     key_map: dict[str, tuple[int, str]]
     num_models: int
     safe_serialization: bool
-    pre_hooks: list[Callable[..., Any]]
-    models: list[Any]
+    hooked_weights: list[dict[str, Any]] | None = None
     framework_names: re.Pattern[str] | None = ACCELERATE_NAMES
 
     def _weights_name(self, i: int) -> str:
@@ -71,21 +72,21 @@ class AccelerateWriter(FolderWriter):
         return base if i == 0 else base.replace(".", f"_{i}.")
 
     def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
-        if not self.safe_serialization or self.pre_hooks:
-            # Hooks may edit the weights before they are written: built in files() then.
+        if not self.safe_serialization or self.hooked_weights is not None:
+            # Weights as the hooks left them, or torch.save'd: built in files() then.
             return []
         return [TensorFile(self._weights_name(i), pairs, {"format": "pt"})
                 for i, pairs in enumerate(stored_once(layout, self.key_map, self.num_models))]
 
     def files(self, snapshot: Snapshot) -> Mapping[str, Any]:
         out: dict[str, Any] = {}
-        if not self.safe_serialization or self.pre_hooks:
-            weights: list[dict[str, Any]] = [{} for _ in range(self.num_models)]
-            for key, value in snapshot.model_state_dict.items():
-                index, name = self.key_map[key]
-                weights[index][name] = value
-            for hook in self.pre_hooks:  # as Accelerator.save_state runs them
-                hook(self.models, weights, self.staging)
+        if not self.safe_serialization or self.hooked_weights is not None:
+            weights = self.hooked_weights
+            if weights is None:
+                weights = [{} for _ in range(self.num_models)]
+                for key, value in snapshot.model_state_dict.items():
+                    index, name = self.key_map[key]
+                    weights[index][name] = value
             for i, sd in enumerate(weights):
                 if self.safe_serialization:
                     out[self._weights_name(i)] = safetensors.torch.save(untie(sd), {"format": "pt"})

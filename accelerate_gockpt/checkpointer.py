@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import broadcast_object_list
+import torch
 from torch import nn
 
 import gockpt
 from gockpt import _exit
 from gockpt.folder import StagingFolders, folder_number, latest_numbered
 from gockpt.fsutil import path_key
+from gockpt.fsutil import remove_local as fsutil_remove
 from gockpt.replicated import ReplicatedEngine
 from gockpt.wrapped import engine_model
 
@@ -84,7 +86,9 @@ class GoCkptCheckpointer:
         self._staging = StagingFolders()
         self._closed = False
         self._stopping = False
+        self._hooked_loaders: list[Any] = []
         self._start()
+        self._hook_loaders()
         self._originals = {name: getattr(accelerator, name) for name in _PATCHED}
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
@@ -146,8 +150,12 @@ class GoCkptCheckpointer:
             self._rep.save(final, iteration=acc.save_iteration, exact_step=self._exact_step, rotate_root=root,
                            total_limit=acc.project_configuration.total_limit if root else None)
         else:
+            # Pre-hooks run here, on this thread, as stock runs them: the save then holds the
+            # step of its request, the step the hooks saw.
+            hooked = bool(acc._save_model_state_pre_hook)
             self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
-                           exact_step=self._exact_step, state_fn=lambda: _host_state.host_files(acc))
+                           exact_step=self._exact_step or hooked,
+                           state_fn=lambda: _host_state.host_files(acc))
         self.accelerator.project_configuration.iteration += 1
         self._log_published()
         return Path(final)
@@ -225,6 +233,7 @@ class GoCkptCheckpointer:
             self._closed = True
             self._stopping = True
             self._stop()
+            self._unhook_loaders()
             for name in _PATCHED:
                 self.accelerator.__dict__.pop(name, None)
             _exit.unregister(self._exit_token)
@@ -276,6 +285,7 @@ class GoCkptCheckpointer:
         self._check_sharded()
         self._engine_model, self._key_map = engine_model(acc._models, self._models)
         self._start()
+        self._hook_loaders()
 
     def _end_training(self) -> None:
         original = self._originals["end_training"]
@@ -294,6 +304,35 @@ class GoCkptCheckpointer:
     def _boundary(self) -> None:
         if self._rep is not None:
             self._rep.boundary()
+
+    def _hook_loaders(self) -> None:
+        """Take a step boundary where the loop asks a prepared dataloader for its next batch.
+
+        That is where a stock ``save_state`` of the step before would have run. Later (at
+        ``accumulate`` or the forward) the loader has yielded that batch and fetched the one
+        after it, drawing from the RNG and moving its state: a multi-step checkpoint's RNG
+        and dataloader state taken there would be a batch ahead of its tensors. Accelerate's
+        loaders call ``_update_state_dict()`` when asked for a batch, before fetching the next
+        one, and ``end()`` when asked past the last: both are wrapped (instance attributes,
+        removed by :meth:`close`) to call the boundary first.
+        """
+        for dl in self.accelerator._dataloaders:
+            if any(getattr(dl, n, None) is not None and n in vars(dl) for n in _LOADER_HOOKS):
+                continue  # hooked already
+            hooked = False
+            for name in _LOADER_HOOKS:
+                original = getattr(dl, name, None)
+                if callable(original):
+                    setattr(dl, name, _with_boundary(original, self._boundary))
+                    hooked = True
+            if hooked:
+                self._hooked_loaders.append(dl)
+
+    def _unhook_loaders(self) -> None:
+        for dl in self._hooked_loaders:
+            for name in _LOADER_HOOKS:
+                vars(dl).pop(name, None)
+        self._hooked_loaders = []
 
     # ------------------------------------------------------------------ save helpers
 
@@ -319,6 +358,20 @@ class GoCkptCheckpointer:
                 "to start with.")
         staging = self._staging.make(final)
         acc = self.accelerator
+        weights = None
+        hooks = list(acc._save_model_state_pre_hook.values())
+        if hooks:
+            # As Accelerator.save_state: the live state dicts, the hooks with the folder being
+            # written (files they save land in the checkpoint), then what is left is copied to
+            # the host and written (the copy is this save's stall, as stock's write is).
+            weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+            try:
+                for hook in hooks:
+                    hook(acc._models, weights, staging)
+                weights = [_host_copy(sd) for sd in weights]
+            except BaseException:
+                fsutil_remove(staging)
+                raise
         return staging, _publish.AccelerateWriter(
             staging=staging, key_map=self._key_map, num_models=len(self._models),
             safe_serialization=safe_serialization,
@@ -326,8 +379,7 @@ class GoCkptCheckpointer:
             shares=[_host_state.rng_file_name(r) for r in range(1, acc.num_processes)],
             rotate_root=root, total_limit=acc.project_configuration.total_limit if root else None,
             timeout_s=float(self.plugin.publish_timeout_s or 600.0),
-            pre_hooks=list(acc._save_model_state_pre_hook.values()),
-            models=list(acc._models), stopped=lambda: self._stopping,
+            hooked_weights=weights, stopped=lambda: self._stopping,
             claim_directory=root is not None)
 
     # ------------------------------------------------------------------ errors
@@ -342,3 +394,21 @@ class GoCkptCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("GoCkpt is detached from this accelerator (closed)")
+
+
+#: The methods of Accelerate's prepared dataloaders that run when the loop asks for a batch:
+#: ``_update_state_dict`` before the next one is fetched, ``end`` past the last one.
+_LOADER_HOOKS = ("_update_state_dict", "end")
+
+
+def _with_boundary(original: Any, boundary: Any) -> Any:
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        boundary()
+        return original(*args, **kwargs)
+    return hooked
+
+
+def _host_copy(state_dict: Any) -> Any:
+    """``state_dict`` with every tensor copied to the host (other values as they are)."""
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            for k, v in state_dict.items()}

@@ -258,31 +258,24 @@ def test_save_state_returns_while_the_engine_persists(tmp_path, monkeypatch):
 
 
 def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path):
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(models, weights, output_dir):  # a save_state pre-hook: runs while writing
-        if "checkpoint_2" in output_dir:
-            entered.set()
-            assert gate.wait(60)
-
     run = child.build(str(tmp_path / "run"), total_limit=2)
-    run.acc.register_save_state_pre_hook(held)
-    ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
+    # Multi-step: checkpoint_2 stays in flight over the next updates.
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
     root = tmp_path / "run" / "checkpoints"
     for batches in (1, 2):
         child.train(run, batches)
         run.acc.save_state()
-        ckpt.saves[-1].result(60)
+        ckpt.wait()
     child.train(run, 3)
     run.acc.save_state()
-    assert entered.wait(60)
+    assert not ckpt.saves[-1].done()
     # Accelerate would already have deleted checkpoint_0 to make room; here both complete
     # checkpoints stay until checkpoint_2 is in place.
     # (checkpoint_2 is being written under a hidden name that Accelerate orders first)
     visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
     assert visible == ["checkpoint_0", "checkpoint_1"]
     assert all(listing(root / n) == ACCELERATE_FILES for n in visible)
-    gate.set()
+    child.train(run, 6)
     ckpt.wait()
     assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
     ckpt.close()
@@ -366,22 +359,75 @@ def test_a_folder_accelerate_wrote_itself_is_replaced_and_one_with_other_files_i
     assert _assert_resumes_exactly(stock, live, use_gockpt=True) == 2
 
 
-def test_publish_error_is_raised_on_the_training_thread(tmp_path):
-    def broken(models, weights, output_dir):  # fails while the checkpoint is being written
+class _Augmented(torch.utils.data.Dataset):
+    """Samples with random augmentation: every fetch draws from the torch RNG."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        return torch.full((4,), float(i)) + 0.1 * torch.randn(4)
+
+
+def _augmented_run(project_dir, save_after, plugin=None):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(project_dir), automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dl = torch.utils.data.DataLoader(_Augmented(), batch_size=2)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    ckpt = attach(acc, plugin) if plugin is not None else None
+    paths = []
+    for n, x in enumerate(dl, 1):
+        with acc.accumulate(model):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if n in save_after:
+            paths.append(acc.save_state())
+        if n == 12:
+            break
+    if ckpt is not None:
+        ckpt.close()
+    return paths
+
+
+def test_a_multi_step_checkpoint_takes_rng_and_loader_state_of_its_captured_step(tmp_path):
+    # The loader fetches one batch ahead and the dataset draws random augmentation: the RNG
+    # state a multi-step checkpoint holds must be the one a stock save_state after its captured
+    # batch holds, not one batch later (taken after the loop asked for the next batch).
+    [ours] = _augmented_run(tmp_path / "g", (5,), GoCkptPlugin(mode="gockpt_o", min_overlap_steps=3,
+                                                               max_overlap_steps=3))
+    step = json.loads((ours / "gockpt.json").read_text())["captured_step"]
+    assert step > 5
+    [stock] = _augmented_run(tmp_path / "s", (step,))
+    assert child.differences(load_file(ours / "model.safetensors"),
+                             load_file(stock / "model.safetensors"), "model") == []
+    a, b = (torch.load(p / "random_states_0.pkl", weights_only=False) for p in (ours, stock))
+    assert torch.equal(a["torch_manual_seed"], b["torch_manual_seed"])
+    assert a["random_state"] == b["random_state"]
+
+
+def test_a_failing_save_state_pre_hook_fails_save_state_as_stock(tmp_path):
+    def broken(models, weights, output_dir):
         raise OSError(28, "No space left on device", output_dir)
 
     run = child.build(str(tmp_path / "run"))
     run.acc.register_save_state_pre_hook(broken)
     ckpt = attach(run.acc, GoCkptPlugin(mode="async"))
     child.train(run, 2)
-    path = run.acc.save_state()
-    with pytest.raises(OSError, match="No space left"):
-        ckpt.saves[0].result(60)
-    with pytest.raises(OSError, match="No space left"):  # its own type, on the training thread
+    with pytest.raises(OSError, match="No space left"):  # its own type, from save_state
         run.acc.save_state()
-    assert not path.exists()
+    child.train(run, 3)  # training goes on
     ckpt.close()
-    assert os.listdir(tmp_path / "run" / "checkpoints") == []
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []  # no folder, no staging left
 
 
 def test_model_file_is_safetensors_with_accelerate_keys(tmp_path):
@@ -628,19 +674,31 @@ def test_save_state_pre_hooks_run_and_their_files_are_published(tmp_path):
     seen = []
 
     def hook(models, weights, output_dir):
-        seen.append((len(models), sorted(weights[0])))
+        # As stock runs it: on the training thread, at save_state, with the live model.
+        seen.append((len(models), sorted(weights[0]), threading.current_thread().name))
         weights[0].pop("out.bias")  # an edit of what is written, as stock allows
         Path(output_dir, "data.json").write_text(json.dumps({"note": 1}))
+        torch.save({k: v.clone() for k, v in models[0].state_dict().items()},
+                   Path(output_dir, "own.pt"))  # a model saved by the hook itself
 
     run.acc.register_save_state_pre_hook(hook)
     ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
     child.train(run, 2)
+    live = {k: v.clone() for k, v in run.acc.unwrap_model(run.model).state_dict().items()}
     path = run.acc.save_state()
     child.train(run, 4)
     ckpt.close()
-    assert listing(path) == ACCELERATE_FILES | {"data.json"}
+    assert listing(path) == ACCELERATE_FILES | {"data.json", "own.pt"}
     assert seen and seen[0][0] == 1 and "out.bias" in seen[0][1]
-    assert "out.bias" not in load_file(str(path / "model.safetensors"))
+    assert seen[0][2] == threading.current_thread().name
+    saved = load_file(str(path / "model.safetensors"))
+    assert "out.bias" not in saved
+    own = torch.load(path / "own.pt")
+    for k, v in live.items():  # the weights of the request, in both files
+        assert torch.equal(own[k], v), k
+        assert k == "out.bias" or torch.equal(saved[k], v), k
+    sidecar = json.loads((path / "gockpt.json").read_text())
+    assert sidecar["captured_step"] == sidecar["requested_step"]  # the step the hook saw
 
 
 def test_save_state_follows_a_model_prepared_after_free_memory(tmp_path):
