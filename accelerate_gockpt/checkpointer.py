@@ -143,6 +143,7 @@ class GoCkptCheckpointer:
         """
         self._check_open()
         self._follow_prepared()
+        self._hook_loaders()  # a loader prepared since: its boundary too
         final, root = self._resolve_dir(output_dir)
         assert self._rep is not None
         acc = self.accelerator
