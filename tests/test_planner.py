@@ -482,11 +482,10 @@ def test_planner_takes_the_pace_measured_on_finished_copies_over_the_probe():
     assert plan.copy_bytes_per_s == pytest.approx(3e7)
 
 
-def test_the_measured_replay_rate_and_step_period_reach_the_plan(tmp_path, monkeypatch):
-    # The replay thread times each update it replays; the planner's costs carry that rate (state
-    # bytes per second) and the step period, so that a plan whose captures would wait for a
-    # gradient buffer is charged for it (gockpt.plan.replay_wait_s).
-    seen = []
+@pytest.fixture
+def planned_costs(monkeypatch) -> list:
+    """The costs each plan is made from, in order (None before any was measured)."""
+    seen: list = []
     original = Planner._costs
 
     def spy(self, *args, **kwargs):
@@ -495,6 +494,14 @@ def test_the_measured_replay_rate_and_step_period_reach_the_plan(tmp_path, monke
         return costs
 
     monkeypatch.setattr(Planner, "_costs", spy)
+    return seen
+
+
+def test_the_measured_replay_rate_and_step_period_reach_the_plan(tmp_path, planned_costs):
+    # The replay thread times each update it replays; the planner's costs carry that rate (state
+    # bytes per second) and the step period, so that a plan whose captures would wait for a
+    # gradient buffer is charged for it (gockpt.plan.replay_wait_s).
+    seen = planned_costs
     model, opt, sched, scaler = _deep(width=384)
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=5, max_overlap_steps=5))
     handles = []
@@ -564,18 +571,10 @@ def test_a_k_agreed_with_other_ranks_is_planned_and_priced_as_this_rank_runs_it(
         "lazy", units, grads, lazy.blocks, costs, static_bytes=static))
 
 
-def test_replays_still_queued_at_a_request_reach_its_plan(tmp_path, monkeypatch):
+def test_replays_still_queued_at_a_request_reach_its_plan(tmp_path, planned_costs):
     # Two host slots and a slow replay (emulated): the second save is requested while the
     # first one's replays are still queued; its costs carry them (Costs.replay_backlog_s).
-    seen = []
-    original = Planner._costs
-
-    def spy(self, *args, **kwargs):
-        costs = original(self, *args, **kwargs)
-        seen.append(costs)
-        return costs
-
-    monkeypatch.setattr(Planner, "_costs", spy)
+    seen = planned_costs
     model, opt, sched, scaler = _deep(width=64)
     state = sum(p.numel() * 4 * 3 for p in model.parameters())  # AdamW: param + two moments
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=4, max_overlap_steps=4,
