@@ -25,15 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import broadcast_object_list
-import torch
 from torch import nn
 
 import gockpt
 from gockpt import _exit
 from gockpt.folder import StagingFolders, folder_number, latest_numbered
-from gockpt.fsutil import path_key
-from gockpt.fsutil import remove_local as fsutil_remove
+from gockpt.fsutil import path_key, remove_local
 from gockpt.replicated import ReplicatedEngine
+from gockpt.snapshot import host_copy
 from gockpt.wrapped import engine_model
 
 from . import _host_state, _publish, _sharded
@@ -318,7 +317,7 @@ class GoCkptCheckpointer:
         removed by :meth:`close`) to call the boundary first.
         """
         for dl in self.accelerator._dataloaders:
-            if any(getattr(dl, n, None) is not None and n in vars(dl) for n in _LOADER_HOOKS):
+            if any(n in vars(dl) for n in _LOADER_HOOKS):
                 continue  # hooked already
             hooked = False
             for name in _LOADER_HOOKS:
@@ -369,9 +368,9 @@ class GoCkptCheckpointer:
             try:
                 for hook in hooks:
                     hook(acc._models, weights, staging)
-                weights = [_host_copy(sd) for sd in weights]
+                weights = [host_copy(sd)[0] for sd in weights]
             except BaseException:
-                fsutil_remove(staging)
+                remove_local(staging)
                 raise
         return staging, _publish.AccelerateWriter(
             staging=staging, key_map=self._key_map, num_models=len(self._models),
@@ -407,9 +406,3 @@ def _with_boundary(original: Any, boundary: Any) -> Any:
         boundary()
         return original(*args, **kwargs)
     return hooked
-
-
-def _host_copy(state_dict: Any) -> Any:
-    """``state_dict`` with every tensor copied to the host (other values as they are)."""
-    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-            for k, v in state_dict.items()}

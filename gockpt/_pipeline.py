@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _trace
+from . import _trace, fsutil
 from ._planner import ReplayBackends
 from ._record import Phase, SaveRecord
 from .config import GoCkptConfig
@@ -211,11 +211,10 @@ class Pipeline:
                        "before_publish": lambda _target: writer.before_publish(snap)}
         if writer.staging is not None or writer.framework_names is not None:
             def target(fs: Any, root: str, names: list[str], timeout_s: float | None) -> Any:
-                t = (LocalTarget(fs, root, writer.staging) if writer.staging is not None
-                     else open_target(fs, root, names, timeout_s))
-                if isinstance(t, LocalTarget):
-                    t.framework_names = writer.framework_names
-                return t
+                if writer.staging is None and not fsutil.is_local(fs):
+                    return open_target(fs, root, names, timeout_s)
+                return LocalTarget(fs, root, writer.staging,
+                                   framework_names=writer.framework_names)
             hooks["target_factory"] = target
         return snap, hooks
 

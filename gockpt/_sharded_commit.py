@@ -104,8 +104,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": xxh3(raw)}
         index = json.dumps({"format": "gockpt-sharded", "world_size": world, "replicated": replicated,
                             "captured_step": target, "parts": parts}, sort_keys=True).encode()
-        target_dir = LocalTarget(fs, root, staging=stage)
-        target_dir.framework_names = framework_names
+        target_dir = LocalTarget(fs, root, staging=stage, framework_names=framework_names)
         try:
             nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
             meta = {"requested_step": metrics.requested_step, "captured_step": target,

@@ -274,9 +274,12 @@ class Windows:
         update; None before two updates): how far apart a save's copy windows open."""
         return window_forecast(self._recent_steps, 0.5) if self._recent_steps else None
 
-    def edited_since_update(self) -> bool:
-        """True if a parameter changed in place after its optimizer's latest update."""
-        return any(p._version != v for vs in self._updated_versions.values() for p, v in vs)
+    def edited_since_update(self, updated_only: bool = False) -> bool:
+        """True if a parameter changed in place after its optimizer's latest update (or since
+        the engine began, for an optimizer that applied none; ``updated_only``: those left
+        out)."""
+        return any(p._version != v for i, vs in self._updated_versions.items()
+                   if not updated_only or i in self._updated for p, v in vs)
 
     def note_load(self) -> None:
         """A ``load_state_dict`` is about to overwrite live tensors (the engine's pre-hook):
@@ -293,8 +296,7 @@ class Windows:
             self._loaded = False
             self._updated_versions = {i: self._param_versions(i) for i in self._updated_versions}
             return
-        if self._updated and any(p._version != v for i in self._updated
-                                 for p, v in self._updated_versions[i]):
+        if self.edited_since_update(updated_only=True):
             self.edits_between_updates = True
             log.info("gockpt: parameters change outside optimizer.step() between updates; "
                      "later checkpoints are copied at their request (mode 'async')")

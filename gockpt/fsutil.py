@@ -378,19 +378,24 @@ def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None)
 
 
 def _foreign_manifest(path: str) -> bool:
-    """Whether ``path`` exists and is not a manifest of GoCkpt's (a regular file, read without
-    following a link, at most 64 MiB, naming the ``gockpt`` format)."""
+    """Whether ``path`` exists and is not a manifest of GoCkpt's: a regular file (read as
+    untrusted: :func:`gockpt._safe_read.open_local_regular`), at most 64 MiB, naming the
+    ``gockpt`` format. Only its first 4 KiB are read where the format is named there (GoCkpt's
+    manifests name it first)."""
+    from gockpt._safe_read import open_local_regular
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd, size = open_local_regular(path)
     except FileNotFoundError:
         return False
-    except OSError:  # a symlink (ELOOP), unreadable: not ours
+    except (OSError, CheckpointError):  # a symlink, a FIFO, unreadable: not ours
         return True
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST_PROBE:
+        if size > _MAX_MANIFEST_PROBE:
             return True
-        return _GOCKPT_FORMAT.search(f.read(_MAX_MANIFEST_PROBE)) is None
+        head = f.read(4096)
+        return (_GOCKPT_FORMAT.search(head) is None
+                and _GOCKPT_FORMAT.search(head + f.read(_MAX_MANIFEST_PROBE)) is None)
 
 
 def scratch_path(parent: str, name: str, kind: str = "tmp") -> str:

@@ -97,6 +97,29 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
     return conv(tree)
 
 
+
+def host_copy(tree: Any) -> tuple[Any, int]:
+    """A copy of ``tree`` (nested dicts, lists, tuples) whose tensors are host tensors with
+    storages of their own; what an adapter takes at a request, on the training thread.
+
+    Tensors are copied (device-to-host for GPU tensors: this is a stall); other leaves are
+    deep-copied, since frameworks pass live objects (a loss scaler) that change after the call.
+
+    Returns:
+        The copy and its tensor bytes.
+    """
+    nbytes = 0
+
+    def leaf(x: Any) -> Any:
+        nonlocal nbytes
+        if isinstance(x, torch.Tensor):
+            nbytes += x.numel() * x.element_size()
+            return x.detach().to("cpu", copy=True)
+        return copy.deepcopy(x)
+
+    return map_tree(tree, leaf, is_leaf=lambda x: isinstance(x, torch.Tensor)), nbytes
+
+
 def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
     """A copy of ``tree`` safe to serialize later: live tensors become references, others CPU copies.
 

@@ -154,7 +154,7 @@ class LocalTarget(StorageTarget):
     """
 
     def __init__(self, fs: AbstractFileSystem, root: str, staging: str | None = None, *,
-                 direct_io: bool = True) -> None:
+                 direct_io: bool = True, framework_names: re.Pattern[str] | None = None) -> None:
         """
         Args:
             fs, root: the local filesystem and the checkpoint directory.
@@ -164,12 +164,13 @@ class LocalTarget(StorageTarget):
                 knows it); None: a new one.
             direct_io: write files with ``O_DIRECT`` where the filesystem allows it
                 (:mod:`gockpt._direct`); False: through the page cache.
+            framework_names: entries of a checkpoint its framework wrote itself, which the
+                publish replaces like a checkpoint
+                (:attr:`gockpt.writer.CheckpointWriter.framework_names`).
         """
         self.fs = fs
         self.direct_io = direct_io
-        # Entries of a checkpoint its framework wrote itself, replaced like a checkpoint
-        # (CheckpointWriter.framework_names); set by the engine for a writer's save.
-        self.framework_names: re.Pattern[str] | None = None
+        self.framework_names = framework_names
         self.root = root
         self.parent, name = fsutil.split(root)
         os.makedirs(self.parent, exist_ok=True)
@@ -385,8 +386,7 @@ class ObjectTarget(StorageTarget):
         """Run one write call; past ``timeout_s`` the file fails: no answer is waited for
         longer (:meth:`_call`), and on S3 a call that came back late fails too."""
         if self.bound_s is not None:
-            return fsutil.bounded_call(functools.partial(fn, *args), self.bound_s,
-                                       f"write of {path}")
+            return self._call(f"write of {path}", fn, *args)
         t0 = monotonic()
         out = fn(*args)
         if self.timeout_s is not None and monotonic() - t0 > self.timeout_s:

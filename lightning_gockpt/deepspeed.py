@@ -31,7 +31,6 @@ Loading is stock's: DeepSpeed reads its own files (``fit(ckpt_path=...)``).
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,31 +39,10 @@ from typing import Any
 import torch
 
 from gockpt.fsutil import fsync_path
-from gockpt.snapshot import map_tree
+from gockpt.snapshot import host_copy
 from gockpt.torchfile import torch_file
 
 from .staged import StagedAdapterEngine
-
-
-def _host_copy(tree: Any) -> tuple[Any, int]:
-    """A copy of ``tree`` whose tensors are host tensors with storages of their own.
-
-    Tensors are copied (device-to-host for GPU tensors); other leaves are deep-copied, since
-    DeepSpeed passes live objects (its loss scaler) that change after the call.
-
-    Returns:
-        The copy and its tensor bytes.
-    """
-    nbytes = 0
-
-    def leaf(x: Any) -> Any:
-        nonlocal nbytes
-        if isinstance(x, torch.Tensor):
-            nbytes += x.numel() * x.element_size()
-            return x.detach().to("cpu", copy=True)
-        return copy.deepcopy(x)
-
-    return map_tree(tree, leaf, is_leaf=lambda x: isinstance(x, torch.Tensor)), nbytes
 
 
 class HostCopyEngine:
@@ -100,7 +78,7 @@ class HostCopyEngine:
     def save(self, state_dict: Any, path: str) -> None:
         if self._files is None:
             raise RuntimeError("GoCkpt's DeepSpeed checkpoint engine saves only inside a GoCkpt request")
-        tree, nbytes = _host_copy(state_dict)
+        tree, nbytes = host_copy(state_dict)
         self.state_bytes += nbytes
         self._files.append((path, tree))
 

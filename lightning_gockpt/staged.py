@@ -34,8 +34,8 @@ from typing import Any
 import gockpt
 from gockpt import CheckpointMetrics, GoCkptConfig
 from gockpt._sharded_commit import await_part, mark, part_name
-from gockpt.fsutil import check_replaceable, fsync_path, is_local, url_to_fs
-from gockpt.storage import BackgroundDeleter, ClaimedStaging
+from gockpt.fsutil import fsync_path, is_local, path_key, url_to_fs
+from gockpt.storage import BackgroundDeleter, ClaimedStaging, check_save_path
 from gockpt.targets import LocalTarget
 
 log = logging.getLogger("lightning_gockpt")
@@ -155,9 +155,10 @@ class StagedAdapterEngine:
                 if os.path.ismount(root):
                     # Publishing is one rename in the parent directory; a mount point cannot be.
                     raise ValueError(f"{root} is a mount point: checkpoint into a directory inside it")
-                check_replaceable(root, self._framework_names)
-                target = LocalTarget(fs, root, staging=self._staging.make(root))
-                target.framework_names = self._framework_names
+                check_save_path(path_key(root), update_latest=False,
+                                framework_names=self._framework_names)
+                target = LocalTarget(fs, root, staging=self._staging.make(root),
+                                     framework_names=self._framework_names)
             except BaseException as e:  # noqa: BLE001 - every rank must reach the broadcast
                 problem = f"{type(e).__name__}: {e}"
         stage, problem = self.strategy.broadcast((target.staging if target else None, problem))
