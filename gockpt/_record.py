@@ -229,6 +229,12 @@ class SaveRecord:
     # save was handed off, those held entries (HeldTensors.entries): the persist links the
     # shard's file from the last checkpoint that wrote the same entries.
     held_entries: dict[int, tuple] | None = None
+    # A multi-step save: the writes to its copied blocks outside an update, until its step is
+    # taken (gockpt._watch.EditWatch); after that, the writes to the block still being copied.
+    watch: Any = None
+    # Units written outside an update between their copy and the captured step: their live
+    # tensors are copied with the state tree at the capture, not taken from the host copy.
+    edited: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.share is None:

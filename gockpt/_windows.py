@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, StorageLag, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
+from ._watch import EditWatch, ParamSampler
 from .config import GoCkptConfig
 from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
@@ -171,6 +172,9 @@ class Windows:
         # Optimizers that applied an update: only edits after one count (in-place init, a
         # DDP broadcast or loaded weights before the first update are not the loop's edits).
         self._updated: set[int] = set()
+        # Writes between updates that bypass the version counters (``p.data.clamp_()``):
+        # sampled contents, until an edit is seen.
+        self._sampler = ParamSampler()
 
     # ------------------------------------------------------------------ request
 
@@ -200,6 +204,7 @@ class Windows:
                 self._pipeline.finalize(s)
             return handle
         self.saves.append(s)
+        s.watch = EditWatch(s.layout)
         self._open_window(s)
         if s.target == version:
             self._capture(s, version, model_sd)
@@ -253,7 +258,11 @@ class Windows:
         self._t_update_end = now
         self._updated_versions[opt_index] = self._param_versions(opt_index)
         self._updated.add(opt_index)
+        if not self.edits_between_updates:
+            self._sampler.rebase([p for i in self._updated for p, _ in self._updated_versions[i]])
         for s in list(self.saves):
+            if s.watch is not None and not s.captured:
+                s.watch.rebase()  # the update's writes are not edits
             if s.phase is Phase.COPYING:
                 self.fail(s, CheckpointTornError(
                     f"{s.path}: an optimizer update ran while block {s.window} was being copied; "
@@ -288,15 +297,18 @@ class Windows:
 
     def _note_edits(self) -> None:
         """At a window end, right before an update: whether a parameter changed since the
-        latest update (:attr:`edits_between_updates`). Writes that bypass the version counter
-        (through ``.data``, a NumPy or DLPack alias) are not seen."""
+        latest update (:attr:`edits_between_updates`): by the version counters, and for writes
+        that bypass them (through ``.data``, a NumPy or DLPack alias) by sampled contents
+        (:class:`gockpt._watch.ParamSampler`; on an accelerator read back a step or so later)."""
         if self.edits_between_updates:
             return
         if self._loaded:
             self._loaded = False
             self._updated_versions = {i: self._param_versions(i) for i in self._updated_versions}
+            self._sampler.rebase([p for i in self._updated for p, _ in self._updated_versions[i]])
             return
-        if self.edited_since_update(updated_only=True):
+        self._sampler.check()
+        if self.edited_since_update(updated_only=True) or self._sampler.seen():
             self.edits_between_updates = True
             log.info("gockpt: parameters change outside optimizer.step() between updates; "
                      "later checkpoints are copied at their request (mode 'async')")
@@ -329,7 +341,7 @@ class Windows:
             try:
                 s.tickets[s.window].fence_compute()
                 t1 = perf_counter()
-                self._check_versions(s)
+                self._check_window(s)
             except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
                 self.fail(s, e)
                 continue
@@ -360,7 +372,7 @@ class Windows:
             try:
                 if s.phase is Phase.COPYING:
                     s.tickets[s.window].wait()
-                    self._check_versions(s)
+                    self._check_window(s)
                 rest = range(s.window + 1, s.num_blocks)
                 if len(rest):
                     self._copy_blocks(s, rest, wait=True)
@@ -507,6 +519,7 @@ class Windows:
     def _open_window(self, s: SaveRecord) -> None:
         # The gradient copies queued since the last window opened overlap this one (gockpt_o).
         s.window_grads, s.grads_seen = s.grad_tickets[s.grads_seen:], len(s.grad_tickets)
+        s.watch.add(s.plan.blocks[s.window])  # from the start of its copy
         self._copy_blocks(s, [s.window], wait=False)
         s.phase = Phase.COPYING
 
@@ -568,6 +581,55 @@ class Windows:
                 f"{s.path}: the checkpoint before it was not written out within "
                 "slot_wait_timeout_s; this checkpoint is skipped (storage slower than the "
                 "checkpoint interval?)")
+
+    def _check_window(self, s: SaveRecord) -> None:
+        """At the end of ``s``'s open window (its copy done): before the step is taken, note the
+        writes outside an update to every block copied so far (:class:`EditWatch`: those units
+        are copied live at the capture); after it (the last window, whose copy began before the
+        step was taken), fail ``s`` when its block was written since the capture.
+
+        Raises:
+            CheckpointTornError: a tensor of the block copied in the open window changed after
+                the step was taken (``s`` cannot hold it; the previous checkpoints stand).
+        """
+        if not s.captured:
+            s.watch.check()
+        elif s.watch is not None and (s.watch.check() or s.watch.edited()):
+            s.overtaken = True
+            self.edits_between_updates = True  # later saves are copied at their request
+            raise CheckpointTornError(
+                f"{s.path}: a tensor changed while it was copied, after its step was taken "
+                "(edited outside optimizer.step()); this checkpoint is not written. Call "
+                "engine.flush() before such edits, or save with mode='async'")
+        s.versions = []
+        self._check_versions(s)
+
+    def _settle_edits(self, s: SaveRecord) -> None:
+        """At ``s``'s capture: the units written outside an update since their copy began go
+        into :attr:`SaveRecord.edited` (copied live with the state tree). If some were, or the
+        loop is known to edit between updates, the block still being copied is waited for, so
+        that an edit after the capture cannot reach it; else it is watched until its window
+        ends (:meth:`_check_window`)."""
+        w = s.watch
+        w.check()
+        s.edited = w.edited()
+        s.watch = None
+        if s.edited:
+            base = s.slot.data.data_ptr()
+            s.slot.held.forget(s.views[e.key].data_ptr() - base
+                               for i in s.edited for e in s.layout.units[i].entries)
+            self.edits_between_updates = True  # later saves are copied at their request
+            log.info("gockpt: %s: %d parameter(s) changed outside optimizer.step() during its "
+                     "copy windows: copied at the captured step", s.path, len(s.edited))
+        if s.phase is not Phase.COPYING:
+            return
+        if s.edited or self.edits_between_updates:
+            t0 = perf_counter()
+            s.tickets[s.window].wait()
+            s.metrics.add_stall("window_end", perf_counter() - t0)
+            return
+        s.watch = EditWatch(s.layout)
+        s.watch.add([i for i in s.plan.blocks[s.window] if i not in s.edited])
 
     def _check_versions(self, s: SaveRecord) -> None:
         """Fail ``s`` (CheckpointTornError) when a tensor changed while it was copied; else the
@@ -757,6 +819,8 @@ class Windows:
         raises fails alone while others still want the snapshot.
         """
         t0 = perf_counter()
+        if s.watch is not None and not s.captured:
+            self._settle_edits(s)
         current, live, pairs = self._live(s, model_sd)
         remember = []
         if self._when_changed and pairs:
@@ -819,8 +883,8 @@ class Windows:
             current = prune_model(current, part)
         live, stored = self._tracked_keys(s.layout)
         live = dict(live)
-        for u, keys in zip(s.layout.units, stored):
-            if self._dirty(u, keys):  # rare: state replaced during the windows
+        for i, (u, keys) in enumerate(zip(s.layout.units, stored)):
+            if i in s.edited or self._dirty(u, keys):  # rare: written or replaced during the windows
                 live.pop(keys[0], None)
                 for k in keys[1].values():
                     live.pop(k, None)

@@ -76,6 +76,12 @@ class Net(pl.LightningModule):
         # Runs after the callbacks' on_train_batch_end, where ModelCheckpoint requested a save.
         if self.feature == "clamp_after_batch":
             self._clamp()
+        if self.feature in ("clamp_late", "data_clamp_late") and self.global_step >= 5:
+            # From step 5 on, inside the copy windows of the save requested at step 4: in place
+            # (the version counters move), or through .data, WGAN style (they do not).
+            with torch.no_grad():
+                for p in self.parameters():
+                    (p.data if self.feature == "data_clamp_late" else p).clamp_(-0.3, 0.3)
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.global_step >= 5 and not self.extra.weight.requires_grad:
@@ -232,6 +238,29 @@ def test_checkpoint_equals_stock_at_the_captured_step(tmp_path, mode, feature):
     assert_bitwise_equal(ours["optimizer_states"][0]["state"], stock["optimizer_states"][0]["state"], "state")
     assert ours["optimizer_states"][0]["param_groups"] == stock["optimizer_states"][0]["param_groups"]
     assert ours["loops"] == stock["loops"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("feature", ["clamp_late", "data_clamp_late"])
+def test_weights_first_edited_inside_a_saves_windows_are_checkpointed_as_stock(tmp_path, mode, feature):
+    """The module starts clamping its weights (in place, or through ``.data``) at step 5, while
+    the save requested at step 4 is still copying: that checkpoint holds its captured step bit
+    for bit as stock's file of that step, and the later ones (copied at their request once an
+    edit was seen) equal stock's files of the same name."""
+    _run(tmp_path / "g", feature, io=_io(mode), max_steps=12, ckpt_every_steps=4)
+    first = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)
+    step = first["global_step"]
+    assert step == 4 + (0 if mode == "lazy" else 2)
+    _run(tmp_path / "s", feature, max_steps=12, ckpt_every_steps=2)
+    for name, want in ((f"step={step}.ckpt", "step=4.ckpt"), ("step=8.ckpt", "step=8.ckpt"),
+                       ("step=12.ckpt", "step=12.ckpt")):
+        ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / want), weights_only=False)
+        stock = torch.load(tmp_path / "s" / name, weights_only=False)
+        assert ours["global_step"] == stock["global_step"], name
+        assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
+        assert_bitwise_equal(ours["optimizer_states"][0]["state"],
+                             stock["optimizer_states"][0]["state"], name)
+        assert ours["loops"] == stock["loops"], name
 
 
 @pytest.mark.parametrize("mode", MODES)
