@@ -29,9 +29,9 @@ from torch.optim import Optimizer
 
 from . import _trace, fsutil
 from ._planner import ReplayBackends
-from ._record import Phase, SaveRecord
+from ._record import Phase, SaveRecord, edited_after_capture
 from .config import GoCkptConfig
-from .errors import CheckpointCancelledError
+from .errors import CheckpointCancelledError, CheckpointTornError
 from .handle import CheckpointMetrics
 from .layout import Unit
 from .persist import (PersistRequest, PersistResult, io_threads, io_threads_cap,
@@ -270,6 +270,12 @@ class Pipeline:
                 raise s.failed
             if s.cancel.is_set():
                 raise CheckpointCancelledError(f"{s.path}: cancelled")
+            if s.late_edits is not None:
+                for flag, event in s.late_edits:
+                    event.synchronize()  # type: ignore[attr-defined]
+                    if bool(flag):
+                        s.overtaken = True
+                        raise CheckpointTornError(edited_after_capture(s.path))
             m.device_wait_s = sum(t.device_wait_s() for t in s.tickets.values())
             meta = {
                 "requested_step": m.requested_step,

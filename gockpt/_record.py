@@ -235,6 +235,9 @@ class SaveRecord:
     # Units written outside an update between their copy and the captured step: their live
     # tensors are copied with the state tree at the capture, not taken from the host copy.
     edited: set[int] = field(default_factory=set)
+    # CUDA: the sampled comparison of the block copied after the capture, read by the persist
+    # before it writes ((pinned host flag, event) pairs; gockpt._watch.EditWatch.sampled_later).
+    late_edits: list | None = None
 
     def __post_init__(self) -> None:
         if self.share is None:
@@ -561,3 +564,10 @@ def _first_bytes_free(drain: Drain, ranges: list[tuple[int, int]], t0: float,
     static tensors) are written out by the save it was borrowed from."""
     left = None if timeout_s is None else max(0.0, timeout_s - (perf_counter() - t0))
     return drain.wait_free(ranges, left)
+
+
+def edited_after_capture(path: str) -> str:
+    """The message of a save whose block still being copied was written after its step was taken."""
+    return (f"{path}: a tensor changed while it was copied, after its step was taken (edited "
+            "outside optimizer.step()); this checkpoint is not written. Call engine.flush() "
+            "before such edits, or save with mode='async'")

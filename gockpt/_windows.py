@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._pipeline import Pipeline
-from ._record import Phase, SaveRecord, StorageLag, state_versions
+from ._record import Phase, SaveRecord, StorageLag, edited_after_capture, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
 from ._watch import EditWatch, ParamSampler
 from .config import GoCkptConfig
@@ -207,7 +207,7 @@ class Windows:
         s.watch = EditWatch(s.layout)
         self._open_window(s)
         if s.target == version:
-            self._capture(s, version, model_sd)
+            self._capture(s, version, model_sd, just_opened=True)
         metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s
                                          - s.flushed_others_s))
         return handle
@@ -489,6 +489,7 @@ class Windows:
         s.held_entries = out
 
     def _hand_off(self, s: SaveRecord) -> None:
+        s.watch = None  # its last check ran at its last window end
         self._note_held(s)
         s.phase = Phase.FINALIZED
         s.handle._flush = None  # waiting for it now needs no training: no flush of the others
@@ -499,6 +500,7 @@ class Windows:
         copies failed); the persist reports it (raised at a later hook or call)."""
         s.failed = e
         s.cancel.set()
+        s.watch = None
         if s is s.share.leader:
             for r in s.share.records[1:]:
                 if not r.handed_off:
@@ -592,32 +594,37 @@ class Windows:
             CheckpointTornError: a tensor of the block copied in the open window changed after
                 the step was taken (``s`` cannot hold it; the previous checkpoints stand).
         """
+        w = s.watch
         if not s.captured:
-            s.watch.check()
-        elif s.watch is not None and (s.watch.check() or s.watch.edited()):
-            s.overtaken = True
-            self.edits_between_updates = True  # later saves are copied at their request
-            raise CheckpointTornError(
-                f"{s.path}: a tensor changed while it was copied, after its step was taken "
-                "(edited outside optimizer.step()); this checkpoint is not written. Call "
-                "engine.flush() before such edits, or save with mode='async'")
+            w.check()
+        elif w is not None:
+            w.check()
+            # On a CUDA device the sampled comparison is read by the persist before it writes
+            # (no host sync here, behind the copy this window end fenced).
+            s.late_edits = w.sampled_later()
+            if w.versions_moved() or (s.late_edits is None and w.edited()):
+                s.overtaken = True
+                self.edits_between_updates = True  # later saves are copied at their request
+                raise CheckpointTornError(edited_after_capture(s.path))
         s.versions = []
         self._check_versions(s)
 
-    def _settle_edits(self, s: SaveRecord) -> None:
+    def _settle_edits(self, s: SaveRecord, check: bool = True) -> None:
         """At ``s``'s capture: the units written outside an update since their copy began go
         into :attr:`SaveRecord.edited` (copied live with the state tree). If some were, or the
         loop is known to edit between updates, the block still being copied is waited for, so
         that an edit after the capture cannot reach it; else it is watched until its window
         ends (:meth:`_check_window`)."""
         w = s.watch
-        w.check()
-        s.edited = w.edited()
+        if check:  # else the capture follows the window's opening in one call: nothing ran
+            w.check()
+            s.edited = w.edited()
         s.watch = None
         if s.edited:
             base = s.slot.data.data_ptr()
-            s.slot.held.forget(s.views[e.key].data_ptr() - base
-                               for i in s.edited for e in s.layout.units[i].entries)
+            stale = {s.views[e.key].data_ptr() - base for i in s.edited for e in s.layout.units[i].entries}
+            s.slot.held.forget(stale)
+            s.to_remember = [r for r in s.to_remember if r[0] not in stale]
             self.edits_between_updates = True  # later saves are copied at their request
             log.info("gockpt: %s: %d parameter(s) changed outside optimizer.step() during its "
                      "copy windows: copied at the captured step", s.path, len(s.edited))
@@ -805,7 +812,8 @@ class Windows:
             self.fail(s, e)
             return False
 
-    def _capture(self, s: SaveRecord, version: int, model_sd: dict[str, Any] | None = None) -> None:
+    def _capture(self, s: SaveRecord, version: int, model_sd: dict[str, Any] | None = None,
+                 just_opened: bool = False) -> None:
         """Take the state tree, buffers and param groups at the captured step ``version``.
 
         The tree (``state_fn()``, the model's state_dict, the optimizers' state_dicts) is copied
@@ -820,7 +828,7 @@ class Windows:
         """
         t0 = perf_counter()
         if s.watch is not None and not s.captured:
-            self._settle_edits(s)
+            self._settle_edits(s, check=not just_opened)
         current, live, pairs = self._live(s, model_sd)
         remember = []
         if self._when_changed and pairs:

@@ -189,3 +189,50 @@ def test_param_sampler_sees_data_writes_only_between_updates():
     p.data.add_(1.0)
     s.check()
     assert s.seen()
+
+
+@pytest.mark.parametrize("edit_at", [2, 3])
+def test_a_data_edit_of_a_frozen_parameter_is_not_held_for_later_saves(tmp_path, edit_at):
+    # frozen_copy="when_changed" keeps a frozen parameter's host bytes for later saves while its
+    # version counter does not move. A .data edit inside a save's windows (up to the capture) is
+    # taken live for that save, and its host bytes must not be kept for the next one.
+    model, _, sched, scaler = make("adamw")
+    params = list(model.parameters())
+    for p in params[1:]:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                                          frozen_copy="when_changed"))
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        if it == edit_at:
+            with torch.no_grad():
+                for p in params[1:]:
+                    p.data.mul_(0.5)
+        eng.step_end()
+        if it in (1, 6):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end)
+    eng.close()
+    for h in handles:
+        m = h.result()
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"], m.path)
+
+
+def test_nan_parameters_are_not_taken_for_edits():
+    # NaN != NaN: samples are compared as bit patterns.
+    p = torch.nn.Parameter(torch.full((50,), float("nan")))
+    s = ParamSampler()
+    s.rebase([p])
+    s.check()
+    assert not s.seen()
+    layout = build_layout(torch.nn.Linear(2, 2), [torch.optim.SGD([p], lr=0.1)])
+    w = EditWatch(layout)
+    w.add(range(len(layout.units)))
+    w.check()
+    assert w.edited() == set()
