@@ -84,6 +84,9 @@ class Pipeline:
         self._queued_replay_bytes = 0  # under _samples_lock: replays queued, not yet done
         self._samples_lock = threading.Lock()
         self._replay_q: queue.Queue = queue.Queue()
+        # A gradient copy was torn by an in-place write (zero_grad(set_to_none=False) on the
+        # model, p.grad.zero_()): set by the replay thread, read by Engine.save.
+        self.grads_written = False
         self._replay_thread = threading.Thread(target=self._replay_loop, name="gockpt-replay", daemon=True)
         self._replay_thread.start()
 
@@ -149,9 +152,19 @@ class Pipeline:
                 else:
                     self._persist_pool.submit(self._persist_safely, s)
             except BaseException as e:  # noqa: BLE001 - reported through the handle
+                # A gradient copy torn by the loop's own in-place write is not an engine fault:
+                # the save is logged as overtaken, and later ones wait for their gradient copies.
+                torn = kind == "replay" and isinstance(e, CheckpointTornError)
+                if torn and not self.grads_written:
+                    self.grads_written = True
+                    log.warning("gockpt: gradients were written in place while being copied "
+                                "(an in-place zero_grad or accumulation right after the "
+                                "update); later checkpoints wait for their gradient copies "
+                                "(mode 'gockpt' instead of 'gockpt_o')")
                 # A failed replay spoils the snapshot of every save sharing it.
                 for r in s.share.records if kind == "replay" else [s]:
                     r.failed = r.failed or e
+                    r.overtaken = r.overtaken or torn
                     r.cancel.set()
 
     def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket, nbytes: int) -> None:

@@ -108,6 +108,9 @@ class Planner:
         self.layouts_built = 0  # layouts enumerated so far (the first and each change)
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
+        # False once a gradient copy overlapping the next forward was torn (the loop writes
+        # gradients in place before the next backward): auto plans gockpt, not gockpt_o.
+        self.grad_overlap = True
         # Sharded engines (gockpt.sharded): the (mode, K) every rank follows, from this rank's
         # plan (a collective); called at the end of every plan().
         self.agree: Callable[[CopyPlan], tuple[str, int]] | None = None
@@ -198,6 +201,7 @@ class Planner:
         def plan_for(m: str, k_lo: int, k_hi: int) -> CopyPlan:
             return make_plan(m, unit_bytes, grad_bytes, costs, max_overlap_steps=k_hi,
                              replayable=replayable, min_overlap_steps=k_lo,
+                             grad_overlap=self.grad_overlap,
                              static_bytes=static_bytes, interval_steps=interval_steps,
                              # Ranks that agree on K share a snapshot only at that same K; a
                              # request that skips when no slot is free finishes no windows to

@@ -233,6 +233,10 @@ class Engine:
         if max_overlap_steps is not None and max_overlap_steps < 1:
             raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
         mode = mode or self.config.mode
+        if self._pipeline.grads_written:  # gradients are written in place right after updates
+            self._planner.grad_overlap = False
+            if mode == "gockpt_o":
+                mode = "gockpt"
         if mode not in ("sync", "async") and self._windows.edited_since_update():
             # Edited outside optimizer.step() (a weight swap around this save): the editor may
             # change them back before a later copy runs, so copy at the request, as stock does.

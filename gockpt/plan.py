@@ -551,6 +551,7 @@ def make_plan(
     static_bytes: int = 0,
     interval_steps: int | None = None,
     next_request_shares: bool = True,
+    grad_overlap: bool = True,
 ) -> CopyPlan:
     """Choose the mode, K and the block of each window for one checkpoint.
 
@@ -601,6 +602,9 @@ def make_plan(
             when unknown.
         next_request_shares: whether a request that cuts this plan's windows short takes its
             snapshot (False where ranks must agree on K: :mod:`gockpt.sharded`).
+        grad_overlap: whether ``auto`` may overlap the gradient copy with the next forward
+            (``gockpt_o``); False once the loop was seen writing gradients in place before
+            the next backward (``gockpt`` then).
 
     Returns:
         The plan, with its predicted stall and the lower bound over plans of at most
@@ -657,7 +661,7 @@ def make_plan(
     # (stall bytes, K, preference, mode, blocks, flushed_at); auto's K = 1 is lazy, preferred
     # on ties.
     # auto: gockpt_o's window never predicts more than gockpt's (max(0, s+G-C) <= G + max(0, s-C)).
-    modes = ("gockpt_o",) if mode == "auto" else (mode,)
+    modes = ("gockpt_o" if grad_overlap else "gockpt",) if mode == "auto" else (mode,)
     k_lo = min(min_overlap_steps, max_overlap_steps)
     # Splits sized for the median window, each scored by the mean stall over every sample;
     # where that mean is more than the median's stall (windows vary, and the splits fill

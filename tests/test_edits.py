@@ -236,3 +236,37 @@ def test_nan_parameters_are_not_taken_for_edits():
     w.add(range(len(layout.units)))
     w.check()
     assert w.edited() == set()
+
+
+def test_gradients_zeroed_in_place_while_copied_fail_one_save_then_gockpt(tmp_path, caplog):
+    # gockpt_o copies an update's gradients while the loop goes on; module.zero_grad(
+    # set_to_none=False) (not the optimizer's, which waits for the copy) zeroes them in place
+    # right after the update. With a slow emulated host link the copy is still running then:
+    # that checkpoint fails, logged and not raised to the loop, and later ones wait for their
+    # gradient copies (gockpt) and are exact.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3,
+                                          host_link_bytes_per_s=4e6))
+    x = torch.randn(16, 128)
+    live, handles = {}, []
+    with caplog.at_level(logging.WARNING, logger="gockpt"):
+        for it in range(14):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            model.zero_grad(set_to_none=False)
+            eng.step_end()
+            live.setdefault(eng.version, snapshot(model, opt))
+            if it in (1, 6, 10):
+                handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+        eng.close()
+    with pytest.raises(gockpt.CheckpointTornError, match="modified in place"):
+        handles[0].result()
+    assert any("mode 'gockpt' instead of 'gockpt_o'" in r.getMessage() for r in caplog.records)
+    for h in handles[1:]:
+        m = h.result()
+        assert m.mode == "gockpt" and m.captured_step == m.requested_step + 2
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+        assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])

@@ -59,6 +59,11 @@ def test_auto_spreads_copy_over_steps_when_it_exceeds_one_window():
     lazy = make_plan("lazy", units, grads, costs, max_overlap_steps=7, replayable=True)
     assert p.mode in ("gockpt", "gockpt_o") and p.num_overlap_steps > 1
     assert p.predicted_stall_s < lazy.predicted_stall_s
+    # Where gradients may not be copied behind the next forward, auto plans gockpt.
+    q = make_plan("auto", units, grads, costs, max_overlap_steps=7, replayable=True, grad_overlap=False)
+    assert q.mode == "gockpt" and q.num_overlap_steps > 1
+    assert q.predicted_stall_s == make_plan("gockpt", units, grads, costs, max_overlap_steps=7,
+                                            replayable=True).predicted_stall_s
 
 
 def test_overlapped_gradient_copy_never_predicts_more_stall():
