@@ -35,3 +35,46 @@ class EngineHook:
 
     def __reduce__(self) -> tuple:
         return (InertHook, ())
+
+
+class StepPreHook(EngineHook):
+    """An optimizer step pre-hook: calls ``fn()``; where the step is given a closure (the
+    forward and backward then run inside ``step``: Lightning's automatic optimization, LBFGS),
+    the closure is wrapped so that ``after_closure()`` runs when it first returns, right before
+    the update, after every hook the closure calls (Lightning's ``on_before_optimizer_step`` of
+    each callback and of the module, gradient clipping). A step given no closure calls
+    ``without_closure()``, if any, after ``fn()``: where the window ended earlier (explicit
+    mode), that pre-hook is the point right before the update (Lightning's mixed precision runs
+    the closure before ``scaler.step``)."""
+
+    __slots__ = ("after_closure", "without_closure")
+
+    def __init__(self, fn: Callable[[], Any], after_closure: Callable[[], Any],
+                 without_closure: Callable[[], Any] | None = None) -> None:
+        super().__init__(fn)
+        self.after_closure = after_closure
+        self.without_closure = without_closure
+
+    def __call__(self, _opt: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self.fn()
+        if kwargs.get("closure") is not None:
+            closure = kwargs["closure"]
+        elif len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
+            closure = args[1]
+        else:
+            if self.without_closure is not None:
+                self.without_closure()
+            return None
+        after = self.after_closure
+        first = [True]
+
+        def wrapped() -> Any:
+            out = closure()
+            if first[0]:  # LBFGS calls it again between its own updates inside the step
+                first[0] = False
+                after()
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs

@@ -313,6 +313,16 @@ class Windows:
             log.info("gockpt: parameters change outside optimizer.step() between updates; "
                      "later checkpoints are copied at their request (mode 'async')")
 
+    def closure_end(self) -> None:
+        """The closure given to an optimizer step returned, right before its update: writes made
+        after the window end (hooks the closure calls after the engine's: Lightning runs the
+        module's and later callbacks' ``on_before_optimizer_step`` after GoCkpt's) are noted as
+        at a window end, where the update's re-base would otherwise hide them."""
+        self._note_edits()
+        for s in self.saves:
+            if s.watch is not None and not s.captured:
+                s.watch.check()
+
     def _param_versions(self, opt_index: int) -> list[tuple[torch.Tensor, int]]:
         return [(p, p._version) for g in self._optimizers[opt_index].param_groups for p in g["params"]]
 

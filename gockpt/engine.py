@@ -39,7 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _exit
-from ._hooks import EngineHook
+from ._hooks import EngineHook, StepPreHook
 from ._pipeline import Pipeline
 from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_copy_bandwidth
 from ._record import Phase, SaveRecord, make_record
@@ -120,7 +120,9 @@ class Engine:
         self._windows = Windows(model, self.optimizers, self._copier, self._pipeline, self.config)
         self._hooks = []
         for i, o in enumerate(self.optimizers):
-            self._hooks.append(o.register_step_pre_hook(EngineHook(partial(self._on_pre_hook, i))))
+            self._hooks.append(o.register_step_pre_hook(
+                StepPreHook(partial(self._on_pre_hook, i), self._windows.closure_end,
+                            self._windows.closure_end if explicit_before_update else None)))
             self._hooks.append(o.register_step_post_hook(EngineHook(partial(self._on_post_hook, i))))
             self._windows.wrap_zero_grad(o)
         self._hooks.append(model.register_forward_pre_hook(EngineHook(self._on_forward)))

@@ -83,6 +83,12 @@ class Net(pl.LightningModule):
                 for p in self.parameters():
                     (p.data if self.feature == "data_clamp_late" else p).clamp_(-0.3, 0.3)
 
+    def on_before_optimizer_step(self, optimizer):
+        # Runs after GoCkpt's callback ended the copy window, right before the update.
+        if self.feature == "data_before_update_late" and self.global_step >= 5:
+            for p in self.parameters():
+                p.data.mul_(0.999)
+
     def on_train_batch_start(self, batch, batch_idx):
         if self.global_step >= 5 and not self.extra.weight.requires_grad:
             self.extra.requires_grad_(True)
@@ -241,12 +247,14 @@ def test_checkpoint_equals_stock_at_the_captured_step(tmp_path, mode, feature):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("feature", ["clamp_late", "data_clamp_late"])
+@pytest.mark.parametrize("feature", ["clamp_late", "data_clamp_late", "data_before_update_late"])
 def test_weights_first_edited_inside_a_saves_windows_are_checkpointed_as_stock(tmp_path, mode, feature):
-    """The module starts clamping its weights (in place, or through ``.data``) at step 5, while
-    the save requested at step 4 is still copying: that checkpoint holds its captured step bit
-    for bit as stock's file of that step, and the later ones (copied at their request once an
-    edit was seen) equal stock's files of the same name."""
+    """The module starts editing its weights at step 5, while the save requested at step 4 is
+    still copying: clamped in ``on_train_batch_end`` (in place, or through ``.data``), or scaled
+    through ``.data`` in its ``on_before_optimizer_step`` (after GoCkpt's callback ended the
+    window). That checkpoint holds its captured step bit for bit as stock's file of that step,
+    and the later ones (copied at their request once an edit was seen) equal stock's files of
+    the same name."""
     _run(tmp_path / "g", feature, io=_io(mode), max_steps=12, ckpt_every_steps=4)
     first = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)
     step = first["global_step"]
