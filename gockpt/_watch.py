@@ -13,7 +13,7 @@ captured, at every window end and at the capture:
 * **Version counters** of every tracked tensor (parameter and optimizer state), taken after each
   update: any in-place write through the tensor or an alias sharing its counter (``detach()``,
   a view) moves it. Exact.
-* **Sampled contents** of every parameter (``SAMPLES`` elements at a fixed stride, on the
+* **Sampled contents** of every tracked tensor (``SAMPLES`` elements at a fixed stride, on the
   tensor's device), taken after each update: writes that bypass the counter (through ``.data``,
   a NumPy or DLPack alias) change them. A write that changes a fraction ``f`` of a tensor's
   elements, spread over it, escapes with probability about ``(1 - f) ** SAMPLES``; one that
@@ -143,7 +143,10 @@ class EditWatch:
             self._units.append(i)
             for e in self._layout.units[i].entries:
                 self._versions.append((i, e.versioned, e.versioned._version))
-        self._groups.extend(_groups([(i, self._layout.units[i].param_entry.tensor) for i in units]))
+        # Parameters and their optimizer state (a write to exp_avg through .data would make the
+        # replay start from stale state).
+        self._groups.extend(_groups([(i, e.tensor) for i in units
+                                     for e in self._layout.units[i].entries]))
 
     def check(self) -> None:
         """Compare the watched tensors with their baseline (a window end, the capture): writes
@@ -225,3 +228,22 @@ class ParamSampler:
         while self._pending and self._pending[0][1].query():  # type: ignore[attr-defined]
             self._seen |= bool(self._pending.pop(0)[0])
         return self._seen
+
+
+def param_sample(layout: StateLayout) -> list[torch.Tensor]:
+    """The sampled contents of every parameter of ``layout`` now (bit patterns, one tensor per
+    device and dtype; the views are built once per layout). Two samples of one layout compare
+    with :func:`same_sample`: a snapshot taken at a step may be shared by a later request at
+    that step only while its parameters still hold what it copied (``.data`` writes included,
+    which no version counter sees)."""
+    groups = layout.__dict__.get("_gockpt_sample_groups")
+    if groups is None:
+        groups = _groups([(i, u.param_entry.tensor) for i, u in enumerate(layout.units)])
+        layout.__dict__["_gockpt_sample_groups"] = groups
+    return [g.take() for g in groups]
+
+
+def same_sample(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two :func:`param_sample` results of one layout are equal (a host sync on an
+    accelerator)."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

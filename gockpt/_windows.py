@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, StorageLag, edited_after_capture, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
-from ._watch import EditWatch, ParamSampler
+from ._watch import EditWatch, ParamSampler, param_sample
 from .config import GoCkptConfig
 from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
@@ -397,6 +397,7 @@ class Windows:
                 continue
             # Its snapshot is now the state of this step: a request at this step may share it.
             s.pinned = (version, state_versions(s.layout))
+            s.pinned_sample = param_sample(s.layout)
             # The capture inside it counts as its own phases ("capture", "static_copy").
             s.metrics.add_stall("flush", perf_counter() - tf - (s.metrics.stall_s - counted))
             self.finalize(s)

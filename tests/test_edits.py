@@ -338,3 +338,56 @@ def test_an_edit_between_an_explicit_window_end_and_the_update_is_in_the_checkpo
     assert m.mode == "gockpt_o" and m.captured_step == m.requested_step + 2
     state = gockpt.load_checkpoint(m.path)
     assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+
+
+@pytest.mark.parametrize("first", ["flush", "save"])
+def test_a_save_after_a_data_swap_at_the_same_step_takes_its_own_snapshot(tmp_path, first):
+    # A snapshot finished at this step (a flush, or an async save) may be shared by a later
+    # request at the same step, unless the weights changed in between: an EMA-style swap-in
+    # through .data moves no version counter, and the second checkpoint must hold the swapped
+    # weights, as stock's would.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="async"))
+    train(model, opt, sched, scaler, 4)
+    if first == "flush":
+        a = eng.save(str(tmp_path / "a"), mode="gockpt")
+        eng.flush()
+    else:
+        a = eng.save(str(tmp_path / "a"))
+    before = snapshot(model, opt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(p.data * 0.5)  # the averaged weights, swapped in
+    after = snapshot(model, opt)
+    b = eng.save(str(tmp_path / "b"))
+    eng.close()
+    assert_state_equal(gockpt.load_checkpoint(a.result().path).model_state_dict, before["model"])
+    assert_state_equal(gockpt.load_checkpoint(b.result().path).model_state_dict, after["model"])
+
+
+@pytest.mark.parametrize("via", ["inplace", "data"])
+def test_an_optimizer_state_edit_inside_the_windows_is_in_the_checkpoint(tmp_path, via):
+    # A write to an already-copied block's optimizer state (resetting a moment estimate): the
+    # replay would start from the stale copy; the unit is taken live at the capture instead.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=4, max_overlap_steps=4))
+    first = next(model.parameters())
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 6:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+        if it == 7:
+            state = opt.state[first]["exp_avg"]
+            with torch.no_grad():
+                (state.data if via == "data" else state).zero_()
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 12, on_step_end=on_step_end)
+    eng.close()
+    m = handles[0].result()
+    assert m.mode == "gockpt" and m.captured_step == m.requested_step + 3
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
