@@ -190,15 +190,15 @@ class Pipeline:
                 ):
                     be = TorchReplay()  # the self-check probed fp32 with group 0's flags
                 grads = [s.grad_views[turn][i] for i, _ in members]
+                params = [s.views[u.param_entry.key] for _, u in members]
+                states = [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members]
+                back = _in_live_order(members, params, grads, states)
                 replayed += sum(u.state_bytes for _, u in members)
                 nbytes = sum(g.numel() * g.element_size() for g in grads) if _trace.active() else 0
                 with _trace.phase("replay", nbytes):
-                    be.step(
-                        cls, hparams[gi],
-                        [s.views[u.param_entry.key] for _, u in members],
-                        grads,
-                        [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members],
-                    )
+                    be.step(cls, hparams[gi], params, grads, states)
+                    for view, stepped in back:
+                        view.copy_(stepped)
             pace = self._config.replay_bytes_per_s
             if pace is not None:  # an emulated slow replay (benchmarks): sleeps, off the GIL
                 rest = replayed / pace - (perf_counter() - t0)
@@ -385,6 +385,45 @@ class Pipeline:
                 return
             s.slot_released = True
         self._slots.release(s.slot)
+
+
+def _in_live_order(members: list[tuple[int, Unit]], params: list[torch.Tensor],
+                   grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Where a unit's live parameter is in another memory order than its host views (which
+    are contiguous: a ``channels_last`` conv weight), put copies in the live strides in place
+    of its host views in ``params``, ``grads`` and ``states``, and return the (host view, copy)
+    pairs to write back after the step. ATen steps a tensor in another order with other loops,
+    which round bf16 and fp16 differently (measured: AdamW over a channels_last bf16 weight
+    differs from the same over its contiguous copy), so the replay takes the live order. The
+    gradient takes the parameter's strides (autograd's gradient layout contract for dense
+    parameters); optimizer state is created in the parameter's format."""
+    back = []
+    for k, (_, u) in enumerate(members):
+        live = u.param_entry.tensor
+        if live.is_contiguous():
+            continue
+        stepped = _relaid(params[k], live)
+        back.append((params[k], stepped))
+        params[k] = stepped
+        grads[k] = _relaid(grads[k], live)  # read only
+        st = {}
+        for name, view in states[k].items():
+            like = u.state_entries[name].tensor
+            if like.dim() and not like.is_contiguous():
+                st[name] = _relaid(view, like)
+                back.append((view, st[name]))
+            else:
+                st[name] = view
+        states[k] = st
+    return back
+
+
+def _relaid(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view`` (contiguous, on the host) in ``like``'s strides."""
+    out = torch.empty_strided(tuple(like.shape), like.stride(), dtype=view.dtype)
+    out.copy_(view)
+    return out
 
 
 def _stored_record(s: SaveRecord) -> dict:

@@ -990,3 +990,34 @@ def test_a_load_state_dict_between_updates_is_not_taken_for_a_weight_edit(tmp_pa
     train(model, opt, sched, scaler, 13, on_step_end=on_step_end)
     eng.close()
     assert [(h.result().mode, h.result().num_overlap_steps) for h in handles] == [("gockpt_o", 3)] * 2
+
+
+@pytest.mark.parametrize("other", [torch.float16, torch.bfloat16, torch.float32])
+def test_replay_of_a_channels_last_half_precision_weight_is_exact(tmp_path, other):
+    # ATen steps a channels_last bf16 tensor with other loops than its contiguous copy, and
+    # rounds differently: the replay steps the host copy in the live tensor's memory order.
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    lin = torch.nn.Linear(8, 8).to(other)
+    head = torch.nn.Linear(8, 4)
+    model = torch.nn.ModuleDict({"conv": conv, "lin": lin, "head": head})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=4, max_overlap_steps=4,
+                                          replay_backend="torch"))
+    data = torch.randn(16, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    live, handles = {}, []
+    for it in range(8):
+        h = lin(conv(data[it].to(torch.bfloat16)).mean((2, 3)).to(other))
+        head(h.float()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        live.setdefault(eng.version, {k: v.clone(memory_format=torch.contiguous_format)
+                                      for k, v in model.state_dict().items()})
+        if it == 1:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+    eng.close()
+    m = handles[0].result()
+    assert m.mode == "gockpt" and m.captured_step == m.requested_step + 3
+    got = gockpt.load_checkpoint(m.path).model_state_dict
+    assert_state_equal({k: v.contiguous() for k, v in got.items()}, live[m.captured_step])
