@@ -272,17 +272,18 @@ def test_gradients_zeroed_in_place_while_copied_fail_one_save_then_gockpt(tmp_pa
         assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
 
 
-@pytest.mark.parametrize("explicit", [False, True])
-def test_an_edit_at_the_end_of_a_step_closure_is_in_the_checkpoint(tmp_path, explicit):
-    # optimizer.step(closure): the forward, the backward and the hooks around them run inside
-    # the step, after the step pre-hook. An edit at the end of the closure (where Lightning runs
-    # the module's on_before_optimizer_step) comes after the window end, right before the
-    # update; it is still in the checkpoint.
+@pytest.mark.parametrize("how", ["closure", "explicit_closure", "explicit"])
+def test_an_edit_after_the_window_end_right_before_the_update_is_in_the_checkpoint(tmp_path, how):
+    # After the window end, right before the update: at the end of the closure given to
+    # optimizer.step (the forward, the backward and the hooks around them run inside the step,
+    # after its pre-hook; Lightning runs the module's on_before_optimizer_step there), or, in
+    # explicit mode without a closure (Lightning's mixed precision runs the closure before
+    # scaler.step), between before_update() and opt.step(). The edit is still in the checkpoint.
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3),
-                 explicit_before_update=explicit)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3),
+                 explicit_before_update=how != "closure")
     first = next(model.parameters())
     x = torch.randn(8, 32)
     live, handles = {}, []
@@ -291,44 +292,17 @@ def test_an_edit_at_the_end_of_a_step_closure_is_in_the_checkpoint(tmp_path, exp
             opt.zero_grad()
             loss = model(x).pow(2).mean()
             loss.backward()
-            if explicit:
+            if how != "closure":
                 eng.before_update()
             if it == 5:
                 first.data.mul_(0.5)
             return loss
 
-        opt.step(closure)
-        eng.step_end()
-        live.setdefault(eng.version, snapshot(model, opt))
-        if it == 4:
-            handles.append(eng.save(str(tmp_path / "ckpt")))
-    eng.close()
-    m = handles[0].result()
-    assert m.mode == "gockpt" and m.captured_step == m.requested_step + 2
-    state = gockpt.load_checkpoint(m.path)
-    assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
-    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
-
-
-def test_an_edit_between_an_explicit_window_end_and_the_update_is_in_the_checkpoint(tmp_path):
-    # Explicit mode without a closure (Lightning's mixed precision runs the closure, with the
-    # on_before_optimizer_step hooks, before scaler.step): an edit between before_update() and
-    # opt.step() is seen at the step's pre-hook.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3),
-                 explicit_before_update=True)
-    first = next(model.parameters())
-    x = torch.randn(8, 32)
-    live, handles = {}, []
-    for it in range(10):
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        eng.before_update()
-        if it == 5:
-            first.data.mul_(0.5)
-        opt.step()
+        if how == "explicit":
+            closure()
+            opt.step()
+        else:
+            opt.step(closure)
         eng.step_end()
         live.setdefault(eng.version, snapshot(model, opt))
         if it == 4:
@@ -338,6 +312,7 @@ def test_an_edit_between_an_explicit_window_end_and_the_update_is_in_the_checkpo
     assert m.mode == "gockpt_o" and m.captured_step == m.requested_step + 2
     state = gockpt.load_checkpoint(m.path)
     assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
 
 
 @pytest.mark.parametrize("first", ["flush", "save"])

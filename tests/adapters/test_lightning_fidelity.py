@@ -164,6 +164,18 @@ def _io(mode: str) -> GoCkptIO:
     return GoCkptIO(mode=mode, min_overlap_steps=k, max_overlap_steps=k)
 
 
+def _same_as_stock(ours_path, stock_path) -> None:
+    """GoCkpt's checkpoint at ``ours_path`` holds what stock's file at ``stock_path`` does: the
+    step, the weights and the optimizer state bit for bit, the loops' state."""
+    ours = GoCkptIO().load_checkpoint(str(ours_path), weights_only=False)
+    stock = torch.load(stock_path, weights_only=False)
+    name = stock_path.name
+    assert ours["global_step"] == stock["global_step"], name
+    assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
+    assert_bitwise_equal(ours["optimizer_states"][0]["state"], stock["optimizer_states"][0]["state"], name)
+    assert ours["loops"] == stock["loops"], name
+
+
 def _same(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
     assert_bitwise_equal(a["model"], b["model"], "model")
@@ -262,13 +274,7 @@ def test_weights_first_edited_inside_a_saves_windows_are_checkpointed_as_stock(t
     _run(tmp_path / "s", feature, max_steps=12, ckpt_every_steps=2)
     for name, want in ((f"step={step}.ckpt", "step=4.ckpt"), ("step=8.ckpt", "step=8.ckpt"),
                        ("step=12.ckpt", "step=12.ckpt")):
-        ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / want), weights_only=False)
-        stock = torch.load(tmp_path / "s" / name, weights_only=False)
-        assert ours["global_step"] == stock["global_step"], name
-        assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
-        assert_bitwise_equal(ours["optimizer_states"][0]["state"],
-                             stock["optimizer_states"][0]["state"], name)
-        assert ours["loops"] == stock["loops"], name
+        _same_as_stock(tmp_path / "g" / want, tmp_path / "s" / name)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -372,10 +378,4 @@ def test_weights_edited_between_updates_are_checkpointed_as_stock(tmp_path, mode
     assert names == ["step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
     assert sorted(p.name for p in (tmp_path / "g").glob("*.ckpt")) == names
     for name in names:
-        ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / name), weights_only=False)
-        stock = torch.load(tmp_path / "s" / name, weights_only=False)
-        assert ours["global_step"] == stock["global_step"], name
-        assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
-        assert_bitwise_equal(ours["optimizer_states"][0]["state"],
-                             stock["optimizer_states"][0]["state"], name)
-        assert ours["loops"] == stock["loops"], name
+        _same_as_stock(tmp_path / "g" / name, tmp_path / "s" / name)
