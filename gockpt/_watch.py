@@ -25,8 +25,12 @@ capture (the state tree's copy of untracked tensors, :func:`gockpt.snapshot.to_s
 checkpoint still equals a blocking save at the captured step.
 
 Cost on the training thread: one ``torch.cat`` of the samples per block (or per device and
-dtype) at each window end and after each update; measured on one CPU core about 0.5 ms per step
-for 290 parameters (:class:`ParamSampler`, every step), a few kernel launches on a GPU.
+dtype) at each window end and after each update. On one CPU core a cat of 144 strided sample
+views takes about 0.1 ms with the parameters in cache, more when an update larger than the
+caches has just written them (each sample is a cache miss); a training step of 144 parameters
+of 64K elements was measured 0.5-1.0 ms (2-3 %) longer with :class:`ParamSampler` (every step)
+than without it. Runs of consecutive elements miss the cache less, but a cat of such 2-D views
+took longer in cache (0.16 ms) and sees fewer rows; on a GPU the cat is one kernel launch.
 """
 
 from __future__ import annotations
