@@ -49,7 +49,7 @@ class StepPreHook(EngineHook):
 
     __slots__ = ("after_closure", "without_closure")
 
-    def __init__(self, fn: Callable[[], Any], after_closure: Callable[[], Any],
+    def __init__(self, fn: Callable[[], Any], after_closure: Callable[[], Any] | None,
                  without_closure: Callable[[], Any] | None = None) -> None:
         super().__init__(fn)
         self.after_closure = after_closure
@@ -57,6 +57,8 @@ class StepPreHook(EngineHook):
 
     def __call__(self, _opt: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self.fn()
+        if self.after_closure is None:  # an optimizer that may write weights before its closure
+            return None
         if kwargs.get("closure") is not None:
             closure = kwargs["closure"]
         elif len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
@@ -68,8 +70,8 @@ class StepPreHook(EngineHook):
         after = self.after_closure
         first = [True]
 
-        def wrapped() -> Any:
-            out = closure()
+        def wrapped(*a: Any, **k: Any) -> Any:
+            out = closure(*a, **k)
             if first[0]:  # LBFGS calls it again between its own updates inside the step
                 first[0] = False
                 after()

@@ -163,8 +163,9 @@ class Pipeline:
                                 "(mode 'gockpt' instead of 'gockpt_o')")
                 # A failed replay spoils the snapshot of every save sharing it.
                 for r in s.share.records if kind == "replay" else [s]:
-                    r.failed = r.failed or e
-                    r.overtaken = r.overtaken or torn
+                    if r.failed is None:
+                        r.failed = e
+                        r.overtaken = r.overtaken or torn
                     r.cancel.set()
 
     def _replay(self, s: SaveRecord, record: ReplayRecord, ticket: CopyTicket, nbytes: int) -> None:
@@ -193,6 +194,8 @@ class Pipeline:
                 params = [s.views[u.param_entry.key] for _, u in members]
                 states = [{n: s.views[e.key] for n, e in u.state_entries.items()} for _, u in members]
                 back = _in_live_order(members, params, grads, states)
+                if back and be.name != "torch":
+                    be = TorchReplay()  # the live strides, mixed per tensor: the live arithmetic
                 replayed += sum(u.state_bytes for _, u in members)
                 nbytes = sum(g.numel() * g.element_size() for g in grads) if _trace.active() else 0
                 with _trace.phase("replay", nbytes):

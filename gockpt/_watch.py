@@ -149,8 +149,11 @@ class EditWatch:
                 self._versions.append((i, e.versioned, e.versioned._version))
         # Parameters and their optimizer state (a write to exp_avg through .data would make the
         # replay start from stale state).
+        # 0-dim state (Adam's step, kept on the CPU beside CUDA parameters) by its counter
+        # only: sampling it would make a host group, read back with a sync.
         self._groups.extend(_groups([(i, e.tensor) for i in units
-                                     for e in self._layout.units[i].entries]))
+                                     for e in self._layout.units[i].entries
+                                     if e is self._layout.units[i].param_entry or e.tensor.dim()]))
 
     def check(self) -> None:
         """Compare the watched tensors with their baseline (a window end, the capture): writes
@@ -171,17 +174,18 @@ class EditWatch:
         """Whether a version counter moved since the baseline (host only, no sync)."""
         return bool(self._seen) or any(t._version != v for _, t, v in self._versions)
 
-    def sampled_later(self) -> list[tuple[torch.Tensor, object]] | None:
-        """After :meth:`check`, the sampled comparison as CUDA flags to read later (pinned host
-        copies with their events), or None where the samples are not on a CUDA device."""
-        if not self._groups or any(g.diff.device.type != "cuda" for g in self._groups):
-            return None
-        return [_read_later(g.diff.any()) for g in self._groups]
+    def sampled_later(self) -> list[tuple[torch.Tensor, object]]:
+        """After :meth:`check`, the sampled comparison of the CUDA groups as flags to read
+        later (pinned host copies with their events; empty where there are none)."""
+        return [_read_later(g.diff.any()) for g in self._groups if g.diff.device.type == "cuda"]
 
-    def edited(self) -> set[int]:
+    def edited(self, host_only: bool = False) -> set[int]:
         """The units written outside an update since the watch began (reads the sampled
-        comparisons back to the host: one sync per device and dtype)."""
+        comparisons back to the host: one sync per device and dtype; ``host_only``: those of
+        the groups not on a CUDA device alone, no sync)."""
         for g in self._groups:
+            if host_only and g.diff.device.type == "cuda":
+                continue
             self._seen |= g.owners_changed()
             g.diff.zero_()
         return set(self._seen)

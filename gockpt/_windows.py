@@ -612,8 +612,8 @@ class Windows:
             w.check()
             # On a CUDA device the sampled comparison is read by the persist before it writes
             # (no host sync here, behind the copy this window end fenced).
-            s.late_edits = w.sampled_later()
-            if w.versions_moved() or (s.late_edits is None and w.edited()):
+            s.late_edits = w.sampled_later() or None
+            if w.versions_moved() or w.edited(host_only=True):
                 s.overtaken = True
                 self.edits_between_updates = True  # later saves are copied at their request
                 raise CheckpointTornError(edited_after_capture(s.path))

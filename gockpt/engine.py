@@ -51,6 +51,7 @@ from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
+from .replay import is_replayable
 from .storage import (
     BackgroundDeleter,
     check_save_path,
@@ -121,7 +122,10 @@ class Engine:
         self._hooks = []
         for i, o in enumerate(self.optimizers):
             self._hooks.append(o.register_step_pre_hook(
-                StepPreHook(partial(self._on_pre_hook, i), self._windows.closure_end,
+                # Only where the step is the optimizer's own update rule: SAM-like steps write
+                # the weights before they call the closure.
+                StepPreHook(partial(self._on_pre_hook, i),
+                            self._windows.closure_end if is_replayable(o) else None,
                             self._windows.closure_end if explicit_before_update else None)))
             self._hooks.append(o.register_step_post_hook(EngineHook(partial(self._on_post_hook, i))))
             self._windows.wrap_zero_grad(o)

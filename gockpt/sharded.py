@@ -485,5 +485,7 @@ class ShardedEngine:
         elif "lazy" in modes:
             mode, k = "lazy", 1
         else:
-            mode, k = modes[0], min(k for _, k, _ in views)
+            # A rank whose gradient copies were torn behind its loop plans gockpt: all do.
+            mode = "gockpt" if "gockpt" in modes else modes[0]
+            mode, k = mode, min(k for _, k, _ in views)
         return mode, k

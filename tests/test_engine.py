@@ -1021,3 +1021,75 @@ def test_replay_of_a_channels_last_half_precision_weight_is_exact(tmp_path, othe
     assert m.mode == "gockpt" and m.captured_step == m.requested_step + 3
     got = gockpt.load_checkpoint(m.path).model_state_dict
     assert_state_equal({k: v.contiguous() for k, v in got.items()}, live[m.captured_step])
+
+
+def test_replay_of_channels_last_weights_with_contiguous_state_is_exact(tmp_path):
+    # The model went channels_last after its optimizer state existed: the live update mixes a
+    # channels_last weight with contiguous moments, which the native kernel does not take;
+    # such units are replayed by torch in the live strides, and the checkpoint is exact.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4, 12, 12)
+    model(x).sum().backward()
+    opt.step()
+    model.to(memory_format=torch.channels_last)
+    x = x.to(memory_format=torch.channels_last)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    live, handles = {}, []
+    for it in range(8):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        eng.step_end()
+        live.setdefault(eng.version, {k: v.clone(memory_format=torch.contiguous_format)
+                                      for k, v in model.state_dict().items()})
+        if it == 2:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+    eng.close()
+    m = handles[0].result()
+    assert m.mode == "gockpt" and m.captured_step == m.requested_step + 2
+    got = gockpt.load_checkpoint(m.path).model_state_dict
+    assert_state_equal({k: v.contiguous() for k, v in got.items()}, live[m.captured_step])
+
+
+class _SharpnessAware(torch.optim.SGD):
+    """SAM-like: the step moves the weights before it calls the closure, then back, then
+    updates (a step rule GoCkpt does not replay)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for p in params:
+            p.add_(p.grad, alpha=0.05)
+        with torch.enable_grad():
+            closure()
+        for p in params:
+            p.sub_(p.grad, alpha=0.05)
+        return super().step()
+
+
+def test_an_optimizer_that_moves_weights_before_its_closure_is_not_taken_for_an_edit(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = _SharpnessAware(model.parameters(), lr=0.1)
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy"))
+    x = torch.randn(4, 8)
+    handles = []
+    for it in range(6):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        eng.step_end()
+        if it in (1, 4):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+    eng.close()
+    assert [h.result().mode for h in handles] == ["lazy", "lazy"]
+    assert not eng._windows.edits_between_updates
