@@ -1053,9 +1053,14 @@ def test_replay_of_channels_last_weights_with_contiguous_state_is_exact(tmp_path
     assert_state_equal({k: v.contiguous() for k, v in got.items()}, live[m.captured_step])
 
 
-class _SharpnessAware(torch.optim.SGD):
+class _SharpnessAware(torch.optim.Optimizer):
     """SAM-like: the step moves the weights before it calls the closure, then back, then
-    updates (a step rule GoCkpt does not replay)."""
+    updates (a step rule GoCkpt does not replay). Its own update, not ``super().step()`` of a
+    torch optimizer: that step is hooked too once any instance of its class exists, and the
+    engine would see two updates per step."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1066,7 +1071,7 @@ class _SharpnessAware(torch.optim.SGD):
             closure()
         for p in params:
             p.sub_(p.grad, alpha=0.05)
-        return super().step()
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
 
 
 def test_an_optimizer_that_moves_weights_before_its_closure_is_not_taken_for_an_edit(tmp_path):
