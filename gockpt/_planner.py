@@ -108,9 +108,6 @@ class Planner:
         self.layouts_built = 0  # layouts enumerated so far (the first and each change)
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
-        # False once a gradient copy overlapping the next forward was torn (the loop writes
-        # gradients in place before the next backward): auto plans gockpt, not gockpt_o.
-        self.grad_overlap = True
         # Sharded engines (gockpt.sharded): the (mode, K) every rank follows, from this rank's
         # plan (a collective); called at the end of every plan().
         self.agree: Callable[[CopyPlan], tuple[str, int]] | None = None
@@ -159,14 +156,16 @@ class Planner:
     def plan(self, layout: StateLayout, mode: str, exact_step: bool, cap: int | None, *,
              version: int, window_s: float | None, overhead_samples_s: tuple[float, ...] = (),
              unchanged: Callable[[Entry], bool] | None = None,
-             interval_steps: int | None = None, step_s: float | None = None) -> CopyPlan:
+             interval_steps: int | None = None, step_s: float | None = None,
+             grad_overlap: bool = True) -> CopyPlan:
         """The copy plan of one save (``window_s``: the measured copy window in seconds, None if
         unknown; ``overhead_samples_s``: how much longer than its bytes at the copy rate each
         recent window's copy ran, seconds, :attr:`gockpt.plan.Costs.overhead_samples_s`), with
         its predicted stall and lower bound (:func:`gockpt.plan.make_plan`); logged at DEBUG. ``unchanged(entry)``: the host slot likely still holds that tensor
         (``frozen_copy="when_changed"``), so its copy costs nothing. ``interval_steps``: the
         steps to the next request (:meth:`note_request`), None if unknown. ``step_s``: the
-        seconds between updates, None if unknown (:attr:`gockpt.plan.Costs.step_s`)."""
+        seconds between updates, None if unknown (:attr:`gockpt.plan.Costs.step_s`).
+        ``grad_overlap``: as :func:`gockpt.plan.make_plan`'s."""
         replayable = self._replayable(layout, version)
         opts = self._optimizers
         local_update = [o for o in opts if type(o).__name__ not in ELEMENTWISE_OPTIMIZERS]
@@ -201,7 +200,7 @@ class Planner:
         def plan_for(m: str, k_lo: int, k_hi: int) -> CopyPlan:
             return make_plan(m, unit_bytes, grad_bytes, costs, max_overlap_steps=k_hi,
                              replayable=replayable, min_overlap_steps=k_lo,
-                             grad_overlap=self.grad_overlap,
+                             grad_overlap=grad_overlap,
                              static_bytes=static_bytes, interval_steps=interval_steps,
                              # Ranks that agree on K share a snapshot only at that same K; a
                              # request that skips when no slot is free finishes no windows to

@@ -357,7 +357,7 @@ def state_versions(layout: StateLayout) -> tuple[int, ...]:
 
 def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout, plan: CopyPlan,
                 exact_k: bool, versions: tuple[int, ...],
-                sample: Callable[[], list] | None = None) -> SaveRecord | None:
+                sample: list | None = None) -> SaveRecord | None:
     """A save in flight whose snapshot a request at step ``version`` planned as ``plan`` may share.
 
     It may when it leads its snapshot, still holds its slot (its files not yet all written)
@@ -367,13 +367,12 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
     finished at it by a flush, and nothing changed since), and its captured step ``target`` is
     one ``plan`` allows: ``K' = target - version + 1 <= K`` (``== K`` when ``exact_k``: the ranks
     of a sharded engine agreed on K and must capture the same step whether they share or not).
-    ``sync`` never shares; ``async`` only a snapshot already copied at this step. ``sample()``:
+    ``sync`` never shares; ``async`` only a snapshot already copied at this step. ``sample``:
     the parameters' sampled contents now, compared with the leader's when it was pinned
     (:func:`gockpt._watch.param_sample`: writes through ``.data`` move no version counter).
     """
     if plan.mode == "sync":
         return None
-    now: list | None = None
     for x in reversed(records):
         if x.share.leader is not x or x.pinned[0] != version or x.layout is not layout \
                 or x.plan.mode == "sync" or x.failed is not None or x.cancel.is_set() \
@@ -387,10 +386,9 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
             continue
         if x.pinned[1] != versions:
             continue
-        if sample is not None and x.pinned_sample is not None:
-            now = sample() if now is None else now
-            if not same_sample(now, x.pinned_sample):
-                continue
+        if sample is not None and x.pinned_sample is not None \
+                and not same_sample(sample, x.pinned_sample):
+            continue
         return x
     return None
 
@@ -476,9 +474,9 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
     tw = perf_counter()
     pinned = (version, state_versions(layout))
+    sample = param_sample(layout)  # what a later request at this step compares, and this one
     find = partial(find_leader, records, version=version, layout=layout, plan=plan,
-                   exact_k=planner.agree is not None, versions=pinned[1],
-                   sample=partial(param_sample, layout))
+                   exact_k=planner.agree is not None, versions=pinned[1], sample=sample)
     flushed_s = 0.0
 
     def timed_flush() -> None:
@@ -522,7 +520,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                             state_fn, grad_bytes=grad_bytes,
                             target=version + plan.num_overlap_steps - 1, t_request=t_request,
                             pinned=pinned, writer=writer, files=files)
-        record.pinned_sample = param_sample(layout)
+        record.pinned_sample = sample
         record.borrowed = drain
         record.drain_wait_s = drain_wait_s
     record.flushed_others_s = flushed_s

@@ -130,27 +130,19 @@ class EditWatch:
 
     def __init__(self, layout: StateLayout) -> None:
         self._layout = layout
-        self._units: list[int] = []
         # (unit index, tensor carrying the version counter, its version after the last update)
         self._versions: list[tuple[int, torch.Tensor, int]] = []
         self._groups: list[_Group] = []
         self._seen: set[int] = set()  # units whose counter moved
 
-    @property
-    def units(self) -> list[int]:
-        """Indices (into ``layout.units``) of the units watched, in the order added."""
-        return self._units
-
     def add(self, units: list[int] | tuple[int, ...]) -> None:
         """Watch ``units`` from now (their block's copy starts): their state now is the baseline."""
         for i in units:
-            self._units.append(i)
             for e in self._layout.units[i].entries:
                 self._versions.append((i, e.versioned, e.versioned._version))
         # Parameters and their optimizer state (a write to exp_avg through .data would make the
-        # replay start from stale state).
-        # 0-dim state (Adam's step, kept on the CPU beside CUDA parameters) by its counter
-        # only: sampling it would make a host group, read back with a sync.
+        # replay start from stale state); 0-dim state (Adam's step, kept on the CPU beside CUDA
+        # parameters) by its counter only: sampling it would make a host group, read with a sync.
         self._groups.extend(_groups([(i, e.tensor) for i in units
                                      for e in self._layout.units[i].entries
                                      if e is self._layout.units[i].param_entry or e.tensor.dim()]))
@@ -170,19 +162,16 @@ class EditWatch:
         for g in self._groups:
             g.base = g.take()
 
-    def versions_moved(self) -> bool:
-        """Whether a version counter moved since the baseline (host only, no sync)."""
-        return bool(self._seen) or any(t._version != v for _, t, v in self._versions)
-
     def sampled_later(self) -> list[tuple[torch.Tensor, object]]:
         """After :meth:`check`, the sampled comparison of the CUDA groups as flags to read
         later (pinned host copies with their events; empty where there are none)."""
         return [_read_later(g.diff.any()) for g in self._groups if g.diff.device.type == "cuda"]
 
     def edited(self, host_only: bool = False) -> set[int]:
-        """The units written outside an update since the watch began (reads the sampled
-        comparisons back to the host: one sync per device and dtype; ``host_only``: those of
-        the groups not on a CUDA device alone, no sync)."""
+        """The units written outside an update since the watch began, as of the last
+        :meth:`check` (version counters, and the sampled comparisons read back to the host: one
+        sync per device and dtype; ``host_only``: only those of groups not on a CUDA device,
+        no sync)."""
         for g in self._groups:
             if host_only and g.diff.device.type == "cuda":
                 continue

@@ -259,7 +259,7 @@ class Windows:
         self._updated_versions[opt_index] = self._param_versions(opt_index)
         self._updated.add(opt_index)
         if not self.edits_between_updates:
-            self._sampler.rebase([p for i in self._updated for p, _ in self._updated_versions[i]])
+            self._sampler.rebase(self._updated_params())
         for s in list(self.saves):
             if s.watch is not None and not s.captured:
                 s.watch.rebase()  # the update's writes are not edits
@@ -305,7 +305,7 @@ class Windows:
         if self._loaded:
             self._loaded = False
             self._updated_versions = {i: self._param_versions(i) for i in self._updated_versions}
-            self._sampler.rebase([p for i in self._updated for p, _ in self._updated_versions[i]])
+            self._sampler.rebase(self._updated_params())
             return
         self._sampler.check()
         if self.edited_since_update(updated_only=True) or self._sampler.seen():
@@ -322,6 +322,10 @@ class Windows:
         for s in self.saves:
             if s.watch is not None and not s.captured:
                 s.watch.check()
+
+    def _updated_params(self) -> list[torch.Tensor]:
+        """The parameters of the optimizers that applied an update (those edits count for)."""
+        return [p for i in self._updated for p, _ in self._updated_versions[i]]
 
     def _param_versions(self, opt_index: int) -> list[tuple[torch.Tensor, int]]:
         return [(p, p._version) for g in self._optimizers[opt_index].param_groups for p in g["params"]]
@@ -613,12 +617,11 @@ class Windows:
             # On a CUDA device the sampled comparison is read by the persist before it writes
             # (no host sync here, behind the copy this window end fenced).
             s.late_edits = w.sampled_later() or None
-            if w.versions_moved() or w.edited(host_only=True):
+            if w.edited(host_only=True):  # the counters, and the samples not on a CUDA device
                 s.overtaken = True
                 self.edits_between_updates = True  # later saves are copied at their request
                 raise CheckpointTornError(edited_after_capture(s.path))
-        s.versions = []
-        self._check_versions(s)
+        self._remember_copied(s)
 
     def _settle_edits(self, s: SaveRecord, check: bool = True) -> None:
         """At ``s``'s capture: the units written outside an update since their copy began go
@@ -661,6 +664,11 @@ class Windows:
                     f"{s.path}: a tensor changed while it was copied (edited outside "
                     "optimizer.step() after the save was requested); this checkpoint is not "
                     "written. Call engine.flush() before such edits, or save with mode='async'")
+        self._remember_copied(s)
+
+    @staticmethod
+    def _remember_copied(s: SaveRecord) -> None:
+        """The views just copied that no replay writes are remembered in the slot."""
         for off, nbytes, fp in s.to_remember:
             s.slot.held.remember(off, nbytes, fp)
         s.to_remember = []

@@ -239,10 +239,10 @@ class Engine:
         if max_overlap_steps is not None and max_overlap_steps < 1:
             raise ValueError(f"max_overlap_steps must be >= 1, got {max_overlap_steps}")
         mode = mode or self.config.mode
-        if self._pipeline.grads_written:  # gradients are written in place right after updates
-            self._planner.grad_overlap = False
-            if mode == "gockpt_o":
-                mode = "gockpt"
+        # Gradients are written in place right after updates: their copy may not overlap.
+        grad_overlap = not self._pipeline.grads_written
+        if mode == "gockpt_o" and not grad_overlap:
+            mode = "gockpt"
         if mode not in ("sync", "async") and self._windows.edited_since_update():
             # Edited outside optimizer.step() (a weight swap around this save): the editor may
             # change them back before a later copy runs, so copy at the request, as stock does.
@@ -264,7 +264,7 @@ class Engine:
                                   window_s=self._windows.window_s,
                                   overhead_samples_s=self._windows.overhead_samples_s,
                                   unchanged=self._held_estimate(layout), interval_steps=interval,
-                                  step_s=self._windows.step_s)
+                                  step_s=self._windows.step_s, grad_overlap=grad_overlap)
         seq = next(self._seq)
         fixed = self._windows.fixed_stall_s(plan.mode)
         metrics = CheckpointMetrics(path=path, mode=plan.mode, num_overlap_steps=plan.num_overlap_steps,

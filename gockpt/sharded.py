@@ -486,6 +486,5 @@ class ShardedEngine:
             mode, k = "lazy", 1
         else:
             # A rank whose gradient copies were torn behind its loop plans gockpt: all do.
-            mode = "gockpt" if "gockpt" in modes else modes[0]
-            mode, k = mode, min(k for _, k, _ in views)
+            mode, k = ("gockpt" if "gockpt" in modes else modes[0]), min(k for _, k, _ in views)
         return mode, k

@@ -21,6 +21,14 @@ from gockpt.layout import build_layout
 from _loop import assert_state_equal, make, snapshot, train
 
 
+def _assert_holds_live(m, live: dict) -> None:
+    """The checkpoint of ``m`` (its metrics) holds the live model and optimizer state of its
+    captured step bit for bit (``live``: step -> :func:`_loop.snapshot`)."""
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+
+
 def _edit(params, via: str) -> None:
     with torch.no_grad():
         for p in params:
@@ -59,9 +67,7 @@ def test_an_edit_inside_the_windows_is_in_the_checkpoint(tmp_path, mode, via, wh
     assert [m.mode for m in metrics] == [mode, mode]
     assert [m.captured_step - m.requested_step for m in metrics] == [3, 3]
     for m in metrics:
-        state = gockpt.load_checkpoint(m.path)
-        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
-        assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+        _assert_holds_live(m, live)
     taken_live = any("copied at the captured step" in r.getMessage() for r in caplog.records)
     # The first parameter's block was copied before the edit: it is taken live at the capture.
     # The last one's block is copied after it, and holds it. A new storage is simply not the
@@ -267,9 +273,7 @@ def test_gradients_zeroed_in_place_while_copied_fail_one_save_then_gockpt(tmp_pa
     for h in handles[1:]:
         m = h.result()
         assert m.mode == "gockpt" and m.captured_step == m.requested_step + 2
-        state = gockpt.load_checkpoint(m.path)
-        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
-        assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+        _assert_holds_live(m, live)
 
 
 @pytest.mark.parametrize("how", ["closure", "explicit_closure", "explicit"])
@@ -310,9 +314,7 @@ def test_an_edit_after_the_window_end_right_before_the_update_is_in_the_checkpoi
     eng.close()
     m = handles[0].result()
     assert m.mode == "gockpt_o" and m.captured_step == m.requested_step + 2
-    state = gockpt.load_checkpoint(m.path)
-    assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
-    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+    _assert_holds_live(m, live)
 
 
 @pytest.mark.parametrize("first", ["flush", "save"])
@@ -363,6 +365,4 @@ def test_an_optimizer_state_edit_inside_the_windows_is_in_the_checkpoint(tmp_pat
     eng.close()
     m = handles[0].result()
     assert m.mode == "gockpt" and m.captured_step == m.requested_step + 3
-    state = gockpt.load_checkpoint(m.path)
-    assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
-    assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+    _assert_holds_live(m, live)

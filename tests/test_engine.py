@@ -992,6 +992,31 @@ def test_a_load_state_dict_between_updates_is_not_taken_for_a_weight_edit(tmp_pa
     assert [(h.result().mode, h.result().num_overlap_steps) for h in handles] == [("gockpt_o", 3)] * 2
 
 
+def _contiguous(sd: dict) -> dict:
+    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in sd.items()}
+
+
+def _assert_one_save_holds_live(tmp_path, model, opt, step, *, k: int, save_at: int,
+                                **config) -> None:
+    """Train 8 steps (``step()``: forward, backward, update), save after step ``save_at`` in
+    mode gockpt with K = ``k``: the checkpoint holds the live weights of its captured step bit
+    for bit (compared contiguous: channels_last weights)."""
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=k, max_overlap_steps=k,
+                                          **config))
+    live, handles = {}, []
+    for it in range(8):
+        step()
+        eng.step_end()
+        live.setdefault(eng.version, _contiguous(model.state_dict()))
+        if it == save_at:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+    eng.close()
+    m = handles[0].result()
+    assert m.mode == "gockpt" and m.captured_step == m.requested_step + k - 1
+    assert_state_equal(_contiguous(gockpt.load_checkpoint(m.path).model_state_dict),
+                       live[m.captured_step])
+
+
 @pytest.mark.parametrize("other", [torch.float16, torch.bfloat16, torch.float32])
 def test_replay_of_a_channels_last_half_precision_weight_is_exact(tmp_path, other):
     # ATen steps a channels_last bf16 tensor with other loops than its contiguous copy, and
@@ -1002,25 +1027,15 @@ def test_replay_of_a_channels_last_half_precision_weight_is_exact(tmp_path, othe
     head = torch.nn.Linear(8, 4)
     model = torch.nn.ModuleDict({"conv": conv, "lin": lin, "head": head})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=4, max_overlap_steps=4,
-                                          replay_backend="torch"))
-    data = torch.randn(16, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
-    live, handles = {}, []
-    for it in range(8):
-        h = lin(conv(data[it].to(torch.bfloat16)).mean((2, 3)).to(other))
+    data = iter(torch.randn(16, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1)))
+
+    def step() -> None:
+        h = lin(conv(next(data).to(torch.bfloat16)).mean((2, 3)).to(other))
         head(h.float()).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        eng.step_end()
-        live.setdefault(eng.version, {k: v.clone(memory_format=torch.contiguous_format)
-                                      for k, v in model.state_dict().items()})
-        if it == 1:
-            handles.append(eng.save(str(tmp_path / "ckpt")))
-    eng.close()
-    m = handles[0].result()
-    assert m.mode == "gockpt" and m.captured_step == m.requested_step + 3
-    got = gockpt.load_checkpoint(m.path).model_state_dict
-    assert_state_equal({k: v.contiguous() for k, v in got.items()}, live[m.captured_step])
+
+    _assert_one_save_holds_live(tmp_path, model, opt, step, k=4, save_at=1, replay_backend="torch")
 
 
 def test_replay_of_channels_last_weights_with_contiguous_state_is_exact(tmp_path):
@@ -1035,22 +1050,13 @@ def test_replay_of_channels_last_weights_with_contiguous_state_is_exact(tmp_path
     opt.step()
     model.to(memory_format=torch.channels_last)
     x = x.to(memory_format=torch.channels_last)
-    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
-    live, handles = {}, []
-    for it in range(8):
+
+    def step() -> None:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-        eng.step_end()
-        live.setdefault(eng.version, {k: v.clone(memory_format=torch.contiguous_format)
-                                      for k, v in model.state_dict().items()})
-        if it == 2:
-            handles.append(eng.save(str(tmp_path / "ckpt")))
-    eng.close()
-    m = handles[0].result()
-    assert m.mode == "gockpt" and m.captured_step == m.requested_step + 2
-    got = gockpt.load_checkpoint(m.path).model_state_dict
-    assert_state_equal({k: v.contiguous() for k, v in got.items()}, live[m.captured_step])
+
+    _assert_one_save_holds_live(tmp_path, model, opt, step, k=3, save_at=2)
 
 
 class _SharpnessAware(torch.optim.Optimizer):
