@@ -6,8 +6,9 @@ As a script it runs one of:
 - ``ddp <project_dir> <mode>`` under ``accelerate launch --multi_gpu --num_processes 2`` on CPU
   (gloo): train with GoCkpt, then resume each rank with plain ``load_state`` and compare; each
   rank writes ``result_<rank>.json`` into ``project_dir``.
-- ``crash <project_dir>``: train with ``total_limit=2`` and a save every batch; the publisher
-  blocks inside the fourth checkpoint's file writes and prints ``blocked``; the test then
+- ``crash <project_dir>``: train with ``total_limit=2`` and a save every batch; a save_state
+  pre-hook blocks the fourth save (the training thread, inside its staging folder) once the
+  third is published and the first rotated out, and prints ``blocked``; the test then
   kills the process with SIGKILL. Each batch prints ``state <batches> <digest>``.
 """
 
@@ -243,11 +244,15 @@ def _crash(project_dir: str) -> None:
 
     def block(models: Any, weights: Any, output_dir: str) -> None:  # a save_state pre-hook
         if "checkpoint_3" in output_dir:
-            # checkpoint_3's slot is free once checkpoint_2's bytes are written, which may be
-            # before checkpoint_2 is published and checkpoint_0 rotated out: let those happen.
-            first = os.path.join(os.path.dirname(output_dir), "checkpoint_0")
+            # The hook runs on the training thread; checkpoints 0-2 (captured at their
+            # requests: a pre-hook makes saves exact) are published by the writer thread, maybe
+            # later on a slow machine. Die only once checkpoint_2 is out and checkpoint_0 is
+            # rotated away (not merely "checkpoint_0 absent": it may not be published yet).
+            root = os.path.dirname(output_dir)
             deadline = time.monotonic() + 60
-            while os.path.exists(first) and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not (
+                    os.path.isdir(os.path.join(root, "checkpoint_2"))
+                    and not os.path.exists(os.path.join(root, "checkpoint_0"))):
                 time.sleep(0.01)
             _say(f"blocked {output_dir}")
             never.wait()
