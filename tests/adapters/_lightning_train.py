@@ -104,7 +104,9 @@ class CrashAfter(Callback):
 
 
 class GateThenBlock(Callback):
-    """Subprocess kill point: at step ``step``, wait until ``path`` is durable, print, block."""
+    """Subprocess kill point: at step ``step``, wait until ``path`` and every save requested
+    before the latest request (``last.ckpt`` beside it with ``save_last=True``) are durable,
+    print, block."""
 
     def __init__(self, path: str, step: int) -> None:
         self.path, self.step = path, step
@@ -114,9 +116,13 @@ class GateThenBlock(Callback):
 
         if trainer.global_step != self.step:
             return
-        if not is_complete(self.path):  # its persist runs on, independent of training
-            pending = trainer.strategy.checkpoint_io._callback._pending
-            next(h for h in pending if h.path == self.path).result(60)
+        # Their persists run on, independent of training (slow on a loaded machine).
+        pending = list(trainer.strategy.checkpoint_io._callback._pending)
+        latest = max((h.requested_step for h in pending), default=0)
+        for h in pending:
+            if h.requested_step < latest or h.path == self.path:
+                h.result(60)
+        assert is_complete(self.path), f"{self.path} was never requested"
         print(f"ready {trainer.global_step}", flush=True)
         sys.stdin.readline()  # blocks until the parent kills this process
         raise SystemExit("the parent closed stdin instead of killing")
