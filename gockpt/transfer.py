@@ -21,6 +21,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from time import monotonic, perf_counter
 from typing import Any
@@ -87,6 +88,9 @@ class CopyTicket:
         self._device = device  # CUDA: the device whose compute stream a fence orders
         self.done_at: float | None = None
         self._versions: list[tuple[torch.Tensor, int]] = []
+        # CUDA: (weak reference, version) of sources checked when the host first sees the event
+        # complete (_settle); weak, so a gradient set to None is freed as without a save.
+        self._weak_versions: list[tuple[weakref.ref, int]] = []
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._cuda_event = event
@@ -102,7 +106,10 @@ class CopyTicket:
     def done(self) -> bool:
         """Whether the copy finished (successfully or not)."""
         if self._cuda_event is not None:
-            return bool(self._cuda_event.query())  # type: ignore[attr-defined]
+            ended = bool(self._cuda_event.query())  # type: ignore[attr-defined]
+            if ended:
+                self._settle()
+            return ended
         return self._done.is_set()
 
     def wait(self) -> None:
@@ -113,10 +120,35 @@ class CopyTicket:
         """
         if self._cuda_event is not None:
             self._cuda_event.synchronize()  # type: ignore[attr-defined]
+            self._settle()
+            if self._error is not None:
+                raise self._error
             return
         self._done.wait()
         if self._error is not None:
             raise self._error
+
+    def watch_sources(self, sources: Sequence[torch.Tensor]) -> None:
+        """CUDA: check ``sources`` for in-place writes when the host first sees the copy end.
+
+        The copy stream waited for the compute stream at the request, but a write the loop
+        queues afterwards (``p.grad.zero_()``, ``module.zero_grad(set_to_none=False)``) runs on
+        the compute stream unordered against the copy. A write queued before the host saw the
+        copy's event complete may have landed during the copy, so it tears the ticket; one
+        queued after cannot have. The guards (tensor hooks, the ``zero_grad`` wrapper) wait for
+        the ticket before letting a write through, which settles it first."""
+        self._weak_versions = [(weakref.ref(t), t._version) for t in sources]
+
+    def _settle(self) -> None:
+        # A source already freed was not written after the copy was queued by anything that
+        # still holds it (its memory stays reserved for the copy stream: record_stream).
+        pending, self._weak_versions = self._weak_versions, []
+        for ref, version in pending:
+            t = ref()
+            if t is not None and t._version != version and self._error is None:
+                self._error = CheckpointTornError(
+                    "a tensor was modified in place while it was copied (an in-place "
+                    "zero_grad(set_to_none=False) or a write to .grad right after the update)")
 
     def fence_compute(self) -> None:
         """Order the device's compute stream after this copy (CUDA), or wait (CPU).
@@ -328,8 +360,8 @@ class CudaCopier:
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], priority: int,
         check_versions: bool = False,
     ) -> CopyTicket:
-        # Version checks need the host to see completion; on CUDA the guards (tensor hooks,
-        # zero_grad wrapper) order the copy before any overwrite instead.
+        # The guards (tensor hooks, the zero_grad wrapper) order the copy before the writes they
+        # see; check_versions catches the rest when the host first sees the copy end.
         stream = self._grad_stream if priority == PRIORITY_GRAD else self._state_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         nbytes = 0
@@ -349,7 +381,10 @@ class CudaCopier:
             event.record(stream)
         self.bytes_copied += nbytes
         self._pending.append((start, event, nbytes))
-        return CopyTicket(nbytes, event, self._device)
+        ticket = CopyTicket(nbytes, event, self._device)
+        if check_versions:
+            ticket.watch_sources([s for s, _ in pairs])
+        return ticket
 
     def rate_sample(self) -> tuple[int, float]:
         """(bytes, seconds) of the jobs known to have ended, timed on the device between each

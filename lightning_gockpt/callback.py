@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import warnings
@@ -101,6 +102,10 @@ class GoCkptCallback(Callback):
         # deferred removals compare them at every batch end.
         self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
         self._num_batches = 0
+        # (batch count, the fit loop's state there) at the last batch end with a save still to
+        # be captured later, and whether a batch end is running (see _batch_end, state_fn).
+        self._last_loops: tuple[int, dict] | None = None
+        self._in_batch_end = False
         self._ended = False
         self._failed = False
         self._logging = False
@@ -180,7 +185,24 @@ class GoCkptCallback(Callback):
     def _batch_end(self) -> None:
         self._num_batches += 1
         if self.engine is not None:
-            self.engine.step_end()
+            trainer = self._trainer
+            self._in_batch_end = True
+            try:
+                self.engine.step_end()
+                if trainer is not None and trainer.should_stop:
+                    # A callback stopped the run here (a Timer, a custom stop): the loop may end
+                    # before the batch end a save in flight was to be captured at, and its state
+                    # after this one is no batch end's. Captured here, as stock saves here.
+                    self.engine.flush()
+            finally:
+                self._in_batch_end = False
+            if trainer is not None and any(getattr(h, "captured_step", 0) is None and not h.done()
+                                           for h in self._pending):
+                # A save is to be captured at a later batch end. If the loop ends the epoch
+                # first (on_train_batch_start returning -1, a loader shorter than its length,
+                # an exception), it is captured at a flush where the loops have moved on from
+                # this batch end; no update ran since, so it takes their state as of here.
+                self._last_loops = (self._num_batches, copy.deepcopy(trainer.fit_loop.state_dict()))
             self._log_finished(in_step=True)
             self._remove_deferred()
 
@@ -264,7 +286,12 @@ class GoCkptCallback(Callback):
             # again so that loops, schedulers, callbacks and hook edits match the tensors.
             if self._num_batches == at_batch:
                 return {"lightning": held[0]}
-            return {"lightning": trainer._checkpoint_connector.dump_checkpoint(weights_only)}
+            ck = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+            last = self._last_loops
+            if not self._in_batch_end and last is not None and last[0] == self._num_batches \
+                    and "fit_loop" in ck.get("loops", {}):
+                ck["loops"]["fit_loop"] = copy.deepcopy(last[1])  # the last batch end's (_batch_end)
+            return {"lightning": ck}
 
         key = path_key(path)
         self._deferred = [d for d in self._deferred if d[1] != key]  # replaced, not removed

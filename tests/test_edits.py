@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.utils.prune
 
 import gockpt
 from gockpt import Engine, GoCkptConfig
@@ -197,6 +198,31 @@ def test_param_sampler_sees_data_writes_only_between_updates():
     assert s.seen()
 
 
+def test_param_sampler_sees_a_data_write_to_any_parameter_within_its_phases():
+    # One of PHASES interleaved subsets is sampled per update: a loop writing one parameter
+    # through .data between every two updates is seen within PHASES updates. Checks repeated
+    # between two updates compare with the baseline of the last update, never an older one.
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(20)]
+    for target in (0, 7, 13, 19):
+        s = ParamSampler()
+        s.rebase(params)
+        updates = 0
+        while not s.seen():
+            s.check()
+            with torch.no_grad():
+                for p in params:  # an update: not an edit
+                    p.data.mul_(0.5)
+            s.rebase(params)
+            s.check()
+            s.check()
+            assert not s.seen(), "an update taken for an edit"
+            params[target].data.add_(1.0)  # the loop's write between updates
+            s.check()
+            updates += 1
+            assert updates <= ParamSampler.PHASES
+        assert updates >= 1
+
+
 @pytest.mark.parametrize("edit_at", [2, 3])
 def test_a_data_edit_of_a_frozen_parameter_is_not_held_for_later_saves(tmp_path, edit_at):
     # frozen_copy="when_changed" keeps a frozen parameter's host bytes for later saves while its
@@ -244,12 +270,15 @@ def test_nan_parameters_are_not_taken_for_edits():
     assert w.edited() == set()
 
 
-def test_gradients_zeroed_in_place_while_copied_fail_one_save_then_gockpt(tmp_path, caplog):
+@pytest.mark.parametrize("then_optimizer_zero_grad", [False, True])
+def test_gradients_zeroed_in_place_while_copied_fail_one_save_then_gockpt(tmp_path, caplog,
+                                                                          then_optimizer_zero_grad):
     # gockpt_o copies an update's gradients while the loop goes on; module.zero_grad(
     # set_to_none=False) (not the optimizer's, which waits for the copy) zeroes them in place
     # right after the update. With a slow emulated host link the copy is still running then:
     # that checkpoint fails, logged and not raised to the loop, and later ones wait for their
-    # gradient copies (gockpt) and are exact.
+    # gradient copies (gockpt) and are exact. The optimizer's zero_grad(set_to_none=False)
+    # after it waits for that torn copy: its error is not raised there either.
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -262,6 +291,8 @@ def test_gradients_zeroed_in_place_while_copied_fail_one_save_then_gockpt(tmp_pa
             model(x).pow(2).mean().backward()
             opt.step()
             model.zero_grad(set_to_none=False)
+            if then_optimizer_zero_grad:
+                opt.zero_grad(set_to_none=False)
             eng.step_end()
             live.setdefault(eng.version, snapshot(model, opt))
             if it in (1, 6, 10):
@@ -366,3 +397,48 @@ def test_an_optimizer_state_edit_inside_the_windows_is_in_the_checkpoint(tmp_pat
     m = handles[0].result()
     assert m.mode == "gockpt" and m.captured_step == m.requested_step + 3
     _assert_holds_live(m, live)
+
+
+@pytest.mark.parametrize("change", ["delete_buffer", "buffer_to_double", "buffer_reshaped",
+                                    "delete_frozen_parameter", "prune_made_permanent"])
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_a_buffer_removed_or_recast_inside_a_saves_windows_is_checkpointed_as_it_is_then(
+        tmp_path, mode, change):
+    # A save's slot is laid out at its request. A buffer or frozen parameter removed, or
+    # replaced by one of another dtype or shape, before the captured step (a cast, pruning
+    # made permanent, which turns weight_orig and weight_mask back into a plain weight) failed
+    # the save and raised into the loop. The checkpoint holds the model as it is at the
+    # captured step: the key gone, or its new tensor.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    model.register_buffer("count", torch.zeros(4))
+    model.register_parameter("frozen", torch.nn.Parameter(torch.ones(3), requires_grad=False))
+    torch.nn.utils.prune.l1_unstructured(model[1], "weight", amount=0.25)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    x = torch.randn(8, 16)
+    live, handles = {}, []
+    for it in range(8):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if it == 3:  # inside the windows of the save requested at the end of step 2
+            if change == "delete_buffer":
+                del model.count
+            elif change == "buffer_to_double":
+                model.count = model.count.double() + 1
+            elif change == "buffer_reshaped":
+                model.count = torch.arange(6.0)
+            elif change == "delete_frozen_parameter":
+                del model.frozen
+            else:
+                torch.nn.utils.prune.remove(model[1], "weight")
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it in (2, 5):
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+    eng.close()
+    for h in handles:
+        m = h.result()
+        assert m.captured_step == m.requested_step + 2
+        _assert_holds_live(m, live)

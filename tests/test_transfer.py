@@ -346,3 +346,52 @@ def test_the_cuda_pace_reads_overlapping_jobs_once_and_keeps_a_recent_reference(
     d[1].ended = True
     assert copier.rate_sample() == (360, pytest.approx(0.038))
     assert copier._ref is None and not copier._pending  # a fresh reference for the next job
+
+
+def test_a_cuda_ticket_is_torn_by_a_write_queued_before_the_host_saw_its_copy_end():
+    # CopyTicket with a stand-in event (no GPU here). On CUDA a write queued on the compute
+    # stream after the copy was queued is unordered against it: one queued before the host saw
+    # the copy's event complete may have landed during the copy (torn); one queued after it
+    # cannot have. A source freed meanwhile was not written.
+    import gc
+
+    from gockpt.errors import CheckpointTornError
+    from gockpt.transfer import CopyTicket
+
+    class Event:
+        ended = False
+
+        def query(self) -> bool:
+            return self.ended
+
+        def synchronize(self) -> None:
+            self.ended = True
+
+    def ticket(*sources):
+        t = CopyTicket(8, Event())
+        t.watch_sources(list(sources))
+        return t
+
+    g = torch.zeros(2)
+    early = ticket(g)
+    g.zero_()  # before the host saw the copy end
+    with pytest.raises(CheckpointTornError, match="modified in place"):
+        early.wait()
+    with pytest.raises(CheckpointTornError):
+        early.wait()  # the error stays
+
+    late = ticket(g)
+    assert not late.done()
+    late._cuda_event.ended = True
+    assert late.done()  # seen ended with the version unchanged: clean
+    g.zero_()  # queued after: ordered behind the copy
+    late.wait()
+
+    waited = ticket(g)
+    waited.wait()  # the guards wait before letting a write through
+    g.zero_()
+    waited.wait()
+
+    freed = ticket(torch.zeros(2))  # a gradient set to None: nothing can write it
+    gc.collect()
+    freed.wait()

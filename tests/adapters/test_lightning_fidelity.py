@@ -47,6 +47,8 @@ class Net(pl.LightningModule):
         return y + self.extra(x)
 
     def training_step(self, batch, batch_idx):
+        if self.feature == "raise" and self.global_step == 7:
+            raise _Crash("step 8 fails")
         if self.feature == "clamp_in_step":
             self._clamp()
         x, t = batch
@@ -90,6 +92,8 @@ class Net(pl.LightningModule):
                 p.data.mul_(0.999)
 
     def on_train_batch_start(self, batch, batch_idx):
+        if self.feature == "skip_epoch" and self.current_epoch == 0 and self.global_step == 6:
+            return -1  # the rest of epoch 0 is skipped
         if self.global_step >= 5 and not self.extra.weight.requires_grad:
             self.extra.requires_grad_(True)
             if self.feature == "add_param_group":
@@ -109,6 +113,21 @@ class Net(pl.LightningModule):
         if self.feature == "plain":  # a DataLoader that cannot resume mid-epoch
             return DataLoader(TensorDataset(x, x.flip(1)), batch_size=4, shuffle=False)
         return _Resumable(x)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+class _StopAt(pl.Callback):
+    """Stops the run at the end of step ``step``, mid-epoch, as a ``Timer`` does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
 
 
 class _Resumable:
@@ -379,3 +398,38 @@ def test_weights_edited_between_updates_are_checkpointed_as_stock(tmp_path, mode
     assert sorted(p.name for p in (tmp_path / "g").glob("*.ckpt")) == names
     for name in names:
         _same_as_stock(tmp_path / "g" / name, tmp_path / "s" / name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("end", ["should_stop", "skip_epoch", "raise"])
+def test_a_loop_ending_before_a_saves_captured_step_checkpoints_the_last_batch_end_as_stock(
+        tmp_path, mode, end):
+    """The save requested at step 6 (5 for ``skip_epoch``) would be captured two updates later,
+    but the loop ends before: a callback sets ``trainer.should_stop`` at step 7 (as a ``Timer``
+    does), ``on_train_batch_start`` returns -1 after step 6 (the rest of the epoch is skipped),
+    or the forward of step 8 raises. The checkpoint holds the last batch end, as stock's file of
+    that step does (the loops' state too: it was taken after the loop had moved on), and a run
+    resumed from it ends as one resumed from stock's file."""
+    request, last = {"should_stop": (6, 7), "skip_epoch": (5, 6), "raise": (6, 7)}[end]
+    feature = end if end != "should_stop" else "resumable"
+    stop = (_StopAt(7),) if end == "should_stop" else ()
+
+    def run(root, io, every, **kw):
+        try:
+            return _run(root, feature, io=io, max_epochs=2, ckpt_every_steps=every, callbacks=stop, **kw)
+        except _Crash:
+            return None
+
+    run(tmp_path / "g", _io(mode), request)
+    run(tmp_path / "s", None, 1)
+    held = request if mode == "lazy" else last
+    ours = tmp_path / "g" / f"step={request}.ckpt"
+    assert GoCkptIO().load_checkpoint(str(ours))["global_step"] == held
+    _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
+    if end == "raise":
+        return  # a resumed run fails at the same step again
+    feature = "resumable"  # resumed without the stop
+    stop = ()
+    resumed = _state(*run(tmp_path / "b", _io(mode), None, ckpt_path=str(ours)))
+    stock = _state(*run(tmp_path / "c", None, None, ckpt_path=str(tmp_path / "s" / f"step={held}.ckpt")))
+    _same(resumed, stock)
