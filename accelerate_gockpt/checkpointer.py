@@ -29,7 +29,7 @@ from torch import nn
 
 import gockpt
 from gockpt import _exit
-from gockpt.folder import StagingFolders, folder_number, latest_numbered
+from gockpt.folder import StagingFolders, check_before_load, folder_number, latest_numbered
 from gockpt.fsutil import path_key, remove_local
 from gockpt.replicated import ReplicatedEngine
 from gockpt.snapshot import host_copy
@@ -168,8 +168,14 @@ class GoCkptCheckpointer:
         (every one there is complete). Afterwards ``project_configuration.iteration`` is one
         past the loaded checkpoint's, so the next ``save_state`` does not collide with it.
 
+        Before Accelerate's loader reads the folder, a folder GoCkpt wrote is checked against
+        its manifest (sizes, and checksums with ``verify_on_load``), and a FIFO, device or
+        socket in any folder is refused (:func:`gockpt.folder.check_before_load`).
+
         Raises:
             FileNotFoundError: automatic naming and no checkpoint in ``project_dir/checkpoints``.
+            gockpt.CheckpointCorruptError: a file of the folder is corrupt or not a regular file
+                (named in the message); nothing was loaded.
             What ``Accelerator.load_state`` raises.
         """
         self._check_open()
@@ -184,6 +190,9 @@ class GoCkptCheckpointer:
                 pc.iteration = 1 + _sharded.load(acc, os.fspath(input_dir), self._models[0], self._optimizers,
                                                  verify=self._config.verify_on_load)
                 return
+            if input_dir is not None and os.path.isdir(input_dir):
+                # Accelerate's loader checks no checksum and opens a FIFO as a file.
+                check_before_load(os.fspath(input_dir), verify=self._config.verify_on_load)
             self._originals["load_state"](input_dir, load_kwargs, **load_model_func_kwargs)
         finally:
             self._start()

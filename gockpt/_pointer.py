@@ -82,10 +82,23 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
 
     Raises:
         CheckpointCorruptError: ``strict`` and the pointer is not valid (else None).
+        CheckpointStorageError: ``strict`` and reading it failed (else None); a timeout of the
+            store is a :class:`gockpt.CheckpointTimeoutError`.
     """
     pointer_path = join(parent, LATEST_NAME)
     try:
         raw = read_bounded(fs, pointer_path, max_bytes=MAX_METADATA_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except CheckpointCorruptError:  # not a regular file, too large
+        if strict:
+            raise
+        return None
+    except Exception as e:  # noqa: BLE001 - the storage failed (a timeout, a refused connection)
+        if strict:  # not a bad pointer: a caller must not take a healthy one for damaged
+            raise storage_error(e, parent, pointer_path, action="reading 'latest' in") from e
+        return None
+    try:
         obj = decode_json(raw, pointer_path)
         if not isinstance(obj, dict):
             raise TypeError("not a JSON object")
@@ -93,9 +106,7 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError("captured_step is not an integer")
         check_name(name, pointer_path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError) as e:
         if strict:
             raise CheckpointCorruptError(
                 f"{pointer_path}: not a valid 'latest' pointer ({e})", path=pointer_path

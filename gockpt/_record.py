@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._watch import param_sample, same_sample
+from ._watch import same_sample, state_sample
 from .format import ShardLayout
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import StateLayout
@@ -239,8 +239,9 @@ class SaveRecord:
     # CUDA: the sampled comparison of the block copied after the capture, read by the persist
     # before it writes ((pinned host flag, event) pairs; gockpt._watch.EditWatch.sampled_later).
     late_edits: list | None = None
-    # Sampled parameter contents when the snapshot was pinned (gockpt._watch.param_sample): a
-    # request at that step shares it only if they still hold (no .data write since).
+    # Sampled parameter and buffer contents when the snapshot was pinned
+    # (gockpt._watch.state_sample): a request at that step shares it only if they still hold
+    # (no .data write, no batch-norm forward since).
     pinned_sample: list | None = None
 
     def __post_init__(self) -> None:
@@ -369,7 +370,8 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
     of a sharded engine agreed on K and must capture the same step whether they share or not).
     ``sync`` never shares; ``async`` only a snapshot already copied at this step. ``sample``:
     the parameters' sampled contents now, compared with the leader's when it was pinned
-    (:func:`gockpt._watch.param_sample`: writes through ``.data`` move no version counter).
+    (:func:`gockpt._watch.state_sample`: writes through ``.data`` and a batch norm's running
+    statistics move no version counter).
     """
     if plan.mode == "sync":
         return None
@@ -474,7 +476,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
     tw = perf_counter()
     pinned = (version, state_versions(layout))
-    sample = param_sample(layout)  # what a later request at this step compares, and this one
+    sample = state_sample(layout)  # what a later request at this step compares, and this one
     find = partial(find_leader, records, version=version, layout=layout, plan=plan,
                    exact_k=planner.agree is not None, versions=pinned[1], sample=sample)
     flushed_s = 0.0

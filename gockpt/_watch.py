@@ -245,20 +245,23 @@ class ParamSampler:
         return self._seen
 
 
-def param_sample(layout: StateLayout) -> list[torch.Tensor]:
-    """The sampled contents of every parameter of ``layout`` now (bit patterns, one tensor per
-    device and dtype; the views are built once per layout). Two samples of one layout compare
-    with :func:`same_sample`: a snapshot taken at a step may be shared by a later request at
-    that step only while its parameters still hold what it copied (``.data`` writes included,
-    which no version counter sees)."""
+def state_sample(layout: StateLayout) -> list[torch.Tensor]:
+    """The sampled contents of every parameter and buffer of ``layout`` now (bit patterns, one
+    tensor per device and dtype; the views are built once per layout). Two samples of one
+    layout compare with :func:`same_sample`: a snapshot taken at a step may be shared by a later
+    request at that step only while its tensors still hold what it copied: writes through
+    ``.data`` move no version counter, nor does a train-mode forward of a batch norm, which
+    updates its running statistics in place (a forward between two saves of one step)."""
     groups = layout.__dict__.get("_gockpt_sample_groups")
     if groups is None:
-        groups = _groups([(i, u.param_entry.tensor) for i, u in enumerate(layout.units)])
+        n = len(layout.units)
+        groups = _groups([(i, u.param_entry.tensor) for i, u in enumerate(layout.units)]
+                         + [(n + j, e.tensor) for j, e in enumerate(layout.static)])
         layout.__dict__["_gockpt_sample_groups"] = groups
     return [g.take() for g in groups]
 
 
 def same_sample(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    """Whether two :func:`param_sample` results of one layout are equal (a host sync on an
+    """Whether two :func:`state_sample` results of one layout are equal (a host sync on an
     accelerator)."""
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

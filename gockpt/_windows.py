@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, StorageLag, edited_after_capture, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
-from ._watch import EditWatch, ParamSampler, param_sample
+from ._watch import EditWatch, ParamSampler, state_sample
 from .config import GoCkptConfig
 from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
@@ -397,11 +397,14 @@ class Windows:
             s.window = s.num_blocks - 1
             s.target = version
             s.metrics.num_overlap_steps = s.target - s.metrics.requested_step + 1
-            if not s.captured and not self._try_capture(s, version):
-                continue
-            # Its snapshot is now the state of this step: a request at this step may share it.
-            s.pinned = (version, state_versions(s.layout))
-            s.pinned_sample = param_sample(s.layout)
+            if not s.captured:
+                if not self._try_capture(s, version):
+                    continue
+                # Its snapshot is now the state of this step: a request at this step may share
+                # it. Not so for one captured before (its buffers were taken then; a batch
+                # norm's forward since moved no version counter): it keeps its own pin.
+                s.pinned = (version, state_versions(s.layout))
+                s.pinned_sample = state_sample(s.layout)
             # The capture inside it counts as its own phases ("capture", "static_copy").
             s.metrics.add_stall("flush", perf_counter() - tf - (s.metrics.stall_s - counted))
             self.finalize(s)

@@ -163,8 +163,11 @@ def verify_checkpoint(
     problems = []
     for name, entry in manifest["files"].items():
         file_path = fsutil.join(root, name)
-        # Shards are the files holding tensors; a writer's other files get their checksum only.
-        is_shard = name in by_file or (name.endswith(".safetensors") and name != manifest["extra_file"])
+        # Shards are the files holding tensors; a writer's other files get their checksum only
+        # (a framework's own safetensors file too: Accelerate's model.safetensors written from
+        # the weights its save_state pre-hooks left, which no tensor index lists).
+        is_shard = name in by_file or (name.endswith(".safetensors") and name != manifest["extra_file"]
+                                       and not manifest["meta"].get("writer"))
         problem = _check_file(fs, file_path, entry, by_file.get(name, {}), is_shard, progress)
         if problem is not None:
             problems.append(Problem(file_path, problem))

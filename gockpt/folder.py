@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import CheckpointCorruptError
 from .fsutil import scratch_path
 from .layout import StateLayout
 from .ranks import wait_for_shares
@@ -195,3 +197,39 @@ def folder_number(directory: str, sidecar_format: str, key: str, *,
     if from_name:
         return checkpoint_number(os.path.basename(os.path.normpath(directory)))
     return None
+
+
+def check_before_load(directory: str, *, verify: bool = True) -> None:
+    """Before a framework's own loader reads the local checkpoint folder ``directory``: refuse
+    what would load silently wrong or never return.
+
+    A folder the engine wrote (it holds GoCkpt's ``manifest.json``) is checked against its
+    manifest first: every listed file present, regular and of its size, and with ``verify`` its
+    xxh3-64 checksum and, for shards, the safetensors header
+    (:func:`gockpt.audit.verify_checkpoint`). The framework's loader checks none of that: a
+    flipped bit in ``model.safetensors`` would load as a wrong weight. In any folder (one the
+    framework wrote itself too), an entry that is a FIFO, device or socket, or a symlink to
+    one, is refused: a loader opening it blocks forever.
+
+    Raises:
+        FileNotFoundError: no such folder.
+        CheckpointCorruptError: naming the file and what is wrong.
+    """
+    from .audit import verify_checkpoint  # audit imports the loaders; not needed to write
+
+    with os.scandir(directory) as it:
+        for entry in it:
+            try:
+                mode = os.stat(entry.path).st_mode  # through a symlink: what a loader opens
+            except FileNotFoundError:
+                continue  # a dangling symlink: the loader reports the file it misses
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointCorruptError(
+                    f"{entry.path}: not a regular file or folder (a FIFO, device or socket)",
+                    path=directory)
+    if not verify or not os.path.exists(os.path.join(directory, "manifest.json")):
+        return
+    problems = verify_checkpoint(directory, load=False)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"{problems[0].file}: {problems[0].message}{more}", path=directory)

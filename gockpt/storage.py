@@ -178,6 +178,8 @@ def latest_checkpoint(
         CheckpointCorruptError: the pointer file is not a valid pointer (not a regular file,
             over 16 MiB, not JSON, wrong fields). A complete checkpoint named ``latest`` is
             not taken for one: the entries are scanned.
+        CheckpointStorageError: reading the pointer failed in the store (a
+            :class:`CheckpointTimeoutError` where it timed out): not a verdict on the pointer.
     """
     fs, parent = url_to_fs(directory, storage_options)
     try:

@@ -32,6 +32,7 @@ import gockpt
 from gockpt import GoCkptConfig
 from gockpt.sharded import INDEX_FILE
 from gockpt.snapshot import map_tree, save_tree
+from gockpt.fsutil import MANIFEST_NAME, join
 from gockpt.storage import is_complete, is_local, url_to_fs
 
 if TYPE_CHECKING:
@@ -164,8 +165,9 @@ class GoCkptIO(CheckpointIO):
         """Load a checkpoint into Lightning's dict (CPU tensors unless ``map_location`` says).
 
         A ``last*.ckpt`` path that is not complete (a save of it, or of the checkpoint it links
-        to, was cut short) resolves, with a warning, to the newest complete checkpoint in its
-        directory (the ``latest`` pointer). A save of ``path`` still in flight in this run is
+        to, was cut short: no manifest) resolves, with a warning, to the newest complete
+        checkpoint in its directory (the ``latest`` pointer); one with a manifest but damaged
+        files is loaded, and refused naming the file. A save of ``path`` still in flight in this run is
         finished first (Lightning's tuner restores the checkpoint it just saved). A plain file
         is loaded with ``torch.load``. A checkpoint whose DDP ranks shared the write is read from
         all its parts, in any number of processes (:func:`lightning_gockpt.replicated.load`):
@@ -186,8 +188,8 @@ class GoCkptIO(CheckpointIO):
                 in its directory).
             gockpt.CheckpointError: the save of ``path`` in flight in this run failed (its
                 error).
-            gockpt.CheckpointCorruptError: a corrupt file (names the file and key), or a
-                GoCkpt checkpoint not written by GoCkptIO.
+            gockpt.CheckpointCorruptError: a corrupt, truncated or hostile file (a symlink, a
+                FIFO; names the file and key), or a GoCkpt checkpoint not written by GoCkptIO.
             ValueError: a sharded checkpoint of ``ModelParallelStrategy`` (resume it under that
                 strategy; :func:`gockpt.dcp.load_full` assembles it).
         """
@@ -244,6 +246,10 @@ class GoCkptIO(CheckpointIO):
         options = self.config.storage_options
         if is_complete(path, options):
             return path
+        if _has_manifest(path, options):
+            # Damaged, not incomplete (the manifest is written last): the load names the file
+            # at fault and what is wrong with it, rather than "no manifest".
+            return path
         if "://" in path:
             parent, _, name = path.rstrip("/").rpartition("/")
         else:
@@ -260,6 +266,17 @@ class GoCkptIO(CheckpointIO):
             f"{path} is incomplete (the run stopped while it was being saved); resuming from "
             f"{newest}, the newest complete checkpoint beside it", stacklevel=3)
         return newest
+
+
+def _has_manifest(path: str, storage_options: Any) -> bool:
+    """Whether ``path`` holds an entry named ``manifest.json`` (locally: of any kind, a
+    symlink or FIFO included). Errors reaching the storage count as none."""
+    try:
+        fs, root = url_to_fs(path, storage_options)
+        target = join(root, MANIFEST_NAME)
+        return os.path.lexists(target) if is_local(fs) else bool(fs.exists(target))
+    except Exception:  # noqa: BLE001 - then the checkpoint is reported as incomplete, as before
+        return False
 
 
 def make_placeholder(path: str, storage_options: Any) -> None:

@@ -442,3 +442,51 @@ def test_a_buffer_removed_or_recast_inside_a_saves_windows_is_checkpointed_as_it
         m = h.result()
         assert m.captured_step == m.requested_step + 2
         _assert_holds_live(m, live)
+
+
+@pytest.mark.parametrize("between", ["flush", "persist_held", "none"])
+@pytest.mark.parametrize("mode", ["lazy", "async", "gockpt"])
+def test_a_second_save_at_one_step_after_a_batch_norm_forward_holds_the_new_statistics(
+        tmp_path, monkeypatch, mode, between):
+    # A train-mode forward of a batch norm updates its running statistics in place without
+    # moving their version counters (a calibration pass between two saves of one step). The
+    # second save must not share the first one's snapshot, whose buffers were taken before:
+    # neither at the request ("persist_held": the first one's shard writes are held, so its
+    # snapshot is still there to share), nor after a flush (which pinned the snapshot anew).
+    import threading
+
+    import faultfs
+
+    release = threading.Event()
+    fault = faultfs.Fault()
+    if between == "persist_held":
+        fault.hang({"write"}, until=release)
+    monkeypatch.setattr(faultfs.FaultLocalFileSystem, "fault", fault)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3,
+                                          max_inflight=2, host_buffer_bytes=1 << 24))
+    x = torch.randn(8, 8)
+    live, handles = {}, {}
+    for it in range(6):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+        if it == 2:
+            live["a"] = snapshot(model, opt)
+            handles["a"] = eng.save(faultfs.local_url(tmp_path / "a"), exact_step=True)
+            if between == "flush":
+                eng.flush()
+            with torch.no_grad():
+                model(torch.randn(8, 8) * 3 + 1)  # running_mean/var and num_batches_tracked move
+            live["b"] = snapshot(model, opt)
+            assert not torch.equal(live["a"]["model"]["1.running_mean"], live["b"]["model"]["1.running_mean"])
+            handles["b"] = eng.save(str(tmp_path / "b"), exact_step=True)
+            release.set()
+    eng.close()
+    for name, h in handles.items():
+        state = gockpt.load_checkpoint(h.result().path)
+        assert_state_equal(state.model_state_dict, live[name]["model"], name)
+        assert_state_equal(state.optimizer_state_dicts[0], live[name]["optim"], name)

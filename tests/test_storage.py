@@ -23,7 +23,7 @@ from conftest import Store
 from writers import another_writer
 
 from gockpt import storage
-from gockpt.errors import CheckpointError, CheckpointStorageError
+from gockpt.errors import CheckpointError, CheckpointStorageError, CheckpointTimeoutError
 from gockpt.format import CheckpointCorruptError
 from gockpt.load import read_checkpoint
 from gockpt.persist import persist
@@ -126,6 +126,30 @@ def test_malformed_pointer_raises_naming_it(store):
         fs.pipe_file(store.fs_path("latest"), bad)
         with pytest.raises(CheckpointCorruptError, match="latest"):
             latest_checkpoint(store.root)
+
+
+@pytest.mark.parametrize("failure", [TimeoutError("read timed out"),
+                                     ConnectionRefusedError(errno.ECONNREFUSED, "refused")])
+def test_a_pointer_the_store_fails_to_read_is_a_storage_error_not_a_corrupt_one(
+        make_request, make_tensors, monkeypatch, failure):
+    # A hung or unreachable object store while reading 'latest': the pointer may be healthy,
+    # so it is not reported as damaged (a caller would act on that), but as what it is.
+    fault = faultfs.Fault()
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    store = Store(faultfs.memory_root(), kind="memory")
+    persist(make_request(store.path("s1"), make_tensors(1), step=1))
+
+    def fail_the_pointer(op, path):
+        if op == "cat" and path.rstrip("/").endswith("/latest"):
+            raise failure
+
+    fault.op_hook = fail_the_pointer
+    want = CheckpointTimeoutError if isinstance(failure, TimeoutError) else CheckpointStorageError
+    with pytest.raises(want, match="latest") as info:
+        latest_checkpoint(store.root)
+    assert not isinstance(info.value, CheckpointCorruptError) and info.value.__cause__ is failure
+    fault.op_hook = None
+    assert latest_checkpoint(store.root) == store.path("s1")
 
 
 def test_advance_latest_replaces_a_malformed_pointer(store, make_request, make_tensors):

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 import accelerate_gockpt
 import gockpt
 from accelerate_gockpt import GoCkptPlugin, attach
+from gockpt.audit import verify_checkpoint
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
@@ -310,6 +311,56 @@ def test_iteration_is_restored_from_a_plain_accelerate_checkpoint(tmp_path):
     ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
     fresh.acc.load_state()
     assert fresh.acc.project_configuration.iteration == 2
+    ckpt.close()
+
+
+@pytest.mark.parametrize(("writer", "damage"), [("gockpt", "flipped_byte"), ("gockpt", "truncated"),
+                                                ("gockpt", "fifo"), ("accelerate", "fifo"),
+                                                ("gockpt_hooked", "flipped_byte"), ("gockpt_hooked", "none")])
+def test_load_state_refuses_a_damaged_folder_and_loads_nothing(tmp_path, writer, damage):
+    # Accelerate's loader checks no checksum (a flipped bit in model.safetensors loads as a
+    # wrong weight) and opens a FIFO as a file (blocking forever). A folder GoCkpt wrote is
+    # checked against its manifest first; in any folder a FIFO is refused (a folder Accelerate
+    # wrote has no manifest to check bytes against).
+    # "gockpt_hooked": with a save_state pre-hook, model.safetensors is written from the
+    # weights the hooks left (no tensor index): checked by its checksum.
+    hooked = writer == "gockpt_hooked"
+    project = tmp_path / "run"
+    run = child.build(str(project))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="sync")) if writer != "accelerate" else None
+    if hooked:
+        run.acc.register_save_state_pre_hook(lambda models, weights, output_dir: None)
+    child.train(run, 2)
+    folder = run.acc.save_state()
+    if ckpt is not None:
+        ckpt.close()
+    model_file = Path(folder) / "model.safetensors"
+    if damage == "none":  # intact: verified and loaded
+        assert verify_checkpoint(str(folder)) == []
+        fresh = child.build(str(project), seed=4)
+        ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
+        fresh.acc.load_state(folder)
+        assert child.digest(fresh) == child.digest(run)
+        ckpt.close()
+        return
+    if damage == "flipped_byte":
+        data = bytearray(model_file.read_bytes())
+        data[-3] ^= 0x10  # inside the last tensor's bytes
+        model_file.write_bytes(bytes(data))
+    elif damage == "truncated":
+        with open(model_file, "r+b") as f:
+            f.truncate(model_file.stat().st_size - 4)
+    else:
+        model_file.unlink()
+        os.mkfifo(model_file)
+    fresh = child.build(str(project), seed=4)
+    before = child.digest(fresh)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
+    if hooked:
+        fresh.acc.register_save_state_pre_hook(lambda models, weights, output_dir: None)
+    with pytest.raises(gockpt.CheckpointCorruptError, match="model.safetensors"):
+        fresh.acc.load_state(folder)
+    assert child.digest(fresh) == before  # nothing was loaded
     ckpt.close()
 
 
@@ -863,6 +914,7 @@ def test_an_explicit_attach_replaces_the_automatic_one(tmp_path):
 import torch
 from accelerate import Accelerator
 from accelerate_gockpt import GoCkptPlugin, attach
+from gockpt.audit import verify_checkpoint
 from accelerate_gockpt.run import install
 install()
 acc = Accelerator(cpu=True)

@@ -506,6 +506,36 @@ def test_resumed_run_ranks_its_checkpoints_above_the_ones_it_resumed_from(tmp_pa
     assert gockpt.load_checkpoint(str(tmp_path / "step=20.ckpt")).captured_step == 20
 
 
+@pytest.mark.parametrize("name", ["step=4.ckpt", "last.ckpt"])
+@pytest.mark.parametrize("damage", ["fifo", "symlink", "truncated", "duplicate_manifest_key"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file_not_taken_for_an_incomplete_one(
+        tmp_path, name, damage):
+    # Its manifest is written last: a checkpoint that has one is damaged, not cut short. It is
+    # refused naming what is wrong, and last.ckpt is not silently swapped for an older one.
+    fit(str(tmp_path), io=gockpt_io("sync"), ckpt_every=4, max_steps=8, save_last=True)
+    ckpt = tmp_path / name
+    shard = next(p for p in ckpt.iterdir() if p.name.endswith(".safetensors"))
+    if damage == "fifo":
+        shard.unlink()
+        os.mkfifo(shard)
+        match = shard.name
+    elif damage == "symlink":
+        shard.unlink()
+        shard.symlink_to("/etc/passwd")
+        match = shard.name
+    elif damage == "truncated":
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size - 1)
+        match = shard.name
+    else:
+        manifest = ckpt / "manifest.json"
+        text = manifest.read_text()
+        manifest.write_text(text.replace("{", '{"format": 0, ', 1))
+        match = "duplicate"
+    with pytest.raises(gockpt.CheckpointCorruptError, match=match):
+        GoCkptIO().load_checkpoint(str(ckpt))
+
+
 def test_hyperparameters_needing_pickle_load_only_when_allowed(tmp_path):
     from fractions import Fraction
 
