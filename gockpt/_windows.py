@@ -175,6 +175,14 @@ class Windows:
         # Writes between updates that bypass the version counters (``p.data.clamp_()``):
         # sampled contents, until an edit is seen.
         self._sampler = ParamSampler()
+        # Where a save may take its state: the step of the latest boundary (step_end, a save's
+        # request, an update's pre-hook), whether the loop marks its boundaries (step_end was
+        # called: then a flush at another step is not at one), and, from an update's pre-hook
+        # to its post-hook while a save still has to be captured, the version counters its
+        # tensors had at that pre-hook (update_started).
+        self.boundary_version = 0
+        self.marks_boundaries = False
+        self._in_update: list[tuple[torch.Tensor, int]] | None = None
 
     # ------------------------------------------------------------------ request
 
@@ -251,6 +259,7 @@ class Windows:
 
     def after_update(self, opt_index: int, version: int, now: float) -> None:
         """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
+        self._in_update = None
         if opt_index == 0:
             if self._t_first_update is not None:
                 self._recent_steps.append(now - self._t_first_update)
@@ -336,6 +345,7 @@ class Windows:
 
     def boundary(self, version: int) -> None:
         """A step boundary at ``version``: saves whose captured step it is take their state."""
+        self.boundary_version = version
         for s in list(self.saves):
             if not s.captured and s.target == version:
                 self._try_capture(s, version)
@@ -375,8 +385,40 @@ class Windows:
             if s.window == s.num_blocks - 1:
                 self.finalize(s)
 
-    def flush(self, version: int) -> None:
-        """Finish the copy windows of every pending save at step ``version``."""
+    def update_started(self, version: int) -> None:
+        """An optimizer's pre-hook: until its post-hook, a flush that finds a tensor of a save
+        still to be captured written since now finds an update stopped midway (it raised)."""
+        self.boundary_version = version  # right before an update: the state of ``version``
+        layouts = {id(s.layout): s.layout for s in self.saves if not s.captured}
+        self._in_update = [(e.versioned, e.versioned._version)
+                           for layout in layouts.values() for e in layout.entries] if layouts else None
+
+    def _not_one_step(self, version: int, at_end: bool) -> str | None:
+        """Why the live state at ``version`` is not one step's (None: it is): the run stopped
+        inside an update (some tensors written, others not), or, ``at_end`` (the run is being
+        finished: wait, close, an exception's handler) in a loop that marks its boundaries,
+        after an update and before its step boundary (an exception in the scheduler's step or
+        in a later callback). A flush the loop makes while it runs (flush, remove, a request)
+        is where it chose to make it."""
+        if at_end and self.marks_boundaries and version != self.boundary_version:
+            return (f"the run stopped after update {version} and before its step boundary "
+                    "(step_end, or the next request)")
+        if self._in_update is not None and any(t._version != v for t, v in self._in_update):
+            return "the run stopped inside an optimizer update (it raised after writing part of the state)"
+        return None
+
+    def flush(self, version: int, at_end: bool = False) -> None:
+        """Finish the copy windows of every pending save at step ``version``.
+
+        A save not yet captured whose state the live tensors cannot give as one step's (the run
+        stopped inside an update, or before its step boundary: see :meth:`_not_one_step`)
+        fails with :class:`CheckpointTornError`, logged as a warning, instead of being written
+        torn."""
+        why = self._not_one_step(version, at_end)
+        if why is not None:
+            for s in [s for s in self.saves if not s.captured]:
+                s.overtaken = True  # never a torn checkpoint, never an error for the run
+                self.fail(s, CheckpointTornError(f"{s.path}: not written: {why}"))
         t_guards = perf_counter()
         # The wait for gradient copies in flight (gockpt_o) is the first save's flush stall:
         # its plan predicted those gradients at the flush.

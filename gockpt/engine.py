@@ -316,6 +316,7 @@ class Engine:
         Checkpoints whose captured step is the current step take their non-tensor state here.
         """
         self._pipeline.raise_errors()
+        self._windows.marks_boundaries = True
         self._windows.boundary(self.version)
 
     def before_update(self) -> None:
@@ -349,7 +350,11 @@ class Engine:
         """Finish every pending checkpoint now and block until all are durable.
 
         Blocks not yet copied are copied at the current step, which becomes their captured step.
-        Call while the model and optimizers are still on their device.
+        Call while the model and optimizers are still on their device. A checkpoint not yet
+        captured fails instead (:class:`CheckpointTornError`, logged as a warning, not raised
+        here) where the live state is not one step's: the run stopped inside an optimizer update
+        (it raised after writing part of the state), or, once ``step_end`` has been called,
+        after an update and before its ``step_end`` (an exception in the scheduler's step).
 
         Returns:
             Metrics of the checkpoints finished by this call.
@@ -358,7 +363,7 @@ class Engine:
             The first background error; TimeoutError after ``timeout_s`` seconds.
         """
         t0 = perf_counter()
-        self._flush_windows()
+        self._flush_windows(at_end=True)
         out = []
         deadline = None if timeout_s is None else t0 + timeout_s
         for s in list(self._all):
@@ -456,12 +461,14 @@ class Engine:
 
     # ------------------------------------------------------------------ hooks (training thread)
 
-    def _flush_windows(self) -> None:
-        """Finish the copy windows of every pending save at the current step."""
-        self._windows.flush(self.version)
+    def _flush_windows(self, at_end: bool = False) -> None:
+        """Finish the copy windows of every pending save at the current step (``at_end``: the
+        run may have stopped between an update and its step boundary; see Windows.flush)."""
+        self._windows.flush(self.version, at_end=at_end)
 
     def _on_pre_hook(self, _i: int) -> None:
         self._pipeline.raise_errors()
+        self._windows.update_started(self.version)
         self._windows.release_guards(wait=False)
         if not self.explicit_before_update:
             self._windows.window_end(self.version)

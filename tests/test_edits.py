@@ -490,3 +490,60 @@ def test_a_second_save_at_one_step_after_a_batch_norm_forward_holds_the_new_stat
         state = gockpt.load_checkpoint(h.result().path)
         assert_state_equal(state.model_state_dict, live[name]["model"], name)
         assert_state_equal(state.optimizer_state_dicts[0], live[name]["optim"], name)
+
+
+class _FailingGrad(torch.Tensor):
+    """A gradient whose use by the optimizer raises, while ``armed``: an update that stops
+    after writing the parameters before this one (SGD with ``foreach=False`` goes one by one)."""
+
+    armed = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.armed and getattr(func, "__name__", "") in ("add_", "add", "mul_", "clone"):
+            raise RuntimeError("the update failed midway")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("where", ["inside_the_update", "after_the_update"])
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_a_run_stopped_midway_through_a_step_writes_no_torn_checkpoint(tmp_path, caplog, mode, where):
+    # A save requested at step 2 is captured two updates later. At step 4 the optimizer raises
+    # after updating some parameters (inside_the_update), or the scheduler's step raises after
+    # the update and before step_end (after_the_update); the loop ends and close() finishes
+    # the saves in flight. The live tensors are no step's state there: that save fails with
+    # a warning (CheckpointTornError), is not written, and the checkpoint before it stands
+    # (of step 1, each save in a host slot of its own).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3,
+                                          max_inflight=2, host_buffer_bytes=1 << 22))
+    live, handles = {}, []
+    with caplog.at_level(logging.WARNING, logger="gockpt"), pytest.raises(RuntimeError, match="failed midway"):
+        try:
+            for step in range(1, 7):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                last = list(model.parameters())[-1]
+                if step == 4 and where == "inside_the_update":
+                    last.grad = last.grad.as_subclass(_FailingGrad)
+                    _FailingGrad.armed = True
+                try:
+                    opt.step()
+                finally:
+                    _FailingGrad.armed = False
+                if step == 4 and where == "after_the_update":
+                    raise RuntimeError("the scheduler step failed midway")
+                eng.step_end()
+                live.setdefault(eng.version, snapshot(model, opt))
+                if step in (1, 2):
+                    handles.append(eng.save(str(tmp_path / f"ckpt-{step}"), exact_step=step == 1))
+        finally:
+            eng.close()
+    _assert_holds_live(handles[0].result(), live)  # the one before (captured at step 1)
+    with pytest.raises(gockpt.CheckpointTornError, match="not written"):
+        handles[1].result()
+    assert not gockpt.is_complete(str(tmp_path / "ckpt-2"))
+    assert any("not written" in r.getMessage() for r in caplog.records)

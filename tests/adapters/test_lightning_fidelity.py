@@ -433,3 +433,39 @@ def test_a_loop_ending_before_a_saves_captured_step_checkpoints_the_last_batch_e
     resumed = _state(*run(tmp_path / "b", _io(mode), None, ckpt_path=str(ours)))
     stock = _state(*run(tmp_path / "c", None, None, ckpt_path=str(tmp_path / "s" / f"step={held}.ckpt")))
     _same(resumed, stock)
+
+
+class _RaiseAt(pl.Callback):
+    """Raises in step ``step``: at its batch end (after the update, before GoCkpt's step
+    boundary, which comes right before the checkpoint callbacks), or in
+    ``on_before_optimizer_step`` after writing a weight in place (before the update)."""
+
+    def __init__(self, step: int, where: str) -> None:
+        self.step, self.where = step, where
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.where == "before_update" and trainer.global_step + 1 == self.step:
+            with torch.no_grad():
+                pl_module.body[0].weight.add_(1.0)
+            raise _Crash("stopped before the update")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.where == "batch_end" and trainer.global_step == self.step:
+            raise _Crash("stopped after the update")
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+@pytest.mark.parametrize("where", ["batch_end", "before_update"])
+def test_an_exception_midway_through_a_step_leaves_no_torn_checkpoint(tmp_path, mode, where):
+    """The save requested at step 4 is captured two updates later, but step 5 raises after its
+    update and before the step boundary, or before its update after writing a weight: the
+    live state there is no step's. That checkpoint is not written (stock's file of step 4,
+    written at the request, has no counterpart); the one before it equals stock's."""
+    with pytest.raises(_Crash):
+        _run(tmp_path / "g", "resumable", io=_io(mode), max_epochs=2, ckpt_every_steps=2,
+             callbacks=(_RaiseAt(5, where),))
+    with pytest.raises(_Crash):
+        _run(tmp_path / "s", "resumable", max_epochs=2, ckpt_every_steps=1, callbacks=(_RaiseAt(5, where),))
+    assert not gockpt.is_complete(str(tmp_path / "g" / "step=4.ckpt"))
+    ours = tmp_path / "g" / "step=2.ckpt"
+    _same_as_stock(ours, tmp_path / "s" / f"step={GoCkptIO().load_checkpoint(str(ours))['global_step']}.ckpt")
