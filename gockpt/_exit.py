@@ -26,9 +26,24 @@ _HOOKS: list[tuple[int, weakref.WeakMethod]] = []
 _LOCK = threading.Lock()
 _REGISTERED = False
 _COUNTER = 0
+#: True once the interpreter runs these hooks (the process is ending).
+EXITING = False
+
+
+def stopped_by_exception() -> bool:
+    """Whether an exception is propagating now (a ``finally``, ``__exit__``, an exception
+    handler), or the process is ending after an uncaught one: where a training loop may have
+    stopped midway through a step."""
+    import sys
+
+    if sys.exc_info()[0] is not None:
+        return True
+    return EXITING and getattr(sys, "last_value", getattr(sys, "last_exc", None)) is not None
 
 
 def _run_hooks() -> None:
+    global EXITING
+    EXITING = True
     with _LOCK:
         hooks = list(reversed(_HOOKS))  # the newest first: an adapter before its engine
         _HOOKS.clear()

@@ -243,6 +243,9 @@ class SaveRecord:
     # (gockpt._watch.state_sample): a request at that step shares it only if they still hold
     # (no .data write, no batch-norm forward since).
     pinned_sample: list | None = None
+    # (step, version counters, samples) of its tensors when its state was captured: a flush
+    # pins the snapshot to its step anew only while they still hold (Windows.flush).
+    capture_pin: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.share is None:

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from ._pipeline import Pipeline
 from ._record import Phase, SaveRecord, StorageLag, edited_after_capture, state_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
-from ._watch import EditWatch, ParamSampler, state_sample
+from ._watch import EditWatch, ParamSampler, same_sample, state_sample
 from .config import GoCkptConfig
 from .errors import CheckpointTimeoutError, CheckpointTornError
 from .handle import SaveHandle
@@ -439,14 +439,15 @@ class Windows:
             s.window = s.num_blocks - 1
             s.target = version
             s.metrics.num_overlap_steps = s.target - s.metrics.requested_step + 1
-            if not s.captured:
-                if not self._try_capture(s, version):
-                    continue
-                # Its snapshot is now the state of this step: a request at this step may share
-                # it. Not so for one captured before (its buffers were taken then; a batch
-                # norm's forward since moved no version counter): it keeps its own pin.
-                s.pinned = (version, state_versions(s.layout))
-                s.pinned_sample = state_sample(s.layout)
+            if not s.captured and not self._try_capture(s, version):
+                continue
+            # Its snapshot is now the state of this step: a request at this step may share it,
+            # while the tensors still hold what its capture took (a batch norm's forward since
+            # moves no version counter, but the buffers' samples).
+            pin = s.capture_pin
+            if pin is not None and pin[0] == version and pin[1] == state_versions(s.layout) \
+                    and same_sample(pin[2], state_sample(s.layout)):
+                s.pinned, s.pinned_sample = (version, pin[1]), pin[2]
             # The capture inside it counts as its own phases ("capture", "static_copy").
             s.metrics.add_stall("flush", perf_counter() - tf - (s.metrics.stall_s - counted))
             self.finalize(s)
@@ -874,10 +875,10 @@ class Windows:
     def _try_capture(self, s: SaveRecord, version: int) -> bool:
         try:
             self._capture(s, version)
-            return True
         except BaseException as e:  # noqa: BLE001 - fails this checkpoint; raised at the next hook
             self.fail(s, e)
             return False
+        return True
 
     def _capture(self, s: SaveRecord, version: int, model_sd: dict[str, Any] | None = None,
                  just_opened: bool = False) -> None:
@@ -922,6 +923,7 @@ class Windows:
                     raise
                 self._fail_own(r, e)
         s.captured = True
+        s.capture_pin = (version, state_versions(s.layout), state_sample(s.layout))
         s.metrics.add_stall("capture", perf_counter() - t0)
 
     def _unchanged_static(self, s: SaveRecord, pairs: list) -> tuple[list, list]:

@@ -353,8 +353,10 @@ class Engine:
         Call while the model and optimizers are still on their device. A checkpoint not yet
         captured fails instead (:class:`CheckpointTornError`, logged as a warning, not raised
         here) where the live state is not one step's: the run stopped inside an optimizer update
-        (it raised after writing part of the state), or, once ``step_end`` has been called,
-        after an update and before its ``step_end`` (an exception in the scheduler's step).
+        (it raised after writing part of the state), or, called while an exception propagates
+        (a ``finally``, ``__exit__``, an exception handler) or at exit after an uncaught one,
+        once ``step_end`` has been called, after an update and before its ``step_end`` (an
+        exception in the scheduler's step).
 
         Returns:
             Metrics of the checkpoints finished by this call.
@@ -363,7 +365,11 @@ class Engine:
             The first background error; TimeoutError after ``timeout_s`` seconds.
         """
         t0 = perf_counter()
-        self._flush_windows(at_end=True)
+        # Called while an exception propagates (a finally, __exit__, Lightning's exception
+        # handler) or at exit after an uncaught one: the loop may have stopped between an
+        # update and its step boundary. A loop that ends normally (a break after the
+        # scheduler's step) is where its last step ended.
+        self._flush_windows(at_end=_exit.stopped_by_exception())
         out = []
         deadline = None if timeout_s is None else t0 + timeout_s
         for s in list(self._all):

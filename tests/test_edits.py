@@ -547,3 +547,60 @@ def test_a_run_stopped_midway_through_a_step_writes_no_torn_checkpoint(tmp_path,
         handles[1].result()
     assert not gockpt.is_complete(str(tmp_path / "ckpt-2"))
     assert any("not written" in r.getMessage() for r in caplog.records)
+
+
+def test_a_loop_that_ends_after_an_update_without_step_end_still_gets_its_checkpoint(tmp_path):
+    # A loop that breaks after its last update and scheduler step, before the next step_end
+    # (no exception): close() captures the save in flight there, the step the loop ended at.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    live, handles = {}, []
+    for step in range(1, 5):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        live[eng.version] = snapshot(model, opt)
+        if step == 4:
+            break
+        eng.step_end()
+        if step == 2:
+            handles.append(eng.save(str(tmp_path / "ckpt-2")))
+    eng.close()
+    m = handles[0].result()
+    assert m.captured_step == 4 == eng.version
+    _assert_holds_live(m, live)
+
+
+def test_an_uncaught_exception_after_an_update_writes_no_torn_checkpoint_at_exit(tmp_path):
+    # The engine is never closed: the exit handler finishes the save in flight after the
+    # uncaught exception (raised after update 3 and before its step_end) has been printed.
+    # The live state there is no step's: the save is not written; the one before it is.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import torch, gockpt
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(
+            mode="gockpt", min_overlap_steps=3, max_overlap_steps=3, max_inflight=2,
+            host_buffer_bytes=1 << 22))
+        for step in range(1, 6):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            if step == 3:
+                raise RuntimeError("the scheduler step failed")
+            eng.step_end()
+            if step in (1, 2):
+                eng.save({str(tmp_path)!r} + f"/ckpt-{{step}}", exact_step=step == 1)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "the scheduler step failed" in proc.stderr, proc.stderr[-2000:]
+    assert "ckpt-2: not written" in proc.stderr, proc.stderr[-2000:]
+    assert gockpt.is_complete(str(tmp_path / "ckpt-1"))
+    assert not gockpt.is_complete(str(tmp_path / "ckpt-2"))

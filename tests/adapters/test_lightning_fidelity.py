@@ -457,15 +457,15 @@ class _RaiseAt(pl.Callback):
 @pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
 @pytest.mark.parametrize("where", ["batch_end", "before_update"])
 def test_an_exception_midway_through_a_step_leaves_no_torn_checkpoint(tmp_path, mode, where):
-    """The save requested at step 4 is captured two updates later, but step 5 raises after its
+    """The save requested at step 6 is captured two updates later, but step 8 raises after its
     update and before the step boundary, or before its update after writing a weight: the
-    live state there is no step's. That checkpoint is not written (stock's file of step 4,
+    live state there is no step's. That checkpoint is not written (stock's file of step 6,
     written at the request, has no counterpart); the one before it equals stock's."""
     with pytest.raises(_Crash):
-        _run(tmp_path / "g", "resumable", io=_io(mode), max_epochs=2, ckpt_every_steps=2,
-             callbacks=(_RaiseAt(5, where),))
+        _run(tmp_path / "g", "resumable", io=_io(mode), max_epochs=2, ckpt_every_steps=3,
+             callbacks=(_RaiseAt(8, where),))
     with pytest.raises(_Crash):
-        _run(tmp_path / "s", "resumable", max_epochs=2, ckpt_every_steps=1, callbacks=(_RaiseAt(5, where),))
-    assert not gockpt.is_complete(str(tmp_path / "g" / "step=4.ckpt"))
-    ours = tmp_path / "g" / "step=2.ckpt"
+        _run(tmp_path / "s", "resumable", max_epochs=2, ckpt_every_steps=1, callbacks=(_RaiseAt(8, where),))
+    assert not gockpt.is_complete(str(tmp_path / "g" / "step=6.ckpt"))
+    ours = tmp_path / "g" / "step=3.ckpt"
     _same_as_stock(ours, tmp_path / "s" / f"step={GoCkptIO().load_checkpoint(str(ours))['global_step']}.ckpt")
