@@ -102,10 +102,11 @@ class GoCkptCallback(Callback):
         # deferred removals compare them at every batch end.
         self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
         self._num_batches = 0
-        # (batch count, the fit loop's state there) at the last batch end with a save still to
-        # be captured later, and whether a batch end is running (see _batch_end, state_fn).
+        # (engine version, the fit loop's state) at the first batch end of the latest version
+        # reached while a save was still to be captured, and the version at the previous batch
+        # end (see _batch_end, state_fn).
         self._last_loops: tuple[int, dict] | None = None
-        self._in_batch_end = False
+        self._batch_end_version: int | None = None
         self._ended = False
         self._failed = False
         self._logging = False
@@ -186,23 +187,23 @@ class GoCkptCallback(Callback):
         self._num_batches += 1
         if self.engine is not None:
             trainer = self._trainer
-            self._in_batch_end = True
-            try:
-                self.engine.step_end()
-                if trainer is not None and trainer.should_stop:
-                    # A callback stopped the run here (a Timer, a custom stop): the loop may end
-                    # before the batch end a save in flight was to be captured at, and its state
-                    # after this one is no batch end's. Captured here, as stock saves here.
-                    self.engine.flush()
-            finally:
-                self._in_batch_end = False
-            if trainer is not None and any(getattr(h, "captured_step", 0) is None and not h.done()
-                                           for h in self._pending):
-                # A save is to be captured at a later batch end. If the loop ends the epoch
-                # first (on_train_batch_start returning -1, a loader shorter than its length,
-                # an exception), it is captured at a flush where the loops have moved on from
-                # this batch end; no update ran since, so it takes their state as of here.
-                self._last_loops = (self._num_batches, copy.deepcopy(trainer.fit_loop.state_dict()))
+            self.engine.step_end()
+            if trainer is not None and trainer.should_stop:
+                # A callback stopped the run here (a Timer, a custom stop): the loop may end
+                # before the batch end a save in flight was to be captured at, and its state
+                # after this one is no batch end's. Captured here, as stock saves here.
+                self.engine.flush()
+            version = self.engine.version
+            first = version != self._batch_end_version  # an update since the last batch end
+            self._batch_end_version = version
+            if first and trainer is not None and any(
+                    getattr(h, "captured_step", 0) is None and not h.done() for h in self._pending):
+                # A save is to be captured at a later step. If the loop stops first (a stop
+                # inside an accumulation, on_train_batch_start returning -1, an exception), it
+                # is captured where the loops have moved on from this batch end, the one stock
+                # saves this step's state at; the weights are this step's still, so it takes the
+                # loops' state as of here.
+                self._last_loops = (version, copy.deepcopy(trainer.fit_loop.state_dict()))
             self._log_finished(in_step=True)
             self._remove_deferred()
 
@@ -268,7 +269,7 @@ class GoCkptCallback(Callback):
         trainer, engine = self._trainer, self.engine
         assert self.io is not None and trainer is not None and engine is not None
         weights_only = "optimizer_states" not in checkpoint
-        at_batch = self._num_batches
+        at_batch, at_version = self._num_batches, engine.version
         # FSDPStrategy (full): the dict holds the state gathered at the request, and dumping it
         # again is a collective the other ranks do not join; it is taken at once (K = 1).
         gathered = self._kind == "gathered"
@@ -284,13 +285,14 @@ class GoCkptCallback(Callback):
         def state_fn() -> dict[str, Any]:
             # Called at the captured step. Later than the request, Lightning's dict is taken
             # again so that loops, schedulers, callbacks and hook edits match the tensors.
-            if self._num_batches == at_batch:
-                return {"lightning": held[0]}
+            now = engine.version
+            if self._num_batches == at_batch or now == at_version:
+                return {"lightning": held[0]}  # no update since the request: its own state
             ck = trainer._checkpoint_connector.dump_checkpoint(weights_only)
             last = self._last_loops
-            if not self._in_batch_end and last is not None and last[0] == self._num_batches \
-                    and "fit_loop" in ck.get("loops", {}):
-                ck["loops"]["fit_loop"] = copy.deepcopy(last[1])  # the last batch end's (_batch_end)
+            if last is not None and last[0] == now and "fit_loop" in ck.get("loops", {}):
+                # Past the first batch end of this step (see _batch_end): that one's loops.
+                ck["loops"]["fit_loop"] = copy.deepcopy(last[1])
             return {"lightning": ck}
 
         key = path_key(path)

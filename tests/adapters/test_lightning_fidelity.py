@@ -120,14 +120,17 @@ class _Crash(RuntimeError):
 
 
 class _StopAt(pl.Callback):
-    """Stops the run at the end of step ``step``, mid-epoch, as a ``Timer`` does."""
+    """Stops the run at the end of step ``step``, mid-epoch, as a ``Timer`` does (``late``: at
+    the batch end after it, inside the next accumulation)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, late: bool = False) -> None:
+        self.step, self.late, self.seen = step, late, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            trainer.should_stop = True
+            self.seen += 1
+            if self.seen == (2 if self.late else 1):
+                trainer.should_stop = True
 
 
 class _Resumable:
@@ -161,7 +164,7 @@ def _state(trainer: pl.Trainer, model: Net) -> dict:
 
 
 def _run(root, feature, *, io=None, ckpt_path=None, max_steps=-1, max_epochs=None, callbacks=(),
-         ckpt_every_steps=None, every_epoch=False, precision="32-true"):
+         ckpt_every_steps=None, every_epoch=False, precision="32-true", accumulate=1):
     pl.seed_everything(0, verbose=False)
     model = Net(feature)
     cbs = [*callbacks]
@@ -173,7 +176,7 @@ def _run(root, feature, *, io=None, ckpt_path=None, max_steps=-1, max_epochs=Non
                          accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=bool(cbs),
                          precision=precision, callbacks=cbs, plugins=[io] if io else None,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, accumulate_grad_batches=accumulate)
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, model
 
@@ -469,3 +472,25 @@ def test_an_exception_midway_through_a_step_leaves_no_torn_checkpoint(tmp_path, 
     assert not gockpt.is_complete(str(tmp_path / "g" / "step=6.ckpt"))
     ours = tmp_path / "g" / "step=3.ckpt"
     _same_as_stock(ours, tmp_path / "s" / f"step={GoCkptIO().load_checkpoint(str(ours))['global_step']}.ckpt")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stop_inside_an_accumulation_checkpoints_the_steps_batch_end_as_stock(tmp_path, mode):
+    """Two batches per update: the run is stopped at the batch end after step 7's update, one
+    batch into step 8's accumulation, while the save requested at step 6 is in flight. Stock's
+    file of step 7 is taken at the batch end of its update; GoCkpt's holds that batch end's
+    loops too (the weights are step 7's at both), and a run resumed from it ends as one resumed
+    from stock's file."""
+    stop = (_StopAt(7, late=True),)
+    _run(tmp_path / "g", "resumable", io=_io(mode), max_epochs=3, ckpt_every_steps=6,
+         callbacks=stop, accumulate=2)
+    _run(tmp_path / "s", "resumable", max_epochs=3, ckpt_every_steps=1, callbacks=stop, accumulate=2)
+    ours = tmp_path / "g" / "step=6.ckpt"
+    held = GoCkptIO().load_checkpoint(str(ours))["global_step"]
+    assert held == (6 if mode == "lazy" else 7)
+    _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
+    resumed = _state(*_run(tmp_path / "b", "resumable", io=_io(mode), max_epochs=3, accumulate=2,
+                           ckpt_path=str(ours)))
+    stock = _state(*_run(tmp_path / "c", "resumable", max_epochs=3, accumulate=2,
+                         ckpt_path=str(tmp_path / "s" / f"step={held}.ckpt")))
+    _same(resumed, stock)
