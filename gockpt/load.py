@@ -26,7 +26,7 @@ import xxhash
 from fsspec import AbstractFileSystem
 
 from gockpt import fsutil, storage
-from gockpt.errors import CheckpointCorruptError
+from gockpt.errors import CheckpointCorruptError, CheckpointError
 from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header
 
 #: Local tensors smaller than this (bytes) are copied out of the shard mapping.
@@ -76,8 +76,23 @@ def read_checkpoint(
             escaping the directory, a missing file, a size or checksum mismatch, a shard header
             disagreeing with the manifest, an undecodable extra blob; the message names the
             file and, where one is at fault, the tensor key.
+        CheckpointStorageError: an object store or remote filesystem failed while it was read
+            (a :class:`gockpt.CheckpointTimeoutError` where it timed out), the original error
+            as ``__cause__``.
     """
     fs, root = storage.url_to_fs(path, storage_options)
+    if storage.is_local(fs):
+        return _read(path, fs, root, verify, allow_pickle)
+    try:
+        return _read(path, fs, root, verify, allow_pickle)
+    except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError):
+        raise
+    except Exception as e:  # a store's own error (a botocore read timeout): named as ours
+        raise fsutil.storage_error(e, path, None, action="reading checkpoint") from e
+
+
+def _read(path: str, fs: AbstractFileSystem, root: str, verify: bool, allow_pickle: bool,
+          ) -> LoadedCheckpoint:
     try:
         manifest = storage.read_manifest(fs, root)
     except (FileNotFoundError, NotADirectoryError):

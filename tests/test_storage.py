@@ -152,6 +152,34 @@ def test_a_pointer_the_store_fails_to_read_is_a_storage_error_not_a_corrupt_one(
     assert latest_checkpoint(store.root) == store.path("s1")
 
 
+def test_a_store_timing_out_while_a_checkpoint_is_read_raises_a_timeout_error(
+        make_request, make_tensors, monkeypatch):
+    # An object store's own timeout (botocore's ReadTimeoutError is no OSError nor
+    # TimeoutError) reached the caller as it was; it is named as GoCkpt's timeout, the
+    # original kept as the cause. The checkpoint reads fine once the store answers.
+    from gockpt.load import read_checkpoint
+
+    class ReadTimeoutError(Exception):
+        pass
+
+    fault = faultfs.Fault()
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    store = Store(faultfs.memory_root(), kind="memory")
+    persist(make_request(store.path("s1"), make_tensors(1), step=1))
+    failure = ReadTimeoutError("Read timeout on endpoint URL")
+
+    def hang_up(op, path):
+        if op == "cat" and not path.endswith("manifest.json"):
+            raise failure
+
+    fault.op_hook = hang_up
+    with pytest.raises(CheckpointTimeoutError, match="s1") as info:
+        read_checkpoint(store.path("s1"))
+    assert info.value.__cause__ is failure
+    fault.op_hook = None
+    assert read_checkpoint(store.path("s1")).tensors
+
+
 def test_advance_latest_replaces_a_malformed_pointer(store, make_request, make_tensors):
     persist(make_request(store.path("a"), make_tensors(1), step=1, update_latest=False))
     store.fs.pipe_file(store.fs_path("latest"), b"garbage")
