@@ -63,6 +63,8 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no complete checkpoint (no manifest) at ``path``.
         CheckpointCorruptError: a corrupt or inconsistent file, naming the file and key.
+        CheckpointStorageError: a remote store failed while it was read
+            (:class:`gockpt.CheckpointTimeoutError` where it timed out).
     """
     ck = read_checkpoint(path, storage_options=storage_options, verify=verify, allow_pickle=allow_pickle)
     meta = ck.manifest["meta"]
