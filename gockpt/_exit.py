@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -34,8 +35,6 @@ def stopped_by_exception() -> bool:
     """Whether an exception is propagating now (a ``finally``, ``__exit__``, an exception
     handler), or the process is ending after an uncaught one: where a training loop may have
     stopped midway through a step."""
-    import sys
-
     if sys.exc_info()[0] is not None:
         return True
     return EXITING and getattr(sys, "last_value", getattr(sys, "last_exc", None)) is not None

@@ -182,7 +182,7 @@ class Windows:
         # tensors had at that pre-hook (update_started).
         self.boundary_version = 0
         self.marks_boundaries = False
-        self._in_update: list[tuple[torch.Tensor, int]] | None = None
+        self._in_update: list[tuple[StateLayout, tuple[int, ...]]] | None = None
 
     # ------------------------------------------------------------------ request
 
@@ -390,8 +390,7 @@ class Windows:
         still to be captured written since now finds an update stopped midway (it raised)."""
         self.boundary_version = version  # right before an update: the state of ``version``
         layouts = {id(s.layout): s.layout for s in self.saves if not s.captured}
-        self._in_update = [(e.versioned, e.versioned._version)
-                           for layout in layouts.values() for e in layout.entries] if layouts else None
+        self._in_update = [(layout, state_versions(layout)) for layout in layouts.values()] or None
 
     def _not_one_step(self, version: int, at_end: bool) -> str | None:
         """Why the live state at ``version`` is not one step's (None: it is): the run stopped
@@ -403,7 +402,7 @@ class Windows:
         if at_end and self.marks_boundaries and version != self.boundary_version:
             return (f"the run stopped after update {version} and before its step boundary "
                     "(step_end, or the next request)")
-        if self._in_update is not None and any(t._version != v for t, v in self._in_update):
+        if self._in_update is not None and any(state_versions(lay) != v for lay, v in self._in_update):
             return "the run stopped inside an optimizer update (it raised after writing part of the state)"
         return None
 

@@ -33,7 +33,7 @@ from .errors import CheckpointCorruptError
 from .fsutil import scratch_path
 from .layout import StateLayout
 from .ranks import wait_for_shares
-from .storage import checkpoint_number, cleanup_staging, numbered_checkpoints, prune_numbered
+from .storage import checkpoint_number, cleanup_staging, has_manifest, numbered_checkpoints, prune_numbered
 from .writer import CheckpointWriter, Snapshot
 
 __all__ = ["SIDECAR_NAME", "FolderWriter", "StagingFolders", "folder_number", "latest_numbered",
@@ -227,7 +227,7 @@ def check_before_load(directory: str, *, verify: bool = True) -> None:
                 raise CheckpointCorruptError(
                     f"{entry.path}: not a regular file or folder (a FIFO, device or socket)",
                     path=directory)
-    if not verify or not os.path.exists(os.path.join(directory, "manifest.json")):
+    if not verify or not has_manifest(directory):
         return
     problems = verify_checkpoint(directory, load=False)
     if problems:

@@ -81,13 +81,13 @@ def read_checkpoint(
             as ``__cause__``.
     """
     fs, root = storage.url_to_fs(path, storage_options)
-    if storage.is_local(fs):
-        return _read(path, fs, root, verify, allow_pickle)
     try:
         return _read(path, fs, root, verify, allow_pickle)
     except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError):
         raise
     except Exception as e:  # a store's own error (a botocore read timeout): named as ours
+        if storage.is_local(fs):
+            raise
         raise fsutil.storage_error(e, path, None, action="reading checkpoint") from e
 
 

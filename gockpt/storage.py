@@ -156,6 +156,19 @@ def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> 
     return complete_manifest(fs, root) is not None
 
 
+def has_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``path`` holds an entry named ``manifest.json`` (locally of any kind, a symlink
+    or FIFO included), complete or not: the manifest is written last, so a checkpoint that has
+    one and is not complete (:func:`is_complete`) is damaged rather than cut short. Errors
+    reaching the storage count as none. Raises nothing."""
+    try:
+        fs, root = url_to_fs(path, storage_options)
+        target = join(root, MANIFEST_NAME)
+        return os.path.lexists(target) if is_local(fs) else bool(fs.exists(target))
+    except Exception:  # noqa: BLE001 - unreachable storage: no verdict of damage
+        return False
+
+
 def latest_checkpoint(
     directory: str, storage_options: Mapping[str, Any] | None = None
 ) -> str | None:

@@ -32,8 +32,7 @@ import gockpt
 from gockpt import GoCkptConfig
 from gockpt.sharded import INDEX_FILE
 from gockpt.snapshot import map_tree, save_tree
-from gockpt.fsutil import MANIFEST_NAME, join
-from gockpt.storage import is_complete, is_local, url_to_fs
+from gockpt.storage import has_manifest, is_complete, is_local, url_to_fs
 
 if TYPE_CHECKING:
     from .callback import GoCkptCallback
@@ -246,7 +245,7 @@ class GoCkptIO(CheckpointIO):
         options = self.config.storage_options
         if is_complete(path, options):
             return path
-        if _has_manifest(path, options):
+        if has_manifest(path, options):
             # Damaged, not incomplete (the manifest is written last): the load names the file
             # at fault and what is wrong with it, rather than "no manifest".
             return path
@@ -266,17 +265,6 @@ class GoCkptIO(CheckpointIO):
             f"{path} is incomplete (the run stopped while it was being saved); resuming from "
             f"{newest}, the newest complete checkpoint beside it", stacklevel=3)
         return newest
-
-
-def _has_manifest(path: str, storage_options: Any) -> bool:
-    """Whether ``path`` holds an entry named ``manifest.json`` (locally: of any kind, a
-    symlink or FIFO included). Errors reaching the storage count as none."""
-    try:
-        fs, root = url_to_fs(path, storage_options)
-        target = join(root, MANIFEST_NAME)
-        return os.path.lexists(target) if is_local(fs) else bool(fs.exists(target))
-    except Exception:  # noqa: BLE001 - then the checkpoint is reported as incomplete, as before
-        return False
 
 
 def make_placeholder(path: str, storage_options: Any) -> None:
