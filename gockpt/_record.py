@@ -359,6 +359,12 @@ def state_versions(layout: StateLayout) -> tuple[int, ...]:
     return tuple(e.versioned._version for e in layout.entries)
 
 
+def unit_versions(layout: StateLayout) -> tuple[int, ...]:
+    """The version counters of the optimizers' tensors of ``layout`` (parameters and their
+    state; no buffer or frozen parameter): what an optimizer update writes."""
+    return tuple(e.versioned._version for u in layout.units for e in u.entries)
+
+
 def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout, plan: CopyPlan,
                 exact_k: bool, versions: tuple[int, ...],
                 sample: list | None = None) -> SaveRecord | None:

@@ -11,6 +11,7 @@ with the engine's current step (``version``). A save leaves it through :meth:`Wi
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import statistics
 import warnings
@@ -24,7 +25,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._pipeline import Pipeline
-from ._record import Phase, SaveRecord, StorageLag, edited_after_capture, state_versions
+from ._hooks import EngineHook
+from ._record import Phase, SaveRecord, StorageLag, edited_after_capture, state_versions, unit_versions
 from ._unchanged import fingerprint, rememberable, rememberable_static
 from ._watch import EditWatch, ParamSampler, same_sample, state_sample
 from .config import GoCkptConfig
@@ -114,6 +116,18 @@ def window_forecast(windows: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
 
 
+class _BufferStash:
+    """Buffers before the first forward after update number ``updates`` (Windows._stash)."""
+
+    __slots__ = ("modules", "saves", "updates", "values")
+
+    def __init__(self, updates: int, saves: frozenset[int]) -> None:
+        self.updates = updates
+        self.saves = saves  # ids of the saves requested before it
+        self.modules: set[str] = set()  # the modules whose buffers are in it
+        self.values: dict[str, torch.Tensor] = {}  # entry key -> a copy, on the buffer's device
+
+
 class Windows:
     """Copy windows of the saves in flight (GoCkpt §4.2), on the training thread."""
 
@@ -183,6 +197,15 @@ class Windows:
         self.boundary_version = 0
         self.marks_boundaries = False
         self._in_update: list[tuple[StateLayout, tuple[int, ...]]] | None = None
+        # Buffers as they were right before the first forward since the latest update, while a
+        # save requested before that forward is still to be captured (a batch norm's running
+        # statistics move in the forward): a capture at this step, after the loop has gone on
+        # into the next step's forward (a stop, an exception, a flush inside an accumulation, a
+        # capture at the next update's window end), takes them, not the moved ones.
+        self._updates = 0  # after_update calls: the clock of the stash
+        self._stash: _BufferStash | None = None
+        self._stash_hooks: dict[str, Any] = {}  # module name -> its forward pre-hook handle
+        self._stash_keys: dict[str, list[tuple[str, str, nn.Module]]] = {}
 
     # ------------------------------------------------------------------ request
 
@@ -216,6 +239,8 @@ class Windows:
         self._open_window(s)
         if s.target == version:
             self._capture(s, version, model_sd, just_opened=True)
+        else:
+            self._arm_stash(s.layout)
         metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s
                                          - s.flushed_others_s))
         return handle
@@ -230,7 +255,7 @@ class Windows:
             The error of ``state_fn``, taken now (the request fails, as a save of its own would).
         """
         if leader.captured:
-            current, live, _ = self._live(leader, model_sd)
+            current, live, _, _ = self._live(leader, model_sd)
             self._take(s, current, live, version)
         if leader.handed_off:
             self._hand_off(s)
@@ -260,6 +285,8 @@ class Windows:
     def after_update(self, opt_index: int, version: int, now: float) -> None:
         """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
         self._in_update = None
+        self._updates += 1
+        self._stash = None
         if opt_index == 0:
             if self._t_first_update is not None:
                 self._recent_steps.append(now - self._t_first_update)
@@ -390,7 +417,8 @@ class Windows:
         still to be captured written since now finds an update stopped midway (it raised)."""
         self.boundary_version = version  # right before an update: the state of ``version``
         layouts = {id(s.layout): s.layout for s in self.saves if not s.captured}
-        self._in_update = [(layout, state_versions(layout)) for layout in layouts.values()] or None
+        # The optimizers' tensors only: a forward inside the step (a closure) moves buffers.
+        self._in_update = [(layout, unit_versions(layout)) for layout in layouts.values()] or None
 
     def _not_one_step(self, version: int, at_end: bool) -> str | None:
         """Why the live state at ``version`` is not one step's (None: it is): the run stopped
@@ -402,7 +430,7 @@ class Windows:
         if at_end and self.marks_boundaries and version != self.boundary_version:
             return (f"the run stopped after update {version} and before its step boundary "
                     "(step_end, or the next request)")
-        if self._in_update is not None and any(state_versions(lay) != v for lay, v in self._in_update):
+        if self._in_update is not None and any(unit_versions(lay) != v for lay, v in self._in_update):
             return "the run stopped inside an optimizer update (it raised after writing part of the state)"
         return None
 
@@ -460,6 +488,7 @@ class Windows:
             return
         if s in self.saves:
             self.saves.remove(s)
+        self._disarm_stash_if_idle()
         if s is s.share.leader and s.failed is None:
             by = s.metrics.stall_by_phase_s
             # The waits for a borrowed slot's bytes are predicted per save (predict_slot_wait_s).
@@ -896,7 +925,7 @@ class Windows:
         t0 = perf_counter()
         if s.watch is not None and not s.captured:
             self._settle_edits(s, check=not just_opened)
-        current, live, pairs = self._live(s, model_sd)
+        current, live, pairs, stashed = self._live(s, model_sd)
         remember = []
         if self._when_changed and pairs:
             pairs, remember = self._unchanged_static(s, pairs)
@@ -922,8 +951,11 @@ class Windows:
                     raise
                 self._fail_own(r, e)
         s.captured = True
-        s.capture_pin = (version, state_versions(s.layout), state_sample(s.layout))
+        # Buffers taken from before a forward since: the live tensors no longer hold this
+        # snapshot, so no later request at this step may share it.
+        s.capture_pin = None if stashed else (version, state_versions(s.layout), state_sample(s.layout))
         s.metrics.add_stall("capture", perf_counter() - t0)
+        self._disarm_stash_if_idle()
 
     def _unchanged_static(self, s: SaveRecord, pairs: list) -> tuple[list, list]:
         """``pairs`` (static tensor, view) less those the slot still holds unchanged, and what
@@ -945,11 +977,13 @@ class Windows:
         return todo, remember
 
     def _live(self, s: SaveRecord, model_sd: dict[str, Any] | None = None,
-              ) -> tuple[dict, dict[tuple, str], list]:
+              ) -> tuple[dict, dict[tuple, str], list, bool]:
         """The model's state_dict as ``s`` stores it, the tracked tensors that the state tree may
-        reference (storage key -> entry key), and the (buffer, host view) copies to make.
-        ``model_sd``: the model's ``state_dict(keep_vars=True)`` already taken at this step, in
-        the same request (nothing runs between that could change it)."""
+        reference (storage key -> entry key), the (buffer, host view) copies to make, and
+        whether a buffer comes from the stash (its value before a forward since this step's
+        update, :meth:`_stash_module`). ``model_sd``: the model's ``state_dict(keep_vars=True)``
+        already taken at this step, in the same request (nothing runs between that could
+        change it)."""
         # One traversal of the module tree serves both the state tree and the buffers.
         current = self._model.state_dict(keep_vars=True) if model_sd is None else model_sd
         if s.layout.sharded:  # DTensors: their local shards are what this rank stores
@@ -965,6 +999,9 @@ class Windows:
                 for k in keys[1].values():
                     live.pop(k, None)
         pairs = []
+        st = self._stash
+        stash = st.values if st is not None and st.updates == self._updates and id(s) in st.saves else {}
+        stashed = False
         if s.layout.static:
             # Re-read: a forward may rebind a buffer (``self.count = self.count + 1``).
             for e in s.layout.static:
@@ -975,9 +1012,60 @@ class Windows:
                     # cast) during the windows: its slot view is left unused, and the state tree
                     # holds what is there now (copied as an untracked tensor), or nothing.
                     continue
-                pairs.append((t, s.views[e.key]))
+                before = stash.get(e.key)
+                if before is not None and before.dtype == t.dtype and before.shape == t.shape:
+                    pairs.append((before, s.views[e.key]))
+                    stashed = True
+                else:
+                    pairs.append((t, s.views[e.key]))
                 live[storage_key(t)] = e.key
-        return current, live, pairs
+        return current, live, pairs, stashed
+
+    # ------------------------------------------------------------------ buffer stash
+
+    def _arm_stash(self, layout: StateLayout) -> None:
+        """Hook the forward of each module owning a buffer of ``layout`` (a save still to be
+        captured), to stash its buffers before they move (:meth:`_stash_module`)."""
+        for e in layout.static:
+            if not e.key.startswith("model.") or isinstance(e.tensor, nn.Parameter):
+                continue  # frozen parameters do not move in a forward
+            owner, _, name = e.key[len("model."):].rpartition(".")
+            try:
+                module = self._model.get_submodule(owner)
+            except AttributeError:  # a wrapped model's key: taken live, as before
+                continue
+            keys = self._stash_keys.setdefault(owner, [])
+            if any(k == e.key for k, _, _ in keys):
+                continue
+            keys.append((e.key, name, module))
+            if owner not in self._stash_hooks:
+                self._stash_hooks[owner] = module.register_forward_pre_hook(
+                    EngineHook(functools.partial(self._stash_module, owner)))
+
+    def _disarm_stash_if_idle(self) -> None:
+        if self._stash_hooks and not any(not s.captured for s in self.saves):
+            for h in self._stash_hooks.values():
+                h.remove()
+            self._stash_hooks.clear()
+            self._stash_keys.clear()
+            self._stash = None
+
+    def _stash_module(self, owner: str) -> None:
+        """The module ``owner``'s forward begins: the first since the latest update stashes its
+        buffers, for the saves requested before it and still to be captured."""
+        st = self._stash
+        if st is None or st.updates != self._updates:
+            saves = frozenset(id(s) for s in self.saves if not s.captured)
+            if not saves:
+                return
+            st = self._stash = _BufferStash(self._updates, saves)
+        if owner in st.modules:
+            return
+        st.modules.add(owner)
+        for key, name, module in self._stash_keys.get(owner, ()):
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor):
+                st.values[key] = t.detach().clone()
 
     def _take(self, r: SaveRecord, current: dict, live: dict[tuple, str], version: int) -> None:
         """``r``'s own state tree at step ``version`` (its ``state_fn``), over ``_live``'s parts."""

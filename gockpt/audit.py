@@ -19,6 +19,7 @@ import xxhash
 
 from . import fsutil, storage
 from ._safe_read import open_local_regular
+from .load import framework_files
 from .errors import CheckpointCorruptError
 from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, decode_json, dtype_itemsize
 
@@ -73,7 +74,8 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
         A JSON-able dict: ``path``, ``complete``, ``format_version``, ``requested_step``,
         ``captured_step``, ``mode``, ``num_overlap_steps``, ``created_unix_s``, ``replay``
         (backend, exact, max_abs_error), ``files`` (name -> bytes), ``total_bytes``,
-        ``tensors`` (key -> dtype, shape, bytes, file), ``tensor_bytes``, ``aliases``, ``meta``.
+        ``tensors`` (key -> dtype, shape, bytes, file), ``tensor_bytes``, ``aliases``,
+        ``framework_files`` (a framework's own files, :func:`gockpt.load.framework_files`), ``meta``.
 
     Raises:
         FileNotFoundError, gockpt.CheckpointCorruptError: as :func:`read_manifest`.
@@ -112,6 +114,7 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
         "tensors": tensors,
         "tensor_bytes": sum(t["bytes"] for t in tensors.values()),
         "aliases": manifest["aliases"],
+        "framework_files": framework_files(manifest),
         "meta": meta,
     }
 
@@ -133,6 +136,7 @@ def verify_checkpoint(
     *,
     progress: Callable[[int], None] | None = None,
     load: bool = True,
+    checksums: bool = True,
 ) -> list[Problem]:
     """Check every file of the checkpoint at ``path`` against its manifest.
 
@@ -147,6 +151,8 @@ def verify_checkpoint(
         storage_options: fsspec options.
         progress: called with the number of bytes read, as they are read.
         load: load the checkpoint once the files pass.
+        checksums: read every file whole for its checksum; False checks presence, kind, size
+            and shard headers only (reads a header's bytes).
 
     Returns:
         The problems found, empty when the checkpoint is intact.
@@ -168,14 +174,15 @@ def verify_checkpoint(
         # the weights its save_state pre-hooks left, which no tensor index lists).
         is_shard = name in by_file or (name.endswith(".safetensors") and name != manifest["extra_file"]
                                        and not manifest["meta"].get("writer"))
-        problem = _check_file(fs, file_path, entry, by_file.get(name, {}), is_shard, progress)
+        problem = _check_file(fs, file_path, entry, by_file.get(name, {}), is_shard, progress,
+                              checksums)
         if problem is not None:
             problems.append(Problem(file_path, problem))
     sharded = "sharded" in manifest["meta"]
     if sharded and not problems:  # the index is intact: check the parts it names
         problems += _verify_parts(fs, root, path, storage_options, progress)
-    # A writer's layout (e.g. Accelerate's folder) is read by its own loader, not gockpt's.
-    if not problems and load and not manifest["meta"].get("writer"):
+    # A framework's folder layout (Accelerate's) is read by its own loader, not gockpt's.
+    if not problems and load and not framework_files(manifest):
         from .dcp import load_full
         from .restore import load_checkpoint
 
@@ -226,7 +233,7 @@ def _verify_parts(fs: Any, root: str, path: str, storage_options: Mapping[str, A
 
 def _check_file(
     fs: Any, file_path: str, entry: dict, index: dict[str, dict], is_shard: bool,
-    progress: Callable[[int], None] | None,
+    progress: Callable[[int], None] | None, checksums: bool = True,
 ) -> str | None:
     if fsutil.is_local(fs):
         # Only a regular file inside the checkpoint is read: no symlink out, FIFO or device.
@@ -235,26 +242,35 @@ def _check_file(
         except (FileNotFoundError, NotADirectoryError):
             return "missing (listed in the manifest)"
         except CheckpointCorruptError as e:
-            return str(e)
+            return str(e).removeprefix(f"{file_path}: ")  # the problem names the file
     try:
         size = fs.size(file_path)
     except (FileNotFoundError, NotADirectoryError):
         return "missing (listed in the manifest)"
     if size != entry["bytes"]:
         return f"{size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-    hasher = xxhash.xxh3_64()
-    head = b""
-    with fs.open(file_path, "rb") as f:
-        while chunk := f.read(_READ_BYTES):
-            if len(head) < 8 + MAX_HEADER_BYTES and is_shard:
-                head += chunk[: 8 + MAX_HEADER_BYTES - len(head)]
-            hasher.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    if hasher.hexdigest() != entry["xxh3_64"]:
-        return f"xxh3-64 checksum {hasher.hexdigest()} does not match the manifest ({entry['xxh3_64']})"
-    if not is_shard:
-        return None
+    if not checksums:
+        if not is_shard:
+            return None
+        with fs.open(file_path, "rb") as f:  # the header only: its length, then that many bytes
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if n <= min(MAX_HEADER_BYTES, size - 8):
+                head += f.read(n)
+    else:
+        hasher = xxhash.xxh3_64()
+        head = b""
+        with fs.open(file_path, "rb") as f:
+            while chunk := f.read(_READ_BYTES):
+                if len(head) < 8 + MAX_HEADER_BYTES and is_shard:
+                    head += chunk[: 8 + MAX_HEADER_BYTES - len(head)]
+                hasher.update(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+        if hasher.hexdigest() != entry["xxh3_64"]:
+            return f"xxh3-64 checksum {hasher.hexdigest()} does not match the manifest ({entry['xxh3_64']})"
+        if not is_shard:
+            return None
     try:
         header, _ = decode_header(head, size, file_path)
     except ValueError as e:

@@ -110,8 +110,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _resolve(path: str, options: dict) -> str:
-    """``path``, or for a directory of checkpoints the newest complete one in it."""
-    if storage.is_complete(path, options):
+    """``path``, or for a directory of checkpoints the newest complete one in it (a directory
+    with a manifest is a checkpoint, complete or damaged: never one of checkpoints)."""
+    if storage.is_complete(path, options) or storage.has_manifest(path, options):
         return path
     fs, local = storage.url_to_fs(path, options)
     newest = storage.latest_checkpoint(path, options) if fs.isdir(local) else None
@@ -191,8 +192,10 @@ def _verify(args: argparse.Namespace, options: dict) -> int:
     if problems:
         print(f"gockpt: {path}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
+    how = ("it is in a framework's own layout, for its loader" if info["framework_files"]
+           else "it loads")
     print(f"OK {path}: {len(info['files'])} files, {_size(info['total_bytes'])}, "
-          f"sizes, checksums and headers match the manifest; it loads")
+          f"sizes, checksums and headers match the manifest; {how}")
     return 0
 
 

@@ -26,11 +26,14 @@ imports no adapter, so it works, and names what to install, where the framework 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
 import os
+import pathlib
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ from .frameworks import (
     get_framework,
     register_framework,
 )
+from .load import framework_files
 from .restore import load_checkpoint
 from .snapshot import own_storage, save_tree
 
@@ -56,6 +60,7 @@ __all__ = [
     "Framework",
     "FrameworkUnavailableError",
     "Source",
+    "check_destination",
     "get_framework",
     "open_source",
     "own_storage",
@@ -138,7 +143,7 @@ def open_source(
         with fs.open(root, "rb") as f:
             obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
         return _torch_file_source(path, obj)
-    if not storage.is_complete(path, options):
+    if not storage.is_complete(path, options) and not storage.has_manifest(path, options):
         newest = storage.latest_checkpoint(path, options)
         if newest is not None:
             logger.info("gockpt: %s: using %s, the newest complete checkpoint there", path, newest)
@@ -150,9 +155,14 @@ def open_source(
                 f"{path}: not a checkpoint (no manifest.json, no complete checkpoint inside, "
                 "no Accelerate model file)")
     fs, root = storage.url_to_fs(path, options)
-    sharded = storage.read_manifest(fs, root)["meta"].get("sharded")
-    if sharded is not None:
-        return _sharded_source(path, sharded, allow_pickle)
+    manifest = storage.read_manifest(fs, root)  # a damaged manifest: the error names it
+    if manifest["meta"].get("sharded") is not None:
+        return _sharded_source(path, manifest["meta"]["sharded"], allow_pickle)
+    if framework_files(manifest) and any(_ACC_MODEL.match(n) for n in manifest["files"]):
+        # A framework's own folder layout written by the engine (accelerate_gockpt): its files
+        # checked against the manifest, then read as the framework's folder.
+        _check_writer_folder(path, fs, root, options)
+        return _accelerate_source(path, fs, root, allow_pickle, skip=_WRITER_FILES)
     state = load_checkpoint(path, storage_options=options, allow_pickle=allow_pickle)
     step = int(state.manifest["meta"].get("captured_step", 0))
     if isinstance(state.extra, dict) and LIGHTNING in state.extra:
@@ -200,6 +210,7 @@ def to_hf(
     import safetensors.torch
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    check_destination(source, dst, storage_options)
     weights = {k[len(prefix):]: t for k, t in source.model_state_dict.items() if k.startswith(prefix)}
     if not weights:
         some = ", ".join(sorted(source.model_state_dict)[:3])
@@ -209,22 +220,32 @@ def to_hf(
     weights = own_storage(weights)
     split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
     fs, root = storage.url_to_fs(dst, storage_options)
+    made = storage.is_local(fs) and not os.path.lexists(root)
     fs.makedirs(root, exist_ok=True)
     written = []
-    for name, keys in split.filename_to_tensors.items():
-        shard = {k: weights[k] for k in keys}
-        data = safetensors.torch.save(shard, metadata={"format": "pt"})
-        write_file(fs, fsutil.join(root, name), functools.partial(_write_all, data=data))
-        written.append(name)
-        if progress is not None:
-            progress(len(data))
-    if split.is_sharded:
-        index = {"metadata": {**split.metadata, "gockpt_source": source.path, "step": source.step},
-                 "weight_map": split.tensor_to_filename}
-        text = json.dumps(index, indent=2, sort_keys=True).encode()
-        write_file(fs, fsutil.join(root, "model.safetensors.index.json"),
-                   functools.partial(_write_all, data=text))
-        written.append("model.safetensors.index.json")
+    try:
+        for name, keys in split.filename_to_tensors.items():
+            shard = {k: weights[k] for k in keys}
+            data = safetensors.torch.save(shard, metadata={"format": "pt"})
+            write_file(fs, fsutil.join(root, name), functools.partial(_write_all, data=data))
+            written.append(name)
+            if progress is not None:
+                progress(len(data))
+        if split.is_sharded:
+            index = {"metadata": {**split.metadata, "gockpt_source": source.path, "step": source.step},
+                     "weight_map": split.tensor_to_filename}
+            text = json.dumps(index, indent=2, sort_keys=True).encode()
+            write_file(fs, fsutil.join(root, "model.safetensors.index.json"),
+                       functools.partial(_write_all, data=text))
+            written.append("model.safetensors.index.json")
+    except BaseException:
+        if made:  # the directory this call made, and what it wrote there
+            for name in written:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(root, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+        raise
     return written
 
 
@@ -241,18 +262,54 @@ def to_dcp(source: Source, dst: str, *, storage_options: Mapping[str, Any] | Non
         source: from :func:`open_source`.
         dst: output directory (local path or fsspec URL).
         storage_options: fsspec options (URLs only).
+
+    A local ``dst`` must not exist or be an empty directory: DCP writes its files into a
+    staging directory beside it, which is renamed to ``dst`` once complete (a failed write
+    leaves nothing, and no file already at ``dst``, or a symlink there, is written through).
+
+    Raises:
+        ValueError: ``dst`` exists and is not an empty directory, or would change a checkpoint
+            (:func:`check_destination`).
+        gockpt.CheckpointStorageError: DCP's write failed (a full disk, a read-only target);
+            names ``dst``, the original error as ``__cause__``.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    check_destination(source, dst, storage_options)
     no_dist = not (dist.is_available() and dist.is_initialized())
     if "://" in dst:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         writer = FsspecWriter(dst, **dict(storage_options or {}))
-        dcp.save(source.state, storage_writer=writer, no_dist=no_dist)
-    else:
-        dcp.save(source.state, checkpoint_id=dst, no_dist=no_dist)
+        _dcp_save(dcp, source.state, dst, storage_writer=writer, no_dist=no_dist)
+        return
+    final = os.path.abspath(dst)
+    if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final)
+                                       and not os.listdir(final)):
+        raise ValueError(f"{dst} exists and is not an empty directory; --to dcp writes a new one")
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    staging = fsutil.scratch_path(parent, os.path.basename(final))
+    os.mkdir(staging)
+    try:
+        _dcp_save(dcp, source.state, dst, checkpoint_id=staging, no_dist=no_dist)
+        os.replace(staging, final)  # over an empty directory too (POSIX rename)
+    finally:
+        if os.path.lexists(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _dcp_save(dcp: Any, state: Any, dst: str, **kwargs: Any) -> None:
+    """``dcp.save``, its wrapped failure raised as a storage error naming ``dst``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(state, **kwargs)
+    except CheckpointException as e:
+        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        first = failures[0] if failures else e
+        raise fsutil.storage_error(first, dst, None, action="converting to") from e
 
 
 def to_gockpt(
@@ -278,6 +335,7 @@ def to_gockpt(
     """
     if source.kind.startswith("gockpt"):
         raise ValueError(f"{source.path} is already a GoCkpt checkpoint (copy the directory)")
+    check_destination(source, dst, storage_options)
     if source.kind == "torch-file":
         if source.lightning is None:
             raise ValueError(f"{source.path}: not a Lightning checkpoint (no 'state_dict' and "
@@ -290,6 +348,48 @@ def to_gockpt(
               optimizers=source.state["optimizers"], step=source.step,
               storage_options=storage_options, max_shard_bytes=max_shard_bytes,
               meta={"converted_from": source.path})
+
+
+def check_destination(source: Source | str, dst: str,
+                      storage_options: Mapping[str, Any] | None = None) -> None:
+    """Refuse an output path whose write would change a checkpoint.
+
+    Refused: the source itself or a path inside it, and a path that is, or lies inside, a
+    GoCkpt checkpoint (a directory holding ``manifest.json``, complete or not): a file written
+    there would replace or add to the checkpoint's files. Locally the paths are compared
+    after symlinks are resolved.
+
+    Args:
+        source: the :class:`Source` converted (or its path).
+        dst: the output path (local path or fsspec URL).
+        storage_options: fsspec options.
+
+    Raises:
+        ValueError: ``dst`` is one of those; names both paths.
+    """
+    src_path = source.path if isinstance(source, Source) else source
+    fs, out = storage.url_to_fs(dst, storage_options)
+    sfs, src = storage.url_to_fs(src_path, storage_options)
+    if storage.is_local(fs):
+        out = os.path.realpath(out)
+        src = os.path.realpath(src) if storage.is_local(sfs) else None
+        parents = [out, *(str(p) for p in pathlib.PurePath(out).parents)]
+    else:
+        out = out.rstrip("/")
+        src = src.rstrip("/") if type(sfs) is type(fs) else None
+        parts = out.split("/")
+        parents = ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    sep = os.sep if storage.is_local(fs) else "/"
+    if src is not None and (out == src or out.startswith(src.rstrip(sep) + sep)):
+        raise ValueError(f"{dst} is {'' if out == src else 'inside '}the source {src_path}: "
+                         "converting there would change it; write somewhere else")
+    for directory in parents:
+        target = fsutil.join(directory, storage.MANIFEST_NAME)
+        found = os.path.lexists(target) if storage.is_local(fs) else fs.exists(target)
+        if found:
+            raise ValueError(
+                f"{dst} is {'' if directory == out else 'inside '}the GoCkpt checkpoint "
+                f"{directory}: converting there would change its files; write somewhere else")
 
 
 # --- sources -----------------------------------------------------------------------------
@@ -334,8 +434,29 @@ def _torch_file_source(path: str, obj: Any) -> Source:
     raise ValueError(f"{path}: a dict without 'state_dict' and not a state_dict of tensors")
 
 
-def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Source:
-    """An Accelerate ``save_state`` folder; every file is read through :func:`_read_file`.
+#: Files the engine adds to a framework's folder layout (:mod:`gockpt.folder`): not the framework's.
+_WRITER_FILES = frozenset({storage.MANIFEST_NAME, "gockpt.json"})
+
+
+def _check_writer_folder(path: str, fs: Any, root: str, options: Mapping[str, Any]) -> None:
+    """A folder in a framework's layout that the engine wrote: every file it lists present, of
+    its size and checksum (:func:`gockpt.audit.verify_checkpoint`), before its files are read.
+
+    Raises:
+        gockpt.CheckpointCorruptError: naming the first bad file.
+    """
+    from .audit import verify_checkpoint
+
+    problems = verify_checkpoint(path, options, load=False)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"{problems[0].file}: {problems[0].message}{more}", path=path)
+
+
+def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool,
+                       skip: frozenset[str] = frozenset()) -> Source:
+    """An Accelerate ``save_state`` folder; every file is read through :func:`_read_file`
+    (``skip``: names that are not Accelerate's).
 
     Raises:
         ValueError: more than one model file.
@@ -345,7 +466,7 @@ def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool) -> Sou
     """
     import safetensors.torch
 
-    names = sorted(_base(p) for p in fs.ls(root, detail=False))
+    names = sorted(n for n in (_base(p) for p in fs.ls(root, detail=False)) if n not in skip)
     models = [n for n in names if _ACC_MODEL.match(n)]
     if len(models) > 1:
         raise ValueError(f"{path}: {len(models)} model files ({models}); GoCkpt converts one model")
@@ -425,18 +546,25 @@ def write_file(fs: Any, path: str, fill: Callable[[Any], Any]) -> None:
 
     Locally through a scratch name and an atomic rename, so a reader never sees half a file;
     on an object store the upload completes when the file closes.
+
+    Raises:
+        gockpt.CheckpointStorageError: the write failed (a full disk, a read-only target,
+            a store error); names ``path``, the original error as ``__cause__``.
     """
-    if not storage.is_local(fs):
-        with fs.open(path, "wb") as f:
-            fill(f)
-        return
-    parent, name = os.path.split(path)
-    # A scratch name gockpt.storage.cleanup_staging removes should this process die here.
-    tmp = os.path.join(parent, f".{name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
     try:
-        with open(tmp, "wb") as f:
-            fill(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if not storage.is_local(fs):
+            with fs.open(path, "wb") as f:
+                fill(f)
+            return
+        parent, name = os.path.split(path)
+        # A scratch name gockpt.storage.cleanup_staging removes should this process die here.
+        tmp = os.path.join(parent, f".{name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                fill(f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:
+        raise fsutil.storage_error(e, path, path, action="converting to") from e

@@ -204,8 +204,8 @@ def check_before_load(directory: str, *, verify: bool = True) -> None:
     what would load silently wrong or never return.
 
     A folder the engine wrote (it holds GoCkpt's ``manifest.json``) is checked against its
-    manifest first: every listed file present, regular and of its size, and with ``verify`` its
-    xxh3-64 checksum and, for shards, the safetensors header
+    manifest first: every listed file present, regular (not a symlink) and of its size, for
+    shards the safetensors header, and with ``verify`` its xxh3-64 checksum
     (:func:`gockpt.audit.verify_checkpoint`). The framework's loader checks none of that: a
     flipped bit in ``model.safetensors`` would load as a wrong weight. In any folder (one the
     framework wrote itself too), an entry that is a FIFO, device or socket, or a symlink to
@@ -227,9 +227,9 @@ def check_before_load(directory: str, *, verify: bool = True) -> None:
                 raise CheckpointCorruptError(
                     f"{entry.path}: not a regular file or folder (a FIFO, device or socket)",
                     path=directory)
-    if not verify or not has_manifest(directory):
+    if not has_manifest(directory):
         return
-    problems = verify_checkpoint(directory, load=False)
+    problems = verify_checkpoint(directory, load=False, checksums=verify)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointCorruptError(f"{problems[0].file}: {problems[0].message}{more}", path=directory)

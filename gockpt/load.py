@@ -71,7 +71,8 @@ def read_checkpoint(
 
     Raises:
         FileNotFoundError: no ``manifest.json`` at ``path`` (missing or incomplete checkpoint).
-        ValueError: a sharded checkpoint (:mod:`gockpt.sharded`): see :mod:`gockpt.dcp`.
+        ValueError: a sharded checkpoint (:mod:`gockpt.sharded`): see :mod:`gockpt.dcp`; or a
+            framework's folder layout (``meta.writer``: Accelerate's ``save_state`` folder).
         CheckpointCorruptError: malformed manifest, wrong format or version, a file name
             escaping the directory, a missing file, a size or checksum mismatch, a shard header
             disagreeing with the manifest, an undecodable extra blob; the message names the
@@ -91,6 +92,18 @@ def read_checkpoint(
         raise fsutil.storage_error(e, path, None, action="reading checkpoint") from e
 
 
+def framework_files(manifest: Mapping[str, Any]) -> list[str]:
+    """The files of a checkpoint written by a :class:`gockpt.writer.CheckpointWriter` that hold
+    no tensor of its index and are not its extra file: the framework's own files (Accelerate's
+    ``optimizer.bin``, ``random_states_0.pkl``), which :func:`read_checkpoint` cannot read.
+    Empty for the engine's own layout. ``manifest``: validated (:func:`gockpt.manifest.validate_manifest`)."""
+    if not manifest["meta"].get("writer"):
+        return []
+    shards = {e["file"] for e in manifest["tensors"].values()}
+    return sorted(n for n in manifest["files"]
+                  if n != manifest["extra_file"] and n not in shards and not n.endswith(".safetensors"))
+
+
 def _read(path: str, fs: AbstractFileSystem, root: str, verify: bool, allow_pickle: bool,
           ) -> LoadedCheckpoint:
     try:
@@ -102,6 +115,12 @@ def _read(path: str, fs: AbstractFileSystem, root: str, verify: bool, allow_pick
     if "sharded" in manifest["meta"]:
         raise ValueError(f"{path} is a sharded checkpoint (one part per saving rank): load it with "
                          "gockpt.dcp.load_sharded or gockpt.dcp.load_full")
+    own = framework_files(manifest)
+    if own:
+        raise ValueError(f"{path} is in a framework's own folder layout (written by "
+                         f"{manifest['meta']['writer']}; {', '.join(own[:3])} are the framework's "
+                         "files): load it with that framework's loader (Accelerate: "
+                         "Accelerator.load_state), or `gockpt convert` it")
 
     by_file: dict[str, dict[str, dict]] = {}
     for key, entry in manifest["tensors"].items():

@@ -121,6 +121,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
         CheckpointCorruptError: wrong format name or version, a missing or malformed field, a
             file name escaping the directory, a tensor in an unlisted file, a shape with more
             than :data:`gockpt.format.MAX_NDIM` dimensions or a dimension outside int64 range,
+            a malformed ``meta.sharded`` (parts, replicated, world_size) or ``meta.writer``,
             data offsets whose span is not the shape's byte size, an alias to an unknown key;
             the message names ``path`` and the offending key or file.
     """
@@ -156,6 +157,15 @@ def validate_manifest(obj: Any, path: str) -> dict:
     for field in ("captured_step", "requested_step"):
         if field in obj["meta"] and not is_int(obj["meta"][field]):
             raise bad(f"meta field {field!r} is not an integer: {obj['meta'][field]!r}")
+    if "writer" in obj["meta"] and not isinstance(obj["meta"]["writer"], str):
+        raise bad(f"meta field 'writer' is not a string: {_brief(obj['meta']['writer'])}")
+    if "sharded" in obj["meta"]:
+        sharded = obj["meta"]["sharded"]
+        if not (isinstance(sharded, dict) and isinstance(sharded.get("parts"), list)
+                and all(isinstance(p, str) for p in sharded["parts"])
+                and isinstance(sharded.get("replicated", False), bool)
+                and is_int(sharded.get("world_size", 0))):
+            raise bad(f"meta field 'sharded' is malformed: {_brief(sharded)}")
 
     for key, entry in obj["tensors"].items():
         if not isinstance(key, str) or not key:

@@ -194,13 +194,40 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
             t = tensors[key]
             if stride is not None:
                 if not (isinstance(stride, list) and len(stride) == t.dim()
-                        and all(isinstance(s, int) and s >= 0 for s in stride)):
+                        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                for s in stride)):
                     raise CheckpointCorruptError(f"{where}: malformed strides for tensor {key!r}")
+                _check_strides(t, stride, key, where)
                 t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
             cache[ck] = t
         return cache[ck]
 
     return map_tree(tree, leaf, _is_ref)
+
+
+#: How many elements a restored view may span per element it holds: a saved view with gaps
+#: (a column slice) spans more than it holds; a hostile stride would span terabytes.
+MAX_STRIDED_SPAN = 64
+
+
+def _check_strides(t: torch.Tensor, stride: list[int], key: str, where: str) -> None:
+    """Refuse strides under which elements overlap (a live tensor's own strides never do) or
+    that span more than :data:`MAX_STRIDED_SPAN` times the elements held.
+
+    Raises:
+        CheckpointCorruptError: naming the tensor.
+    """
+    dims = sorted((s, n) for s, n in zip(stride, t.shape) if n > 1)
+    reach = 1  # elements spanned by the dimensions of smaller stride
+    for s, n in dims:
+        if s < reach:
+            raise CheckpointCorruptError(
+                f"{where}: strides {stride} of tensor {key!r} (shape {list(t.shape)}) overlap")
+        reach = s * (n - 1) + reach
+    if t.numel() and reach > MAX_STRIDED_SPAN * t.numel():
+        raise CheckpointCorruptError(
+            f"{where}: strides {stride} of tensor {key!r} span {reach} elements for "
+            f"{t.numel()} held")
 
 
 @dataclass(frozen=True)

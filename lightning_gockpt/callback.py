@@ -269,7 +269,7 @@ class GoCkptCallback(Callback):
         trainer, engine = self._trainer, self.engine
         assert self.io is not None and trainer is not None and engine is not None
         weights_only = "optimizer_states" not in checkpoint
-        at_batch, at_version = self._num_batches, engine.version
+        at_version = engine.version
         # FSDPStrategy (full): the dict holds the state gathered at the request, and dumping it
         # again is a collective the other ranks do not join; it is taken at once (K = 1).
         gathered = self._kind == "gathered"
@@ -286,8 +286,11 @@ class GoCkptCallback(Callback):
             # Called at the captured step. Later than the request, Lightning's dict is taken
             # again so that loops, schedulers, callbacks and hook edits match the tensors.
             now = engine.version
-            if self._num_batches == at_batch or now == at_version:
-                return {"lightning": held[0]}  # no update since the request: its own state
+            if now == at_version:
+                # No update since the request: its own state. (Batch ends are no measure: a
+                # capture that a later step's request makes before this callback's batch end
+                # of that step comes after an update.)
+                return {"lightning": held[0]}
             ck = trainer._checkpoint_connector.dump_checkpoint(weights_only)
             last = self._last_loops
             if last is not None and last[0] == now and "fit_loop" in ck.get("loops", {}):

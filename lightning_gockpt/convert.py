@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from gockpt import storage
-from gockpt.convert import LIGHTNING, Framework, Source, own_storage, write_file
+from gockpt.convert import LIGHTNING, Framework, Source, check_destination, own_storage, write_file
 
 from .io import GoCkptIO
 
@@ -73,12 +73,15 @@ def to_lightning_file(
         The file's size in bytes.
 
     Raises:
-        ValueError: the source is not a GoCkpt checkpoint written by ``GoCkptIO``.
+        ValueError: the source is not a GoCkpt checkpoint written by ``GoCkptIO``, or ``dst``
+            would change a checkpoint (:func:`gockpt.convert.check_destination`).
+        gockpt.CheckpointStorageError: the write failed (names ``dst``).
     """
     if source.kind != "gockpt-lightning" or source.lightning is None:
         raise ValueError(
             f"{source.path}: not a GoCkpt checkpoint written by GoCkptIO (a {source.kind} "
             "checkpoint); --to lightning needs one")
+    check_destination(source, dst, storage_options)
     fs, path = storage.url_to_fs(dst, storage_options)
     parent = path.rpartition("/")[0]
     if parent:

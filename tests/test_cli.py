@@ -331,3 +331,162 @@ def test_inspect_and_verify_refuse_a_hostile_manifest_without_reading_it(tmp_pat
         assert _within(lambda c=command: cli.main([c, str(path)])).get("value") == 1, command
         err = capsys.readouterr().err
         assert "manifest.json" in err and fragment in err, err
+
+
+# --- outputs that would change a checkpoint; sources in a framework's layout -----------------
+
+
+def _intact(path) -> None:
+    assert cli.main(["verify", str(path)]) == 0, f"{path} was changed"
+
+
+@pytest.mark.parametrize("to", ["lightning", "hf", "dcp"])
+def test_convert_never_writes_into_its_source_or_another_checkpoint(runs, tmp_path, capsys, to):
+    # The output path is the source's manifest, a path inside the source, or inside another
+    # (copied) GoCkpt checkpoint, directly or through a symlink: refused, both left as they were.
+    other = tmp_path / "other.ckpt"
+    shutil.copytree(runs["ours"], other)
+    (tmp_path / "link").symlink_to(other)
+    for dst in (runs["ours"] / "manifest.json", runs["ours"] / "out", other / "model.safetensors",
+                tmp_path / "link" / "out", other):
+        code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(dst), "--to", to)
+        assert code == 1 and "converting there would change" in err, (dst, err)
+    _intact(runs["ours"])
+    _intact(other)
+    assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in runs["ours"].iterdir())
+
+
+def test_convert_of_a_file_onto_itself_is_refused(runs, tmp_path, capsys):
+    src = tmp_path / "stock.ckpt"
+    shutil.copy(runs["stock"], src)
+    code, _, err = _in_process(capsys, "convert", str(src), str(src), "--to", "gockpt")
+    assert code == 1 and "is the source" in err, err
+    assert src.is_file() and src.read_bytes() == runs["stock"].read_bytes()
+
+
+def test_to_dcp_writes_a_new_directory_and_never_through_a_link(runs, tmp_path, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    dst = tmp_path / "dcp"
+    dst.mkdir()
+    (dst / "__0_0.distcp").symlink_to(victim)  # what DCP's writer would open for writing
+    code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(dst), "--to", "dcp")
+    assert code == 1 and "not an empty directory" in err, err
+    assert victim.read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(empty), "--to", "dcp")
+    assert code == 0, err
+    assert (empty / ".metadata").is_file()
+    assert not [p for p in tmp_path.iterdir() if "gockpt-tmp" in p.name]  # no staging left
+
+
+def test_a_failed_dcp_write_is_reported_naming_the_output(runs, monkeypatch, capsys):
+    # A store whose writes fail (ENOSPC): DCP wraps the error; the command names the output
+    # and exits 1 instead of a traceback.
+    import errno
+
+    import faultfs
+
+    fault = faultfs.Fault(match="")
+
+    def full(name, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fault.hook = full
+    monkeypatch.setattr(faultfs.FaultMemoryFileSystem, "fault", fault)
+    dst = f"{faultfs.memory_root()}/dcp-out"
+    code, _, err = _in_process(capsys, "convert", str(runs["ours"]), dst, "--to", "dcp")
+    assert code == 1, err
+    assert "No space left on device" in err and "dcp-out" in err and "Traceback" not in err, err
+
+
+def test_verify_and_convert_of_a_damaged_checkpoint_never_fall_back_to_one_inside_it(runs, tmp_path, capsys):
+    damaged = tmp_path / "step-2"
+    shutil.copytree(runs["ours"], damaged)
+    shutil.copytree(runs["ours"], damaged / "old")  # a complete checkpoint nested inside
+    shard = next(damaged.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-4])
+    code, out, _ = _in_process(capsys, "verify", str(damaged))
+    assert code == 1 and f"FAILED {shard}" in out, out
+    code, _, err = _in_process(capsys, "convert", str(damaged), str(tmp_path / "x.ckpt"), "--to", "lightning")
+    assert code == 1 and shard.name in err, err
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_a_malformed_sharded_record_is_named_not_a_type_error(runs, tmp_path, capsys):
+    bad = tmp_path / "bad.ckpt"
+    shutil.copytree(runs["ours"], bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["meta"]["sharded"] = {"parts": 5}
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    for command in ("inspect", "verify"):
+        code, _, err = _in_process(capsys, command, str(bad))
+        assert code == 1 and "meta field 'sharded' is malformed" in err and "manifest.json" in err, err
+
+
+@pytest.fixture(scope="module")
+def gockpt_accelerate_folder(tmp_path_factory):
+    """An Accelerate save_state folder written by accelerate_gockpt (it has a manifest), and
+    the state it holds."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate_gockpt import GoCkptPlugin
+
+    root = tmp_path_factory.mktemp("accelerate_gockpt")
+    torch.manual_seed(0)
+    acc = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    GoCkptPlugin(exact_step=True).attach(acc)
+    for _ in range(2):
+        acc.backward(model(torch.randn(5, 4)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(str(root / "ckpt"))
+    acc.end_training()
+    state = {"model": {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+             "optimizer": opt.optimizer.state_dict()}
+    return root / "ckpt", state
+
+
+def test_a_folder_written_by_accelerate_gockpt_converts_and_is_not_misread(gockpt_accelerate_folder, tmp_path, capsys):
+    folder, want = gockpt_accelerate_folder
+    assert (folder / "manifest.json").is_file()
+    code, out, err = _in_process(capsys, "verify", str(folder))
+    assert code == 0 and "framework's own layout" in out, (out, err)
+    code, _, err = _in_process(capsys, "convert", str(folder), str(tmp_path / "g"), "--to", "gockpt")
+    assert code == 0, err
+    state = gockpt.load_checkpoint(str(tmp_path / "g"))
+    assert_bitwise_equal(state.model_state_dict, want["model"], "model")
+    assert_bitwise_equal(state.optimizer_state_dicts[0]["state"], want["optimizer"]["state"], "optimizer")
+    with pytest.raises(ValueError, match="framework's own folder layout.*load_state"):
+        gockpt.load_checkpoint(str(folder))
+    # Its files are checked against its manifest before they are read.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    data = bytearray((damaged / "optimizer.bin").read_bytes())
+    data[-3] ^= 1
+    (damaged / "optimizer.bin").write_bytes(bytes(data))
+    code, _, err = _in_process(capsys, "convert", str(damaged), str(tmp_path / "h"), "--to", "gockpt")
+    assert code == 1 and "optimizer.bin" in err and "checksum" in err, err
+
+
+def test_accelerate_load_without_checksums_still_refuses_a_linked_or_resized_file(gockpt_accelerate_folder, tmp_path):
+    from gockpt.folder import check_before_load
+
+    folder, _ = gockpt_accelerate_folder
+    for damage in ("symlink", "resized"):
+        copy = tmp_path / damage
+        shutil.copytree(folder, copy)
+        target = copy / "optimizer.bin"
+        if damage == "symlink":
+            outside = tmp_path / f"outside-{damage}.bin"
+            outside.write_bytes(target.read_bytes())
+            target.unlink()
+            target.symlink_to(outside)
+        else:
+            target.write_bytes(target.read_bytes() + b"\0")
+        with pytest.raises(gockpt.CheckpointCorruptError, match="optimizer.bin"):
+            check_before_load(str(copy), verify=False)
+    check_before_load(str(folder), verify=False)  # the intact one passes

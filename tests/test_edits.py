@@ -604,3 +604,48 @@ def test_an_uncaught_exception_after_an_update_writes_no_torn_checkpoint_at_exit
     assert "ckpt-2: not written" in proc.stderr, proc.stderr[-2000:]
     assert gockpt.is_complete(str(tmp_path / "ckpt-1"))
     assert not gockpt.is_complete(str(tmp_path / "ckpt-2"))
+
+
+@pytest.mark.parametrize("loop", ["raises_before_the_update", "no_step_end", "flush_after_a_forward"])
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_a_capture_after_the_next_forward_holds_the_buffers_of_its_step(tmp_path, mode, loop):
+    # A batch norm's forward moves its running statistics (without a version bump). A save
+    # requested at step 2 is to be captured at step 4; the capture comes at step 3 or 4 after
+    # the next step's forward has run: an exception between backward and the update, with
+    # close() in a finally (raises_before_the_update); a loop without step_end, captured at the
+    # next update's window end (no_step_end); a flush the loop makes right after a forward
+    # (flush_after_a_forward). The checkpoint holds the buffers of its captured step, as a
+    # blocking save there does, not the moved ones.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    live, handles = {}, []
+    stop = 4 if loop == "raises_before_the_update" else None
+    try:
+        for step in range(1, 7):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 8) * step).pow(2).mean()
+            if loop == "flush_after_a_forward" and step == 4:
+                eng.flush()
+            loss.backward()
+            if step == stop:
+                raise RuntimeError("the loop failed before the update")
+            opt.step()
+            if loop != "no_step_end":
+                eng.step_end()
+            live[eng.version] = snapshot(model, opt)
+            if step == 2:
+                handles.append(eng.save(str(tmp_path / "ckpt-2")))
+    except RuntimeError as e:
+        assert stop is not None and "before the update" in str(e)
+    finally:
+        eng.close()
+    m = handles[0].result()
+    # Where the next step's forward had run: after it (3), at the next update's window end (4).
+    assert m.captured_step == (4 if loop == "no_step_end" else 3), m.captured_step
+    state = gockpt.load_checkpoint(m.path)
+    forwards = int(state.model_state_dict["1.num_batches_tracked"])  # one per step
+    assert forwards == m.captured_step, f"{forwards} forwards: buffers of a later one"
+    _assert_holds_live(m, live)

@@ -43,3 +43,24 @@ def test_attributes_that_do_not_pickle_are_copied_as_deepcopy_copies_them():
     skel = to_skeleton(tree, {})
     assert skel.note["m"].n == 7 and skel.note["m"] is not tree.note["m"]
     assert skel.note is not tree.note
+
+
+def test_strides_of_a_stored_view_come_back_and_hostile_ones_are_refused():
+    import pytest
+
+    from gockpt.errors import CheckpointCorruptError
+    from gockpt.snapshot import resolve
+
+    w = torch.arange(12.0).reshape(3, 4)
+    t = w.t()  # (4, 3), strides (1, 4): a dense permutation
+    tree = {"t": {REF: "model.t", "stride": list(t.stride())}, "col": {REF: "model.c", "stride": [4]}}
+    stored = {"model.t": t.contiguous(), "model.c": w[:, 1].contiguous()}
+    out = resolve(tree, stored, "ckpt")
+    assert out["t"].stride() == t.stride() and torch.equal(out["t"], t)
+    assert out["col"].stride() == (4,) and torch.equal(out["col"], w[:, 1])  # a view with gaps
+    for stride, why in (([10**11, 1], "span"), ([0, 0], "overlap"), ([1, 1], "overlap"),
+                        ([True, 1], "malformed")):
+        bad = {"t": {REF: "model.t", "stride": stride}}
+        with pytest.raises(CheckpointCorruptError, match=f"ckpt: .*{why}.*|ckpt: malformed") as e:
+            resolve(bad, stored, "ckpt")
+        assert "model.t" in str(e.value)

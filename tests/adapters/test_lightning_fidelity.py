@@ -34,6 +34,8 @@ class Net(pl.LightningModule):
             self.conv = nn.Conv2d(2, 4, 3, padding=1)
             self.conv.to(memory_format=torch.channels_last)
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        if feature == "batch_norm":  # running statistics move in every training forward
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 8))
         self.extra = nn.Linear(8, 8)  # frozen until step 5, or in a param group added at step 5
         if feature in ("unfreeze", "add_param_group"):
             self.extra.requires_grad_(False)
@@ -76,6 +78,10 @@ class Net(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # Runs after the callbacks' on_train_batch_end, where ModelCheckpoint requested a save.
+        if self.feature == "module_save" and self.global_step in (2, 5):
+            # After GoCkpt's batch end: a later step's request (ModelCheckpoint, a callback)
+            # comes after that step's update and before GoCkpt's batch end of it.
+            self.trainer.save_checkpoint(f"{self.trainer.default_root_dir}/module-{self.global_step}.ckpt")
         if self.feature == "clamp_after_batch":
             self._clamp()
         if self.feature in ("clamp_late", "data_clamp_late") and self.global_step >= 5:
@@ -131,6 +137,13 @@ class _StopAt(pl.Callback):
             self.seen += 1
             if self.seen == (2 if self.late else 1):
                 trainer.should_stop = True
+
+
+class _SaveEvery(pl.Callback):
+    """Saves ``every.ckpt`` at every batch end (before the module's on_train_batch_end)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.save_checkpoint(f"{trainer.default_root_dir}/every.ckpt")
 
 
 class _Resumable:
@@ -474,23 +487,42 @@ def test_an_exception_midway_through_a_step_leaves_no_torn_checkpoint(tmp_path, 
     _same_as_stock(ours, tmp_path / "s" / f"step={GoCkptIO().load_checkpoint(str(ours))['global_step']}.ckpt")
 
 
+@pytest.mark.parametrize("feature", ["resumable", "batch_norm"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_stop_inside_an_accumulation_checkpoints_the_steps_batch_end_as_stock(tmp_path, mode):
+def test_a_stop_inside_an_accumulation_checkpoints_the_steps_batch_end_as_stock(tmp_path, mode, feature):
     """Two batches per update: the run is stopped at the batch end after step 7's update, one
     batch into step 8's accumulation, while the save requested at step 6 is in flight. Stock's
     file of step 7 is taken at the batch end of its update; GoCkpt's holds that batch end's
-    loops too (the weights are step 7's at both), and a run resumed from it ends as one resumed
-    from stock's file."""
+    loops too (the weights are step 7's at both), and, with a batch norm, its running
+    statistics before step 8's first forward moved them. A run resumed from it ends as one
+    resumed from stock's file."""
     stop = (_StopAt(7, late=True),)
-    _run(tmp_path / "g", "resumable", io=_io(mode), max_epochs=3, ckpt_every_steps=6,
+    _run(tmp_path / "g", feature, io=_io(mode), max_epochs=3, ckpt_every_steps=6,
          callbacks=stop, accumulate=2)
-    _run(tmp_path / "s", "resumable", max_epochs=3, ckpt_every_steps=1, callbacks=stop, accumulate=2)
+    _run(tmp_path / "s", feature, max_epochs=3, ckpt_every_steps=1, callbacks=stop, accumulate=2)
     ours = tmp_path / "g" / "step=6.ckpt"
     held = GoCkptIO().load_checkpoint(str(ours))["global_step"]
     assert held == (6 if mode == "lazy" else 7)
     _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
-    resumed = _state(*_run(tmp_path / "b", "resumable", io=_io(mode), max_epochs=3, accumulate=2,
+    resumed = _state(*_run(tmp_path / "b", feature, io=_io(mode), max_epochs=3, accumulate=2,
                            ckpt_path=str(ours)))
-    stock = _state(*_run(tmp_path / "c", "resumable", max_epochs=3, accumulate=2,
+    stock = _state(*_run(tmp_path / "c", feature, max_epochs=3, accumulate=2,
                          ckpt_path=str(tmp_path / "s" / f"step={held}.ckpt")))
     _same(resumed, stock)
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_a_save_from_the_modules_batch_end_captured_by_a_later_request_holds_one_step(tmp_path, mode):
+    """The module's on_train_batch_end (after GoCkpt's batch end) saves at steps 2 and 5; a
+    callback saving to one path every step requests at the next step's batch end, after its
+    update and before GoCkpt's batch end of it, and so captures the earlier save there. That
+    checkpoint holds one step: Lightning's dict (global_step, loops) of the step its tensors
+    are, equal to stock's file of that step."""
+    _run(tmp_path / "g", "module_save", io=_io(mode), max_steps=8, callbacks=(_SaveEvery(),))
+    _run(tmp_path / "s", "module_save", max_steps=8, ckpt_every_steps=1)
+    for step in (2, 5):
+        ours = tmp_path / "g" / f"module-{step}.ckpt"
+        held = GoCkptIO().load_checkpoint(str(ours))["global_step"]
+        assert held == gockpt.load_checkpoint(str(ours), allow_pickle=True).captured_step
+        assert held in (step, step + 1), held
+        _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
