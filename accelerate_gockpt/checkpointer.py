@@ -68,6 +68,7 @@ class GoCkptCheckpointer:
         self.accelerator = accelerator
         self.plugin = plugin
         self._rep: ReplicatedEngine | _sharded.ShardedSaves | None = None
+        self._at_boundary: _host_state.AtBoundary | None = None  # see _note_boundary
         self.automatic = False  # attached at prepare (accelerate_gockpt.run): attach() replaces it
         self._published: list[gockpt.CheckpointMetrics] = []  # of engines replaced since
         self._config = plugin.to_config()
@@ -151,11 +152,18 @@ class GoCkptCheckpointer:
                            total_limit=acc.project_configuration.total_limit if root else None)
         else:
             # Pre-hooks run here, on this thread, as stock runs them: the save then holds the
-            # step of its request, the step the hooks saw.
+            # step of its request, the step the hooks saw. Stock runs them on every process:
+            # the main one in _prepare (with the staging folder its files go in), the others
+            # here, with the checkpoint folder as stock passes it, their errors raised here.
             hooked = bool(acc._save_model_state_pre_hook)
+            if hooked and not self._main:
+                weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+                for hook in list(acc._save_model_state_pre_hook.values()):
+                    hook(acc._models, weights, final)
             self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
                            exact_step=self._exact_step or hooked,
-                           state_fn=lambda: _host_state.host_files(acc))
+                           state_fn=self._host_files)
+            self._note_boundary(request=True)
         self.accelerator.project_configuration.iteration += 1
         self._log_published()
         return Path(final)
@@ -251,13 +259,14 @@ class GoCkptCheckpointer:
 
     def _start(self) -> None:
         acc = self.accelerator
+        self._at_boundary = None
         if self._sharded:
             self._rep = _sharded.ShardedSaves(acc, self._models[0], self._optimizers, self._config)
             return
         broadcast = (lambda obj: broadcast_object_list([obj])[0]) if acc.num_processes > 1 else None
         self._rep = ReplicatedEngine(
             self._engine_model, self._optimizers, self._config, is_writer=self._main,
-            share=lambda: _host_state.host_files(acc, rng_only=True)[_host_state.rng_file_name(acc.process_index)],
+            share=lambda: self._host_files(rng_only=True)[_host_state.rng_file_name(acc.process_index)],
             share_name=_host_state.rng_file_name(acc.process_index), broadcast=broadcast,
             boundary_modules=self._models if len(self._models) > 1 else ())
 
@@ -311,8 +320,33 @@ class GoCkptCheckpointer:
             yield
 
     def _boundary(self) -> None:
-        if self._rep is not None:
-            self._rep.boundary()
+        rep = self._rep
+        if rep is None:
+            return
+        rep.boundary()
+        self._note_boundary()
+
+    def _note_boundary(self, *, request: bool = False) -> None:
+        """At a request, or the first boundary since an update while a save is still to be
+        captured: a capture at this step after the loop went on (a flush when a run fails
+        inside the next iteration) takes step and RNG as of here, as stock's save_state of
+        this step holds them."""
+        rep = self._rep
+        if not isinstance(rep, ReplicatedEngine) or not rep.capture_pending:
+            return
+        version = rep.version
+        if request or self._at_boundary is None or self._at_boundary.version != version:
+            self._at_boundary = _host_state.AtBoundary.take(self.accelerator, version)
+
+    def _boundary_state(self) -> _host_state.AtBoundary | None:
+        """The state of the first boundary of the current step, if one was taken."""
+        at, rep = self._at_boundary, self._rep
+        return at if at is not None and isinstance(rep, ReplicatedEngine) and at.version == rep.version else None
+
+    def _host_files(self, *, rng_only: bool = False) -> dict[str, bytes]:
+        """:func:`_host_state.host_files` of the captured step: as of its first boundary."""
+        with _host_state.as_of(self.accelerator, self._boundary_state()):
+            return _host_state.host_files(self.accelerator, rng_only=rng_only)
 
     def _hook_loaders(self) -> None:
         """Take a step boundary where the loop asks a prepared dataloader for its next batch.

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from time import monotonic
 from typing import Any
@@ -54,7 +55,8 @@ def xxh3(data: bytes) -> str:
 
 def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
            config: GoCkptConfig, timeout_s: float, replicated: bool = False,
-           framework_names: re.Pattern[str] | None = None) -> CheckpointMetrics:
+           framework_names: re.Pattern[str] | None = None,
+           abandoned: Callable[[], bool] = lambda: False) -> CheckpointMetrics:
     """Wait for every part in ``stage``, check them, write the index and the global manifest
     last, publish ``stage`` as ``path`` and move ``latest`` (rank 0's commit thread).
 
@@ -71,6 +73,8 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             each tensor whole, in one part); recorded in the index and in ``meta.sharded``.
         framework_names: entries of a checkpoint the writer's framework wrote itself, which
             the publish may replace (:attr:`gockpt.writer.CheckpointWriter.framework_names`).
+        abandoned: True once this rank's run has failed and is closing: a part still missing
+            is waited for only while its rank's files keep growing (:func:`await_part`).
 
     Returns:
         Rank 0's part metrics.
@@ -86,7 +90,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         target = metrics.captured_step if metrics.captured_step is not None else target
         deadline = monotonic() + timeout_s
         for r in range(world):
-            await_part(stage, r, deadline)
+            await_part(stage, r, deadline, abandoned)
         fs, root = fsutil.url_to_fs(path, None)
         parts, files = [], {}
         for r in range(world):
@@ -147,20 +151,51 @@ def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
         log.info("gockpt: could not mark part %d of %s: %s", rank, stage, e)
 
 
-def await_part(stage: str, rank: int, deadline: float) -> None:
-    """Wait for rank ``rank``'s marker until ``deadline`` (``monotonic()``).
+#: Seconds a failed run's commit waits for a missing part that shows no progress (no file of
+#: its rank's part growing): its rank is not writing it (stuck in a collective the failed
+#: rank left, or dead), and stock's failed run exits at once.
+ABANDON_IDLE_S = 5.0
+
+
+def await_part(stage: str, rank: int, deadline: float,
+               abandoned: Callable[[], bool] = lambda: False) -> None:
+    """Wait for rank ``rank``'s marker until ``deadline`` (``monotonic()``), or, once
+    ``abandoned()`` (this rank's run failed), until its part has shown no progress for
+    :data:`ABANDON_IDLE_S` seconds.
 
     Raises:
-        RuntimeError: the part failed; TimeoutError: no marker by ``deadline``.
+        RuntimeError: the part failed, or was abandoned; TimeoutError: no marker by ``deadline``.
     """
     done = os.path.join(stage, f"{part_name(rank)}.done")
     failed = os.path.join(stage, f"{part_name(rank)}.failed")
     delay = 0.002
+    progress, since = None, monotonic()
     while not os.path.exists(done):
         if os.path.exists(failed):
             raise RuntimeError(f"gockpt: rank {rank}'s part of the sharded checkpoint failed")
-        if monotonic() > deadline:
+        now = monotonic()
+        if now > deadline:
             raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "
                                f"arrive within commit_timeout_s (crashed or stalled rank)")
+        if abandoned():
+            seen = _part_progress(os.path.join(stage, part_name(rank)))
+            if seen != progress:
+                progress, since = seen, now
+            elif now - since > ABANDON_IDLE_S:
+                raise RuntimeError(
+                    f"gockpt: the run failed and rank {rank}'s part of the sharded checkpoint "
+                    f"made no progress for {ABANDON_IDLE_S:.0f} s: not committed")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def _part_progress(part: str) -> tuple[tuple[str, int], ...]:
+    """The names and sizes of the files under a part's directory (empty if none yet)."""
+    out = []
+    for dirpath, _, names in os.walk(part):
+        for name in names:
+            try:
+                out.append((os.path.join(dirpath, name), os.lstat(os.path.join(dirpath, name)).st_size))
+            except FileNotFoundError:
+                continue
+    return tuple(sorted(out))

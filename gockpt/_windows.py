@@ -1072,7 +1072,7 @@ class Windows:
         # The skeleton owns copies of everything that is not a reference, so it is serialized
         # later on the persist thread.
         r.extra = {
-            "user": to_skeleton(r.state_fn(), live) if r.state_fn is not None else None,
+            "user": to_skeleton(r.state_fn(), live, keep_params=True) if r.state_fn is not None else None,
             "optimizers": [to_skeleton(self._optimizer_state(r, i), live)
                            for i in range(len(self._optimizers))],
             "model": to_skeleton(current, live),

@@ -175,6 +175,11 @@ class RankCapture:
         for m in models:
             self._hooks.append(m.register_forward_pre_hook(EngineHook(self.boundary)))
 
+    @property
+    def pending(self) -> bool:
+        """Whether a checkpoint's share is still to be taken."""
+        return bool(self._pending)
+
     def add(self, seq: int, staging: str, target: int) -> None:
         """Register checkpoint ``seq`` of the writer, captured at update ``target``."""
         self._pending[seq] = (staging, target)

@@ -128,6 +128,20 @@ class ReplicatedEngine:
         self._harvest()
         return handle
 
+    @property
+    def version(self) -> int:
+        """Optimizer updates seen by this process's engine (or capture)."""
+        if self.engine is not None:
+            return self.engine.version
+        return self._capture.version if self._capture is not None else 0
+
+    @property
+    def capture_pending(self) -> bool:
+        """Whether a save of this process is still to take its state (not yet captured)."""
+        if self.engine is not None:
+            return any(h.captured_step is None and not h.done() for h in self.saves)
+        return self._capture is not None and self._capture.pending
+
     def boundary(self) -> None:
         """A step boundary no hook sees (e.g. the start of an accumulation context)."""
         if self.engine is not None:

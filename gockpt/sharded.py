@@ -50,6 +50,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -259,6 +260,7 @@ class ShardedEngine:
         if replicated:
             self.engine._planner.select = self._partition
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if self.rank == 0 else None
+        self._abandoned = threading.Event()  # close(collective=False): see commit's ``abandoned``
         self._handles: list[ShardedHandle] = []
         self._staging = storage.ClaimedStaging(self.config.storage_options, self.config.storage_timeout_s)
 
@@ -387,7 +389,8 @@ class ShardedEngine:
             commit = self._commits.submit(commit_parts, path, stage, target, handle, world=self.world,
                                           config=self.config, timeout_s=self.commit_timeout_s,
                                           replicated=self.replicated,
-                                          framework_names=framework_names)
+                                          framework_names=framework_names,
+                                          abandoned=self._abandoned.is_set)
         sh = ShardedHandle(path, handle, commit)
         self._handles = [h for h in self._handles if not h.done()] + [sh]
         return sh
@@ -425,14 +428,17 @@ class ShardedEngine:
         """:meth:`wait`, then close the engine and release the directory claims; collective.
 
         Args:
-            collective: False once the ranks no longer meet (another rank failed): skip the
-                collective wait; this rank's own saves are still finished (the commit of one in
-                flight then fails on its timeout).
+            collective: False once the ranks no longer meet (a rank failed): skip the
+                collective wait; this rank's own saves are still finished, and rank 0 commits
+                one in flight only if every part arrives, waiting for a missing one only while
+                its rank's files keep growing (``gockpt._sharded_commit.ABANDON_IDLE_S``).
 
         A second call does nothing (the engine's group is gone after the first).
         """
         if self._group is None:
             return
+        if not collective:
+            self._abandoned.set()
         with contextlib.ExitStack() as stack:  # each runs, last first, whatever raised before
             # Last, even when something before it raised: a second close must not meet the
             # other ranks again (they have destroyed their groups).

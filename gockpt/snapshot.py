@@ -120,7 +120,7 @@ def host_copy(tree: Any) -> tuple[Any, int]:
     return map_tree(tree, leaf, is_leaf=lambda x: isinstance(x, torch.Tensor)), nbytes
 
 
-def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
+def to_skeleton(tree: Any, live: Mapping[StorageKey, str], *, keep_params: bool = False) -> Any:
     """A copy of ``tree`` safe to serialize later: live tensors become references, others CPU copies.
 
     Args:
@@ -128,13 +128,19 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
             ``_metadata`` kept), lists and tuples (named tuples kept) with tensors and other
             leaves.
         live: :func:`storage_key` of each tracked tensor -> its shard key.
+        keep_params: a tracked ``nn.Parameter`` loads as one (a user's tree, which
+            ``torch.save`` would store so); off for the model's ``state_dict(keep_vars=True)``,
+            whose stock form holds plain tensors.
 
     Returns:
         The same structure; a tensor whose key is in ``live`` is ``{REF: key, "stride": s}``
-        (``s`` the strides when the tensor is not contiguous, else None); any other tensor is
-        detached and copied to the CPU (strides kept); other leaves are deep-copied.
+        (``s`` the strides when the tensor is not contiguous, else None; plus ``"param":
+        requires_grad`` for an ``nn.Parameter`` with ``keep_params``); any other tensor is detached and copied to the
+        CPU as ``torch.save`` stores it (views of one storage share one copy, a ``Parameter``
+        stays one); other leaves are deep-copied.
     """
     memo: dict[int, Any] = {}
+    storages: dict[tuple, torch.UntypedStorage] = {}
 
     def leaf(x: Any) -> Any:
         if type(x) in _ATOMIC:  # immutable: deepcopy would return it as is
@@ -143,15 +149,50 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str]) -> Any:
             return copy.deepcopy(x)
         if id(x) not in memo:
             key = live.get(storage_key(x)) if x.layout == torch.strided else None
-            memo[id(x)] = ({REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
-                           if key is not None else x.detach().to("cpu", copy=True))
+            if key is None:
+                memo[id(x)] = _copy_as_saved(x, storages, keep_params)
+            else:
+                ref = {REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
+                if keep_params and isinstance(x, torch.nn.Parameter):  # as torch.save keeps it
+                    ref["param"] = x.requires_grad
+                memo[id(x)] = ref
         return memo[id(x)]
 
     return map_tree(tree, leaf)
 
 
+#: Bytes up to which an untracked tensor's whole storage is copied, so that its views keep
+#: sharing it (beyond, only when the tensor spans at least half of it).
+SHARED_STORAGE_COPY_BYTES = 1 << 20
+
+
+def _copy_as_saved(x: torch.Tensor, storages: dict[tuple, torch.UntypedStorage],
+                   keep_params: bool) -> torch.Tensor:
+    """A CPU copy of an untracked tensor that ``torch.save`` then stores as it stores ``x``:
+    views of one storage stay views of one copied storage (offsets and strides kept), and
+    (``keep_params``) a ``Parameter`` stays one, with its ``requires_grad``. Other kinds
+    (sparse, subclasses, quantized) are copied on their own."""
+    plain = type(x) in (torch.Tensor, torch.nn.Parameter)
+    st = x.untyped_storage() if plain and x.layout == torch.strided else None
+    if st is None or x.is_quantized or x.device.type == "meta" or (
+            st.nbytes() > max(SHARED_STORAGE_COPY_BYTES, 2 * x.numel() * x.element_size())):
+        # A small view of a large storage (a row of a weight, a parameter of a flat buffer)
+        # is copied alone: the whole storage would cost host memory torch.save streams.
+        y = x.detach().to("cpu", copy=True)
+        return torch.nn.Parameter(y, requires_grad=x.requires_grad) if keep_params and \
+            isinstance(x, torch.nn.Parameter) else y
+    k = (x.device, st.data_ptr(), st.nbytes())
+    if k not in storages:
+        whole = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st)
+        storages[k] = whole.to("cpu", copy=True).untyped_storage()
+    y = torch.empty(0, dtype=x.dtype).set_(storages[k], x.storage_offset(), x.shape, x.stride())
+    if keep_params and isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(y, requires_grad=x.requires_grad)
+    return y
+
+
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, dict) and REF in x and set(x) == {REF, "stride"}
+    return isinstance(x, dict) and REF in x and set(x) in ({REF, "stride"}, {REF, "stride", "param"})
 
 
 def references(tree: Any) -> set[str]:
@@ -200,6 +241,10 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
                 _check_strides(t, stride, key, where)
                 t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
             cache[ck] = t
+        if "param" in x:
+            if not isinstance(x["param"], bool):
+                raise CheckpointCorruptError(f"{where}: malformed reference to tensor {key!r}")
+            return torch.nn.Parameter(cache[ck], requires_grad=x["param"])
         return cache[ck]
 
     return map_tree(tree, leaf, _is_ref)
@@ -394,7 +439,8 @@ def save_tree(
         host_view(slot, slot_layout.offsets[k], t).copy_(t)
     buf = io.BytesIO()
     # The engine's state-tree blob (gockpt.restore._from_trees reads it).
-    torch.save({"user": to_skeleton(tree, live), "optimizers": [to_skeleton(sd, live) for sd in opt_sds],
+    torch.save({"user": to_skeleton(tree, live, keep_params=True),
+                "optimizers": [to_skeleton(sd, live) for sd in opt_sds],
                 "model": to_skeleton(model_sd, live), "model_extra": {}}, buf)
     model_keys = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)]
     m = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",

@@ -173,6 +173,11 @@ class LocalTarget(StorageTarget):
         self.framework_names = framework_names
         self.root = root
         self.parent, name = fsutil.split(root)
+        if fsutil.SCRATCH_RE.match(os.path.basename(self.parent)) and not os.path.isdir(self.parent):
+            # A part of a sharded checkpoint whose staging directory was removed: its commit
+            # was abandoned (a failed run); making it again would only leave it behind.
+            raise FileNotFoundError(f"{self.parent}: the staging directory of {root} is gone "
+                                    "(its checkpoint was abandoned)")
         os.makedirs(self.parent, exist_ok=True)
         tag = f"{os.getpid()}-{uuid.uuid4().hex}"
         self.aside = os.path.join(self.parent, f".{name}.gockpt-old-{tag}")

@@ -240,3 +240,46 @@ def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):
     assert load_full(f"{root}/ck-1").captured_step == 2
     assert load_full(f"{root}/ck-3").captured_step == 4
     assert not os.path.exists(f"{root}/ck-2")
+
+
+def _abandon_worker(rank: int, world: int, port: int, root: str) -> None:
+    import time
+
+    _init(rank, world, port)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    eng = ShardedEngine(m, opt, gockpt.GoCkptConfig(mode="gockpt", min_overlap_steps=3,
+                                                     max_overlap_steps=3), commit_timeout_s=120)
+    for step in range(2):
+        _step(m, opt, step)
+        eng.step_end()
+    eng.save(f"{root}/ck")  # to be captured two updates later, on every rank
+    flag = f"{root}/rank0-closed"
+    if rank == 0:
+        # This rank's run fails here. Rank 1 is stuck (in a collective this rank never joins):
+        # its part never comes, and the commit must not hold this rank for commit_timeout_s.
+        t0 = time.monotonic()
+        eng.close(collective=False)
+        took = time.monotonic() - t0
+        with open(flag, "w") as f:
+            f.write(str(took))
+        assert took < 60, f"close of a failed run waited {took:.0f} s for a part that never came"
+    else:
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        # Its part comes too late: the commit was abandoned, and the part is not written into
+        # a staging directory made anew.
+        with pytest.raises(gockpt.CheckpointError, match="abandoned"):
+            eng.close(collective=False)
+    end_rank()
+
+
+def test_a_failed_run_does_not_wait_out_the_commit_timeout_for_a_stuck_rank(tmp_path):
+    """Rank 0's run fails while a save is in flight and rank 1 never writes its part: rank 0's
+    close abandons that commit once the part shows no progress (stock exits at once), leaving
+    no checkpoint and no staging."""
+    root = str(tmp_path)
+    mp.spawn(_abandon_worker, args=(2, _port(), root), nprocs=2)
+    assert not gockpt.is_complete(f"{root}/ck")
+    assert gockpt.latest_checkpoint(root) is None
+    assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == []

@@ -64,3 +64,36 @@ def test_strides_of_a_stored_view_come_back_and_hostile_ones_are_refused():
         with pytest.raises(CheckpointCorruptError, match=f"ckpt: .*{why}.*|ckpt: malformed") as e:
             resolve(bad, stored, "ckpt")
         assert "model.t" in str(e.value)
+
+
+def test_untracked_views_share_a_storage_and_parameters_stay_parameters_as_torch_save_keeps_them():
+    import io
+
+    from gockpt.snapshot import resolve
+
+    tracked = nn.Parameter(torch.randn(3, 4))
+    other = torch.randn(4, 5)
+    tree = {"param": tracked, "frozen": nn.Parameter(torch.ones(2), requires_grad=False),
+            "a": other[1], "b": other[:, 2], "whole": other}
+    skeleton = to_skeleton(tree, {storage_key(tracked): "model.w"}, keep_params=True)
+    buf = io.BytesIO()
+    torch.save(skeleton, buf)
+    buf.seek(0)
+    back = resolve(torch.load(buf, weights_only=True), {"model.w": tracked.detach().clone()}, "ckpt")
+    stock = torch.load(io.BytesIO(_saved(tree)), weights_only=True)
+    for k in tree:
+        assert type(back[k]) is type(stock[k]), k
+        assert back[k].requires_grad == stock[k].requires_grad, k
+        assert torch.equal(back[k], stock[k]) and back[k].stride() == stock[k].stride(), k
+    assert back["a"].untyped_storage().data_ptr() == back["whole"].untyped_storage().data_ptr()
+    assert back["b"].storage_offset() == stock["b"].storage_offset() == 2
+    model_tree = to_skeleton({"w": tracked}, {storage_key(tracked): "model.w"})  # a state_dict
+    assert model_tree["w"] == {REF: "model.w", "stride": None}
+
+
+def _saved(tree) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    return buf.getvalue()

@@ -392,6 +392,35 @@ def test_an_exception_between_the_update_and_the_scheduler_step_leaves_no_torn_f
     assert Path(first).name == "checkpoint_0" and Path(second).name == "checkpoint_1"
 
 
+def test_a_capture_forced_inside_the_next_iteration_holds_step_and_rng_of_its_step(tmp_path):
+    # checkpoint_0 (requested after batch 2) is to be captured two updates later. The next
+    # iteration enters accumulate() (Accelerator.step moves on) and runs a forward with
+    # dropout (the RNG moves on), then fails before its update; close() captures the save
+    # there. Its step and RNG states are those at batch 2's end, as stock's save_state
+    # there writes them, not the moved ones.
+    project = tmp_path / "run"
+    run = child.build(str(project))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                                        exact_step=False))
+    child.train(run, 2)
+    run.acc.save_state()
+    want_step, want_rng = run.acc.step, torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="before the update"):
+        try:
+            for x, y in run.dl:
+                with run.acc.accumulate(run.model):
+                    run.acc.backward(torch.nn.functional.mse_loss(run.model(x), y))
+                    raise RuntimeError("the loop failed before the update")
+        finally:
+            ckpt.close()
+    assert run.acc.step != want_step and not torch.equal(torch.get_rng_state(), want_rng)
+    folder = project / "checkpoints" / "checkpoint_0"
+    assert json.loads((folder / "gockpt.json").read_text())["captured_step"] == 2
+    states = torch.load(folder / "random_states_0.pkl", weights_only=False)
+    assert states["step"] == want_step
+    assert torch.equal(states["torch_manual_seed"], want_rng)
+
+
 def test_explicit_output_dir_is_replaced_whole(tmp_path, reference):
     live = reference(1)
     run = child.build(str(tmp_path / "run"), automatic_naming=False)
@@ -650,6 +679,22 @@ def test_two_processes_under_accelerate_launch(tmp_path):
     r0 = torch.load(tmp_path / "checkpoints" / "checkpoint_2" / "random_states_0.pkl", weights_only=False)
     r1 = torch.load(tmp_path / "checkpoints" / "checkpoint_2" / "random_states_1.pkl", weights_only=False)
     assert not torch.equal(r0["torch_manual_seed"], r1["torch_manual_seed"])  # each rank its own
+
+
+def test_save_state_pre_hooks_run_on_every_process_and_their_errors_are_raised(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "HF_HOME": str(tmp_path / "hf"),
+           "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(_HERE / "test_accelerate_child.py"), "hooks", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "the pre-hook failed on process 1" in out, out[-3000:]
+    assert "rank 1 passed the second save" not in out
+    # Process 1's hook ran at both saves with the checkpoint folder, as stock passes it.
+    assert json.loads((tmp_path / "hook_1.json").read_text()) == ["checkpoint_0", "checkpoint_1"]
+    assert len(json.loads((tmp_path / "hook_0.json").read_text())) >= 1
 
 
 def test_sigkill_during_save_leaves_a_checkpoint_that_load_state_resumes(tmp_path):

@@ -236,6 +236,33 @@ def _ddp(project_dir: str, mode: str) -> None:
     os._exit(0)
 
 
+def _hooks(project_dir: str) -> None:
+    """save_state pre-hooks on every process, as stock runs them; the second save's hook raises
+    on process 1 only, and that error ends process 1 as it ends stock's."""
+    from accelerate_gockpt import GoCkptPlugin, attach
+
+    run = build(project_dir, reset=False)
+    rank = run.acc.process_index
+    seen = []
+
+    def hook(models, weights, output_dir):
+        seen.append(os.path.basename(output_dir.rstrip("/")))
+        with open(os.path.join(project_dir, f"hook_{rank}.json"), "w") as f:
+            json.dump(seen, f)
+        if rank == 1 and len(seen) == 2:
+            raise RuntimeError("the pre-hook failed on process 1")
+
+    run.acc.register_save_state_pre_hook(hook)
+    attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    train(run, 2)
+    run.acc.save_state()
+    train(run, 2)
+    run.acc.save_state()
+    _say(f"rank {rank} passed the second save")
+    run.acc.wait_for_everyone()
+    os._exit(0)
+
+
 def _crash(project_dir: str) -> None:
     from accelerate_gockpt import GoCkptPlugin, attach
 
@@ -305,6 +332,8 @@ if __name__ == "__main__":
         _exit_after_save(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "ddp":
         _ddp(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "hooks":
+        _hooks(sys.argv[2])
     elif sys.argv[1] == "crash":
         _crash(sys.argv[2])
     else:
