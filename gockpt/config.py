@@ -101,7 +101,8 @@ class GoCkptConfig:
     """Passed to ``fsspec.core.url_to_fs`` (credentials, endpoint of an S3 store, ...)."""
 
     verify_on_load: bool = True
-    """Check sizes and checksums of every file when loading."""
+    """Check every file's checksum when loading (sizes, file kinds and shard headers are
+    checked regardless)."""
 
     update_latest: bool = True
     """Atomically point ``latest`` in a checkpoint's parent directory at it once it is
