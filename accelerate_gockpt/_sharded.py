@@ -150,10 +150,11 @@ class ShardedSaves:
         new, self._taken = self.metrics[self._taken:], len(self.metrics)
         return new
 
-    def close(self) -> None:
-        """Finish the pending checkpoints and stop the engine; collective."""
+    def close(self, *, collective: bool = True) -> None:
+        """Finish the pending checkpoints and stop the engine; collective unless told the
+        processes no longer meet (:meth:`gockpt.sharded.ShardedEngine.close`)."""
         try:
-            self.sharded.close()
+            self.sharded.close(collective=collective)
         finally:
             self._harvest()
 

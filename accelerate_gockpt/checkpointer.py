@@ -244,12 +244,18 @@ class GoCkptCheckpointer:
         """
         if self._closed:
             return
+        # FSDP2: finishing is collective. Where the run is ending by an exception (a finally,
+        # the exit hook after an uncaught one), the other processes may be anywhere (in a
+        # collective of the next step, or dead): this process finishes its own part only, and
+        # the main one commits what every process completed.
+        alone = self._sharded and _exit.stopped_by_exception()
         try:
-            self.wait()
+            if not alone:
+                self.wait()
         finally:
             self._closed = True
             self._stopping = True
-            self._stop()
+            self._stop(collective=not alone)
             self._unhook_loaders()
             for name in _PATCHED:
                 self.accelerator.__dict__.pop(name, None)
@@ -270,11 +276,14 @@ class GoCkptCheckpointer:
             share_name=_host_state.rng_file_name(acc.process_index), broadcast=broadcast,
             boundary_modules=self._models if len(self._models) > 1 else ())
 
-    def _stop(self) -> None:
+    def _stop(self, collective: bool = True) -> None:
         rep, self._rep = self._rep, None
         if rep is not None:
             try:
-                rep.close()
+                if isinstance(rep, _sharded.ShardedSaves):
+                    rep.close(collective=collective)
+                else:
+                    rep.close()
             finally:
                 self._published += rep.metrics
 

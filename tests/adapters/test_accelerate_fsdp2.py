@@ -141,6 +141,47 @@ def _child(device: str, root: str, mode: str) -> None:  # noqa: PLR0915 - one sc
     print("fsdp2-ok", flush=True)
 
 
+def _fail_child(root: str) -> None:
+    """One of 2 processes: a fully_shard-ed model over gloo, a multi-step save_state at batch 2,
+    then process 1 raises; process 0 goes on into the next step's collectives."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, ProjectConfiguration
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, str(_HERE))
+    import test_accelerate_child as child
+
+    from accelerate_gockpt import GoCkptPlugin, attach
+
+    torch.set_num_threads(1)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=root,
+                                                                     automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    model = child.Net()
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model.inp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kind = acc.state.distributed_type  # Accelerate runs DDP on CPU: the model stays as sharded
+    acc.state.distributed_type = DistributedType.NO
+    model = acc.prepare(model)
+    acc.state.distributed_type = kind
+    opt = acc.prepare(opt)
+    attach(acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for batch in range(1, 8):
+        acc.backward(F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 4, generator=g)))
+        opt.step()
+        opt.zero_grad()
+        if batch == 2:
+            acc.save_state()
+            if dist.get_rank() == 1:
+                raise RuntimeError("the user's error on process 1")
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,5 +217,39 @@ def test_accelerate_fsdp2_on_a_gpu_resumes_exactly(tmp_path, mode):
     _run("cuda", tmp_path, mode)
 
 
+def test_an_error_on_one_process_ends_both_without_waiting_on_each_other(tmp_path):
+    """Process 1 raises right after a save_state whose capture is still ahead; process 0 is
+    then stuck in the next step's all-gather until process 1 is gone. Neither may wait on
+    the other at exit (a collective wait, a commit waiting for a part that never comes): both
+    end as the same loop without GoCkpt does, with the user's error on process 1, and no
+    checkpoint folder is left incomplete under its name."""
+    port = _port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, "fail2", str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=150))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("a process was still running 150 s after process 1's error")
+    assert procs[1].returncode != 0 and "the user's error on process 1" in outs[1][1], outs[1][1][-3000:]
+    assert procs[0].returncode != 0  # its peer is gone, as without GoCkpt
+    import gockpt
+
+    root = tmp_path / "checkpoints"
+    for entry in (os.listdir(root) if root.exists() else []):
+        assert entry.startswith(".") or gockpt.is_complete(str(root / entry)), entry
+
+
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "fail2":
+        _fail_child(sys.argv[2])
+    else:
+        _child(sys.argv[1], sys.argv[2], sys.argv[3])
