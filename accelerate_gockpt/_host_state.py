@@ -58,7 +58,8 @@ class AtBoundary:
     optimizer step, taken at the boundary: ``Accelerator.step`` (``accumulate()`` advances it)
     and the RNG states (a forward with dropout draws from them). The dataloader's state moves
     at the fetch, after the boundary's hook; schedulers, the scaler and registered objects
-    move with the update."""
+    move with the update. Python, NumPy, CPU and CUDA generators only: another device's (XPU,
+    NPU, MPS, XLA) is taken live at the capture."""
 
     version: int
     step: int

@@ -156,14 +156,22 @@ class GoCkptCheckpointer:
             # the main one in _prepare (with the staging folder its files go in), the others
             # here, with the checkpoint folder as stock passes it, their errors raised here.
             hooked = bool(acc._save_model_state_pre_hook)
+            hook_error = None
             if hooked and not self._main:
-                weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
-                for hook in list(acc._save_model_state_pre_hook.values()):
-                    hook(acc._models, weights, final)
+                try:
+                    weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+                    for hook in list(acc._save_model_state_pre_hook.values()):
+                        hook(acc._models, weights, final)
+                except Exception as e:  # noqa: BLE001 - raised after the request's exchange
+                    hook_error = e
+            # Every process takes part in the request's exchange (a collective), a hook's error
+            # on this one included; then that error is raised here, as stock's save_state does.
             self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
                            exact_step=self._exact_step or hooked,
                            state_fn=self._host_files)
             self._note_boundary(request=True)
+            if hook_error is not None:
+                raise hook_error
         self.accelerator.project_configuration.iteration += 1
         self._log_published()
         return Path(final)

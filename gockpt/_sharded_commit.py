@@ -151,10 +151,12 @@ def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
         log.info("gockpt: could not mark part %d of %s: %s", rank, stage, e)
 
 
-#: Seconds a failed run's commit waits for a missing part that shows no progress (no file of
-#: its rank's part growing): its rank is not writing it (stuck in a collective the failed
-#: rank left, or dead), and stock's failed run exits at once.
-ABANDON_IDLE_S = 5.0
+#: Seconds a failed run's commit waits for a missing part that its rank has not captured yet
+#: (no ``rank-<r>.captured`` marker) and that shows no progress (no file of it growing): that
+#: rank is not going to write it (stuck in a collective the failed rank left, or dead), and
+#: stock's failed run exits at once. A captured part needs no other rank to finish (replay
+#: and persist): it is waited for up to ``commit_timeout_s``.
+ABANDON_IDLE_S = 10.0
 
 
 def await_part(stage: str, rank: int, deadline: float,
@@ -168,6 +170,7 @@ def await_part(stage: str, rank: int, deadline: float,
     """
     done = os.path.join(stage, f"{part_name(rank)}.done")
     failed = os.path.join(stage, f"{part_name(rank)}.failed")
+    captured = os.path.join(stage, f"{part_name(rank)}.captured")
     delay = 0.002
     progress, since = None, monotonic()
     while not os.path.exists(done):
@@ -177,25 +180,41 @@ def await_part(stage: str, rank: int, deadline: float,
         if now > deadline:
             raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "
                                f"arrive within commit_timeout_s (crashed or stalled rank)")
-        if abandoned():
-            seen = _part_progress(os.path.join(stage, part_name(rank)))
+        if abandoned() and not os.path.exists(captured):
+            seen = _part_progress(stage, part_name(rank))
             if seen != progress:
                 progress, since = seen, now
             elif now - since > ABANDON_IDLE_S:
                 raise RuntimeError(
-                    f"gockpt: the run failed and rank {rank}'s part of the sharded checkpoint "
-                    f"made no progress for {ABANDON_IDLE_S:.0f} s: not committed")
+                    f"gockpt: the run failed and rank {rank}'s part of the sharded checkpoint, "
+                    f"not captured, made no progress for {ABANDON_IDLE_S:.0f} s: not committed")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
 
-def _part_progress(part: str) -> tuple[tuple[str, int], ...]:
-    """The names and sizes of the files under a part's directory (empty if none yet)."""
+def _part_progress(stage: str, part: str) -> tuple[tuple[str, int], ...]:
+    """The names and sizes of the files of part ``part`` in ``stage``: its directory, the
+    staging directory it is written in before that (``.<part>.gockpt-tmp-...``), its markers."""
     out = []
-    for dirpath, _, names in os.walk(part):
-        for name in names:
-            try:
-                out.append((os.path.join(dirpath, name), os.lstat(os.path.join(dirpath, name)).st_size))
-            except FileNotFoundError:
-                continue
+    try:
+        entries = [e for e in os.listdir(stage) if part in e]
+    except FileNotFoundError:
+        return ()
+    for entry in entries:
+        top = os.path.join(stage, entry)
+        for dirpath, _, names in os.walk(top) if os.path.isdir(top) else [(stage, [], [entry])]:
+            for name in names:
+                try:
+                    out.append((os.path.join(dirpath, name), os.lstat(os.path.join(dirpath, name)).st_size))
+                except FileNotFoundError:
+                    continue
     return tuple(sorted(out))
+
+
+def mark_captured(stage: str, rank: int) -> None:
+    """``rank-<r>.captured``: rank ``r``'s part has taken its state; what is left (replay,
+    persist) needs no other rank (see :data:`ABANDON_IDLE_S`). Best effort."""
+    try:
+        write_atomic(os.path.join(stage, f"{part_name(rank)}.captured"), b"")
+    except OSError as e:  # the staging directory was removed by an abort
+        log.info("gockpt: could not mark part %d of %s captured: %s", rank, stage, e)

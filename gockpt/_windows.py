@@ -11,7 +11,6 @@ with the engine's current step (``version``). A save leaves it through :meth:`Wi
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import statistics
 import warnings
@@ -119,12 +118,11 @@ def window_forecast(windows: Sequence[float], q: float) -> float:
 class _BufferStash:
     """Buffers before the first forward after update number ``updates`` (Windows._stash)."""
 
-    __slots__ = ("modules", "saves", "updates", "values")
+    __slots__ = ("saves", "updates", "values")
 
     def __init__(self, updates: int, saves: frozenset[int]) -> None:
         self.updates = updates
         self.saves = saves  # ids of the saves requested before it
-        self.modules: set[str] = set()  # the modules whose buffers are in it
         self.values: dict[str, torch.Tensor] = {}  # entry key -> a copy, on the buffer's device
 
 
@@ -205,7 +203,8 @@ class Windows:
         self._updates = 0  # after_update calls: the clock of the stash
         self._stash: _BufferStash | None = None
         self._stash_hooks: dict[str, Any] = {}  # module name -> its forward pre-hook handle
-        self._stash_keys: dict[str, list[tuple[str, str, nn.Module]]] = {}
+        self._stash_keys: dict[str, tuple[nn.Module, str]] = {}  # entry key -> (owner, name)
+        self._stash_store: dict[str, torch.Tensor] = {}  # entry key -> the copy, reused
 
     # ------------------------------------------------------------------ request
 
@@ -269,6 +268,7 @@ class Windows:
             self.saves.remove(s)
         if s is not s.share.leader:
             s.share.remove(s)
+        self._disarm_stash_if_idle()
 
     def cancel(self, s: SaveRecord) -> None:
         """Cancel ``s``: a follower is handed off to fail as cancelled; a leader still in its
@@ -981,7 +981,7 @@ class Windows:
         """The model's state_dict as ``s`` stores it, the tracked tensors that the state tree may
         reference (storage key -> entry key), the (buffer, host view) copies to make, and
         whether a buffer comes from the stash (its value before a forward since this step's
-        update, :meth:`_stash_module`). ``model_sd``: the model's ``state_dict(keep_vars=True)``
+        update, :meth:`_stash_buffers`). ``model_sd``: the model's ``state_dict(keep_vars=True)``
         already taken at this step, in the same request (nothing runs between that could
         change it)."""
         # One traversal of the module tree serves both the state tree and the buffers.
@@ -1025,22 +1025,22 @@ class Windows:
 
     def _arm_stash(self, layout: StateLayout) -> None:
         """Hook the forward of each module owning a buffer of ``layout`` (a save still to be
-        captured), to stash its buffers before they move (:meth:`_stash_module`)."""
+        captured): the first of them to run after an update stashes every buffer, before any
+        of them moved (:meth:`_stash_buffers`)."""
         for e in layout.static:
             if not e.key.startswith("model.") or isinstance(e.tensor, nn.Parameter):
                 continue  # frozen parameters do not move in a forward
             owner, _, name = e.key[len("model."):].rpartition(".")
+            if e.key in self._stash_keys:
+                continue
             try:
                 module = self._model.get_submodule(owner)
             except AttributeError:  # a wrapped model's key: taken live, as before
                 continue
-            keys = self._stash_keys.setdefault(owner, [])
-            if any(k == e.key for k, _, _ in keys):
-                continue
-            keys.append((e.key, name, module))
+            self._stash_keys[e.key] = (module, name)
             if owner not in self._stash_hooks:
                 self._stash_hooks[owner] = module.register_forward_pre_hook(
-                    EngineHook(functools.partial(self._stash_module, owner)))
+                    EngineHook(self._stash_buffers))
 
     def _disarm_stash_if_idle(self) -> None:
         if self._stash_hooks and not any(not s.captured for s in self.saves):
@@ -1049,23 +1049,33 @@ class Windows:
             self._stash_hooks.clear()
             self._stash_keys.clear()
             self._stash = None
+            self._stash_store.clear()
 
-    def _stash_module(self, owner: str) -> None:
-        """The module ``owner``'s forward begins: the first since the latest update stashes its
-        buffers, for the saves requested before it and still to be captured."""
+    def _stash_buffers(self) -> None:
+        """A module owning buffers begins its forward: the first since the latest update
+        copies every hooked buffer (one batched copy into tensors kept from the last time),
+        for the saves requested before it and still to be captured."""
         st = self._stash
-        if st is None or st.updates != self._updates:
-            saves = frozenset(id(s) for s in self.saves if not s.captured)
-            if not saves:
-                return
-            st = self._stash = _BufferStash(self._updates, saves)
-        if owner in st.modules:
+        if st is not None and st.updates == self._updates:
+            return  # taken since this update: the cost of a later module is this check
+        saves = frozenset(id(s) for s in self.saves if not s.captured)
+        if not saves:
             return
-        st.modules.add(owner)
-        for key, name, module in self._stash_keys.get(owner, ()):
+        st = self._stash = _BufferStash(self._updates, saves)
+        srcs, dsts = [], []
+        for key, (module, name) in self._stash_keys.items():
             t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor):
-                st.values[key] = t.detach().clone()
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = t.detach()
+            kept = self._stash_store.get(key)
+            if kept is None or kept.dtype != t.dtype or kept.shape != t.shape or kept.device != t.device:
+                kept = self._stash_store[key] = torch.empty_like(t)
+            srcs.append(t)
+            dsts.append(kept)
+            st.values[key] = kept
+        if srcs:
+            torch._foreach_copy_(dsts, srcs)
 
     def _take(self, r: SaveRecord, current: dict, live: dict[tuple, str], version: int) -> None:
         """``r``'s own state tree at step ``version`` (its ``state_fn``), over ``_live``'s parts."""

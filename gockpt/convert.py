@@ -355,7 +355,8 @@ def check_destination(source: Source | str, dst: str,
     """Refuse an output path whose write would change a checkpoint.
 
     Refused: the source itself or a path inside it, and a path that is, or lies inside, a
-    GoCkpt checkpoint (a directory holding ``manifest.json``, complete or not): a file written
+    GoCkpt checkpoint (a directory holding a GoCkpt ``manifest.json``, complete or not; one
+    that does not decode counts as GoCkpt's, another program's JSON does not): a file written
     there would replace or add to the checkpoint's files. Locally the paths are compared
     after symlinks are resolved.
 
@@ -384,12 +385,25 @@ def check_destination(source: Source | str, dst: str,
         raise ValueError(f"{dst} is {'' if out == src else 'inside '}the source {src_path}: "
                          "converting there would change it; write somewhere else")
     for directory in parents:
-        target = fsutil.join(directory, storage.MANIFEST_NAME)
-        found = os.path.lexists(target) if storage.is_local(fs) else fs.exists(target)
-        if found:
+        if _holds_gockpt_manifest(fs, directory):
             raise ValueError(
                 f"{dst} is {'' if directory == out else 'inside '}the GoCkpt checkpoint "
                 f"{directory}: converting there would change its files; write somewhere else")
+
+
+def _holds_gockpt_manifest(fs: Any, directory: str) -> bool:
+    """Whether ``directory`` holds a ``manifest.json`` that is GoCkpt's or may be (damaged)."""
+    import json
+
+    target = fsutil.join(directory, storage.MANIFEST_NAME)
+    if not (os.path.lexists(target) if storage.is_local(fs) else fs.exists(target)):
+        return False
+    try:
+        obj = json.loads(storage.read_bounded(fs, target, max_bytes=storage.MAX_METADATA_BYTES))
+    except Exception:  # noqa: BLE001 - unreadable or not JSON: may be a damaged checkpoint's
+        return True
+    return not isinstance(obj, dict) or obj.get("format") == "gockpt" or "format" not in obj \
+        and "files" in obj
 
 
 # --- sources -----------------------------------------------------------------------------

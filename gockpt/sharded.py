@@ -65,6 +65,7 @@ from . import fsutil, storage
 from ._sharded_commit import (
     INDEX_FILE,
     mark,
+    mark_captured,
     part_name,
     sharding_name,
     write_atomic,
@@ -174,9 +175,11 @@ class ShardedHandle:
         metrics: the part's live metrics (``requested_step``, ``captured_step`` ...).
     """
 
-    def __init__(self, path: str, part: SaveHandle, commit: Future[CheckpointMetrics] | None) -> None:
+    def __init__(self, path: str, part: SaveHandle, commit: Future[CheckpointMetrics] | None,
+                 stage: str | None = None) -> None:
         self.path, self.part, self._commit = path, part, commit
         self.metrics = part.metrics
+        self._stage = stage  # where its captured marker goes (None: none)
 
     @property
     def skipped(self) -> bool:
@@ -274,14 +277,31 @@ class ShardedEngine:
     def step_end(self) -> None:
         """:meth:`gockpt.Engine.step_end`."""
         self.engine.step_end()
+        self._note_captured()
 
     def before_update(self) -> None:
         """:meth:`gockpt.Engine.before_update`."""
         self.engine.before_update()
+        self._note_captured()
 
     def flush(self) -> None:
         """:meth:`gockpt.Engine.flush` (this rank's copy windows; not collective)."""
         self.engine.flush()
+        self._note_captured()
+
+    def _note_captured(self) -> None:
+        """Mark the parts captured since the last call (:func:`gockpt._sharded_commit.mark_captured`)."""
+        for h in self._handles:
+            if h._stage is not None and h.part.captured_step is not None:
+                mark_captured(h._stage, self.rank)
+                h._stage = None
+
+    def _flush_and_note(self) -> None:
+        try:
+            self.engine.flush()
+        except Exception:  # noqa: BLE001 - the engine's close raises it
+            return
+        self._note_captured()
 
     def save(self, path: str, *, state_fn: Callable[[], Any] | None = None,
              mode: str | None = None, max_overlap_steps: int | None = None,
@@ -391,8 +411,9 @@ class ShardedEngine:
                                           replicated=self.replicated,
                                           framework_names=framework_names,
                                           abandoned=self._abandoned.is_set)
-        sh = ShardedHandle(path, handle, commit)
+        sh = ShardedHandle(path, handle, commit, stage)
         self._handles = [h for h in self._handles if not h.done()] + [sh]
+        self._note_captured()
         return sh
 
     def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
@@ -449,6 +470,8 @@ class ShardedEngine:
             stack.callback(self.engine.close)
             if collective:
                 self.wait()
+            else:
+                self._flush_and_note()  # before the engine's close waits for the replay and persist
 
     def _destroy_group(self) -> None:
         """Destroy the engine's own gloo group (local, not collective). Left to the

@@ -128,14 +128,14 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str], *, keep_params: bool 
             ``_metadata`` kept), lists and tuples (named tuples kept) with tensors and other
             leaves.
         live: :func:`storage_key` of each tracked tensor -> its shard key.
-        keep_params: a tracked ``nn.Parameter`` loads as one (a user's tree, which
+        keep_params: an untracked ``nn.Parameter`` is copied as one (a user's tree, which
             ``torch.save`` would store so); off for the model's ``state_dict(keep_vars=True)``,
-            whose stock form holds plain tensors.
+            whose stock form holds plain tensors. (A tracked one loads as a plain tensor: the
+            reference format has no room for its type.)
 
     Returns:
         The same structure; a tensor whose key is in ``live`` is ``{REF: key, "stride": s}``
-        (``s`` the strides when the tensor is not contiguous, else None; plus ``"param":
-        requires_grad`` for an ``nn.Parameter`` with ``keep_params``); any other tensor is detached and copied to the
+        (``s`` the strides when the tensor is not contiguous, else None); any other tensor is detached and copied to the
         CPU as ``torch.save`` stores it (views of one storage share one copy, a ``Parameter``
         stays one); other leaves are deep-copied.
     """
@@ -149,13 +149,8 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str], *, keep_params: bool 
             return copy.deepcopy(x)
         if id(x) not in memo:
             key = live.get(storage_key(x)) if x.layout == torch.strided else None
-            if key is None:
-                memo[id(x)] = _copy_as_saved(x, storages, keep_params)
-            else:
-                ref = {REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
-                if keep_params and isinstance(x, torch.nn.Parameter):  # as torch.save keeps it
-                    ref["param"] = x.requires_grad
-                memo[id(x)] = ref
+            memo[id(x)] = ({REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
+                           if key is not None else _copy_as_saved(x, storages, keep_params))
         return memo[id(x)]
 
     return map_tree(tree, leaf)
@@ -174,8 +169,9 @@ def _copy_as_saved(x: torch.Tensor, storages: dict[tuple, torch.UntypedStorage],
     (sparse, subclasses, quantized) are copied on their own."""
     plain = type(x) in (torch.Tensor, torch.nn.Parameter)
     st = x.untyped_storage() if plain and x.layout == torch.strided else None
-    if st is None or x.is_quantized or x.device.type == "meta" or (
+    if st is None or x.is_quantized or x.device.type == "meta" or x.is_conj() or x.is_neg() or (
             st.nbytes() > max(SHARED_STORAGE_COPY_BYTES, 2 * x.numel() * x.element_size())):
+        # (A conjugate or negative view's flag lives on the view, not the storage: copied alone.)
         # A small view of a large storage (a row of a weight, a parameter of a flat buffer)
         # is copied alone: the whole storage would cost host memory torch.save streams.
         y = x.detach().to("cpu", copy=True)
@@ -192,7 +188,7 @@ def _copy_as_saved(x: torch.Tensor, storages: dict[tuple, torch.UntypedStorage],
 
 
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, dict) and REF in x and set(x) in ({REF, "stride"}, {REF, "stride", "param"})
+    return isinstance(x, dict) and REF in x and set(x) == {REF, "stride"}
 
 
 def references(tree: Any) -> set[str]:
@@ -241,10 +237,6 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
                 _check_strides(t, stride, key, where)
                 t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
             cache[ck] = t
-        if "param" in x:
-            if not isinstance(x["param"], bool):
-                raise CheckpointCorruptError(f"{where}: malformed reference to tensor {key!r}")
-            return torch.nn.Parameter(cache[ck], requires_grad=x["param"])
         return cache[ck]
 
     return map_tree(tree, leaf, _is_ref)

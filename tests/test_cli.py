@@ -490,3 +490,16 @@ def test_accelerate_load_without_checksums_still_refuses_a_linked_or_resized_fil
         with pytest.raises(gockpt.CheckpointCorruptError, match="optimizer.bin"):
             check_before_load(str(copy), verify=False)
     check_before_load(str(folder), verify=False)  # the intact one passes
+
+
+def test_another_programs_manifest_json_does_not_block_an_output_beside_it(runs, tmp_path, capsys):
+    webapp = tmp_path / "webapp"
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text(json.dumps({"name": "app", "icons": []}))
+    code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(webapp / "out" / "m.ckpt"),
+                               "--to", "lightning")
+    assert code == 0, err
+    (webapp / "manifest.json").write_text("{not json")  # may be a damaged checkpoint's: refused
+    code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(webapp / "out2.ckpt"),
+                               "--to", "lightning")
+    assert code == 1 and "converting there would change" in err, err
