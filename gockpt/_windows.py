@@ -204,6 +204,7 @@ class Windows:
         self._stash: _BufferStash | None = None
         self._stash_hooks: dict[str, Any] = {}  # module name -> its forward pre-hook handle
         self._stash_keys: dict[str, tuple[nn.Module, str]] = {}  # entry key -> (owner, name)
+        self._stash_owners: dict[str, nn.Module] = {}  # module name -> module owning buffers
         self._stash_store: dict[str, torch.Tensor] = {}  # entry key -> the copy, reused
 
     # ------------------------------------------------------------------ request
@@ -286,7 +287,7 @@ class Windows:
         """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
         self._in_update = None
         self._updates += 1
-        self._stash = None
+        self._rearm_stash()
         if opt_index == 0:
             if self._t_first_update is not None:
                 self._recent_steps.append(now - self._t_first_update)
@@ -1038,28 +1039,50 @@ class Windows:
             except AttributeError:  # a wrapped model's key: taken live, as before
                 continue
             self._stash_keys[e.key] = (module, name)
+            self._stash_owners[owner] = module
+        if self._stash is None or self._stash.updates != self._updates:
+            self._hook_owners()
+
+    def _hook_owners(self) -> None:
+        for owner, module in self._stash_owners.items():
             if owner not in self._stash_hooks:
-                self._stash_hooks[owner] = module.register_forward_pre_hook(
-                    EngineHook(self._stash_buffers))
+                self._stash_hooks[owner] = module.register_forward_pre_hook(EngineHook(self._stash_buffers))
+
+    def _unhook_owners(self) -> None:
+        # Unhooked between the stash and the next update: their forwards take torch's path
+        # without hooks, and the hooks cost one registration per owner and update.
+        for h in self._stash_hooks.values():
+            h.remove()
+        self._stash_hooks.clear()
+
+    def _rearm_stash(self) -> None:
+        """After an update: hook the owners again while a save is still to be captured."""
+        self._stash = None
+        if self._stash_owners:
+            if any(not s.captured for s in self.saves):
+                self._hook_owners()
+            else:
+                self._disarm_stash_if_idle()
 
     def _disarm_stash_if_idle(self) -> None:
-        if self._stash_hooks and not any(not s.captured for s in self.saves):
-            for h in self._stash_hooks.values():
-                h.remove()
-            self._stash_hooks.clear()
+        if self._stash_owners and not any(not s.captured for s in self.saves):
+            self._unhook_owners()
             self._stash_keys.clear()
+            self._stash_owners.clear()
             self._stash = None
             self._stash_store.clear()
 
     def _stash_buffers(self) -> None:
         """A module owning buffers begins its forward: the first since the latest update
         copies every hooked buffer (one batched copy into tensors kept from the last time),
-        for the saves requested before it and still to be captured."""
-        st = self._stash
-        if st is not None and st.updates == self._updates:
-            return  # taken since this update: the cost of a later module is this check
+        for the saves requested before it and still to be captured; then the hooks go until
+        the next update."""
+        if self._stash is not None and self._stash.updates == self._updates:
+            self._unhook_owners()
+            return
         saves = frozenset(id(s) for s in self.saves if not s.captured)
         if not saves:
+            self._unhook_owners()
             return
         st = self._stash = _BufferStash(self._updates, saves)
         srcs, dsts = [], []
@@ -1076,6 +1099,7 @@ class Windows:
             st.values[key] = kept
         if srcs:
             torch._foreach_copy_(dsts, srcs)
+        self._unhook_owners()
 
     def _take(self, r: SaveRecord, current: dict, live: dict[tuple, str], version: int) -> None:
         """``r``'s own state tree at step ``version`` (its ``state_fn``), over ``_live``'s parts."""
