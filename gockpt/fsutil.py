@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -443,8 +444,27 @@ def remove_local(path: str) -> None:
     """
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
+        return
+    # Another thread may add or rename a file meanwhile (a part's marker written through a
+    # temporary name): a file gone before its unlink is fine, and a file made after the listing
+    # is removed by another pass.
+    for attempt in range(3):
+        if not os.path.isdir(path):
+            return
+        try:
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=lambda _f, _p, e: _gone_is_fine(_f, _p, (type(e), e, None)))
+            else:
+                shutil.rmtree(path, onerror=_gone_is_fine)
+            return
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY or attempt == 2:
+                raise
+
+
+def _gone_is_fine(func: Any, path: str, exc_info: Any) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
 
 
 def remove_file(fs: AbstractFileSystem, path: str) -> None:
