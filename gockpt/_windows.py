@@ -195,11 +195,12 @@ class Windows:
         self.boundary_version = 0
         self.marks_boundaries = False
         self._in_update: list[tuple[StateLayout, tuple[int, ...]]] | None = None
-        # Buffers as they were right before the first forward since the latest update, while a
-        # save requested before that forward is still to be captured (a batch norm's running
-        # statistics move in the forward): a capture at this step, after the loop has gone on
-        # into the next step's forward (a stop, an exception, a flush inside an accumulation, a
-        # capture at the next update's window end), takes them, not the moved ones.
+        # Buffers as they were at the first step boundary (step_end) after the latest update, or
+        # in a loop without boundaries right before the first forward after it, while a save
+        # requested before is still to be captured (a batch norm's running statistics move in
+        # the forward): a capture at this step, after the loop has gone on into the next step's
+        # forward (a stop, an exception, a flush inside an accumulation), takes them, not the
+        # moved ones.
         self._updates = 0  # after_update calls: the clock of the stash
         self._stash: _BufferStash | None = None
         self._stash_hooks: dict[str, Any] = {}  # module name -> its forward pre-hook handle
@@ -370,6 +371,19 @@ class Windows:
     def capture_due(self, version: int) -> bool:
         """Whether a save takes its non-tensor state at step ``version``."""
         return any(not s.captured and s.target == version for s in self.saves)
+
+    def step_end(self, version: int) -> None:
+        """The loop's step boundary (``Engine.step_end``): :meth:`boundary`; then, the first
+        time since the latest update while a save requested before is still to be captured,
+        the buffers are stashed as they are here, where a blocking save of this step would
+        read them (a later capture at this step, after the loop went on into the next
+        forward, takes them: :meth:`_live`)."""
+        if not self.marks_boundaries:
+            self.marks_boundaries = True
+            self._unhook_owners()  # from here on the boundaries stash, not the forwards
+        self.boundary(version)
+        if self._stash_keys and (self._stash is None or self._stash.updates != self._updates):
+            self._stash_buffers()
 
     def boundary(self, version: int) -> None:
         """A step boundary at ``version``: saves whose captured step it is take their state."""
@@ -842,14 +856,18 @@ class Windows:
         return hook
 
     def forward_start(self, version: int) -> None:
-        """The model's forward begins: guarded sharded gradient copies end; a due capture."""
+        """The model's forward begins: guarded sharded gradient copies end; a due capture (in a
+        loop that marks its step boundaries, only once the step's boundary has passed)."""
         if self._wait_at_forward:
             self._wait_at_forward = False
             t0 = perf_counter()
             self.release_guards(wait=True)
             for s in self.saves:
                 s.metrics.add_stall("guard", (perf_counter() - t0) / max(1, len(self.saves)))
-        if self.saves and self.capture_due(version):
+        # In a loop that marks its step boundaries, a forward between an update and its
+        # boundary (a callback's forward at the batch end) is not one: the capture waits.
+        if self.saves and self.capture_due(version) and (
+                not self.marks_boundaries or self.boundary_version == version):
             self.boundary(version)
 
     def release_guards(self, wait: bool) -> None:
@@ -1025,9 +1043,10 @@ class Windows:
     # ------------------------------------------------------------------ buffer stash
 
     def _arm_stash(self, layout: StateLayout) -> None:
-        """Hook the forward of each module owning a buffer of ``layout`` (a save still to be
-        captured): the first of them to run after an update stashes every buffer, before any
-        of them moved (:meth:`_stash_buffers`)."""
+        """Note the buffers of ``layout`` (a save still to be captured) for the stash. In a loop
+        that marks its step boundaries, the first boundary after each update stashes them
+        (:meth:`step_end`); in one that does not, the first forward of a module owning one
+        after each update does, before any of them moved (hooks on those modules)."""
         for e in layout.static:
             if not e.key.startswith("model.") or isinstance(e.tensor, nn.Parameter):
                 continue  # frozen parameters do not move in a forward
@@ -1040,7 +1059,7 @@ class Windows:
                 continue
             self._stash_keys[e.key] = (module, name)
             self._stash_owners[owner] = module
-        if self._stash is None or self._stash.updates != self._updates:
+        if not self.marks_boundaries and (self._stash is None or self._stash.updates != self._updates):
             self._hook_owners()
 
     def _hook_owners(self) -> None:
@@ -1056,13 +1075,15 @@ class Windows:
         self._stash_hooks.clear()
 
     def _rearm_stash(self) -> None:
-        """After an update: hook the owners again while a save is still to be captured."""
+        """After an update: in a loop without step boundaries, hook the owners again while a
+        save is still to be captured (their first forward stashes the buffers); with them,
+        the next boundary does (:meth:`step_end`)."""
         self._stash = None
         if self._stash_owners:
-            if any(not s.captured for s in self.saves):
-                self._hook_owners()
-            else:
+            if not any(not s.captured for s in self.saves):
                 self._disarm_stash_if_idle()
+            elif not self.marks_boundaries:
+                self._hook_owners()
 
     def _disarm_stash_if_idle(self) -> None:
         if self._stash_owners and not any(not s.captured for s in self.saves):
@@ -1073,10 +1094,10 @@ class Windows:
             self._stash_store.clear()
 
     def _stash_buffers(self) -> None:
-        """A module owning buffers begins its forward: the first since the latest update
-        copies every hooked buffer (one batched copy into tensors kept from the last time),
-        for the saves requested before it and still to be captured; then the hooks go until
-        the next update."""
+        """The first step boundary, or forward of a module owning buffers, since the latest
+        update: copy every noted buffer (one batched copy into tensors kept from the last
+        time), for the saves requested before it and still to be captured; then the hooks go
+        until the next update."""
         if self._stash is not None and self._stash.updates == self._updates:
             self._unhook_owners()
             return

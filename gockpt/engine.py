@@ -316,8 +316,7 @@ class Engine:
         Checkpoints whose captured step is the current step take their non-tensor state here.
         """
         self._pipeline.raise_errors()
-        self._windows.marks_boundaries = True
-        self._windows.boundary(self.version)
+        self._windows.step_end(self.version)
 
     def before_update(self) -> None:
         """End the copy window: called right before an optimizer update (explicit mode).

@@ -34,8 +34,10 @@ class Net(pl.LightningModule):
             self.conv = nn.Conv2d(2, 4, 3, padding=1)
             self.conv.to(memory_format=torch.channels_last)
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
-        if feature == "batch_norm":  # running statistics move in every training forward
+        if feature in ("batch_norm", "batch_end_forward"):  # statistics move in every training forward
             self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 8))
+            # Moved in training_step, outside any forward.
+            self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
         self.extra = nn.Linear(8, 8)  # frozen until step 5, or in a param group added at step 5
         if feature in ("unfreeze", "add_param_group"):
             self.extra.requires_grad_(False)
@@ -53,6 +55,8 @@ class Net(pl.LightningModule):
             raise _Crash("step 8 fails")
         if self.feature == "clamp_in_step":
             self._clamp()
+        if hasattr(self, "batches_seen"):
+            self.batches_seen += 1
         x, t = batch
         loss = (self(x) - t).pow(2).mean()
         if self.automatic_optimization:
@@ -137,6 +141,14 @@ class _StopAt(pl.Callback):
             self.seen += 1
             if self.seen == (2 if self.late else 1):
                 trainer.should_stop = True
+
+
+class _ForwardAtBatchEnd(pl.Callback):
+    """A train-mode forward in on_train_batch_end (before ModelCheckpoint's): a logged metric."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            pl_module(batch[0])
 
 
 class _SaveEvery(pl.Callback):
@@ -509,6 +521,21 @@ def test_a_stop_inside_an_accumulation_checkpoints_the_steps_batch_end_as_stock(
     stock = _state(*_run(tmp_path / "c", feature, max_epochs=3, accumulate=2,
                          ckpt_path=str(tmp_path / "s" / f"step={held}.ckpt")))
     _same(resumed, stock)
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_a_forward_in_a_batch_end_callback_is_in_the_checkpoint_of_that_step_as_stock(tmp_path, mode):
+    """A callback runs a train-mode forward at the batch end, before ModelCheckpoint saves: the
+    batch norm's statistics of a step include it in stock's file. A save captured at that
+    step is taken at the step's boundary, after that forward, not at the forward's start."""
+    cbs = (_ForwardAtBatchEnd(),)
+    _run(tmp_path / "g", "batch_end_forward", io=_io(mode), max_steps=8, ckpt_every_steps=3, callbacks=cbs)
+    _run(tmp_path / "s", "batch_end_forward", max_steps=8, ckpt_every_steps=1, callbacks=cbs)
+    for step in (3, 6):
+        ours = tmp_path / "g" / f"step={step}.ckpt"
+        held = GoCkptIO().load_checkpoint(str(ours))["global_step"]
+        assert held > step
+        _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
 
 
 @pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
