@@ -357,8 +357,8 @@ class GoCkptCheckpointer:
 
     def _boundary_state(self) -> _host_state.AtBoundary | None:
         """The state of the first boundary of the current step, if one was taken."""
-        at, rep = self._at_boundary, self._rep
-        return at if at is not None and isinstance(rep, ReplicatedEngine) and at.version == rep.version else None
+        at = self._at_boundary  # taken only under a ReplicatedEngine (_note_boundary)
+        return at if at is not None and self._rep is not None and at.version == self._rep.version else None
 
     def _host_files(self, *, rng_only: bool = False) -> dict[str, bytes]:
         """:func:`_host_state.host_files` of the captured step: as of its first boundary."""

@@ -143,12 +143,21 @@ def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
         kind = "done"
     except BaseException:  # noqa: BLE001 - the outcome is what the marker tells
         kind = "failed"
-    if not os.path.isdir(stage):
-        return
+    if os.path.isdir(stage):
+        _write_marker(stage, rank, kind, durable=True)
+
+
+def _write_marker(stage: str, rank: int, kind: str, *, durable: bool) -> None:
+    """``rank-<r>.<kind>`` in ``stage`` (``durable``: written atomically and fsynced; else an
+    empty file, a signal to the living commit thread only). Best effort."""
+    path = os.path.join(stage, f"{part_name(rank)}.{kind}")
     try:
-        write_atomic(os.path.join(stage, f"{part_name(rank)}.{kind}"), b"")
+        if durable:
+            write_atomic(path, b"")
+        else:
+            open(path, "wb").close()  # noqa: SIM115 - an empty file
     except OSError as e:  # the staging directory was removed by an abort
-        log.info("gockpt: could not mark part %d of %s: %s", rank, stage, e)
+        log.info("gockpt: could not mark part %d of %s %s: %s", rank, stage, kind, e)
 
 
 #: Seconds a failed run's commit waits for a missing part that its rank has not captured yet
@@ -196,25 +205,21 @@ def _part_progress(stage: str, part: str) -> tuple[tuple[str, int], ...]:
     """The names and sizes of the files of part ``part`` in ``stage``: its directory, the
     staging directory it is written in before that (``.<part>.gockpt-tmp-...``), its markers."""
     out = []
-    try:
-        entries = [e for e in os.listdir(stage) if part in e]
-    except FileNotFoundError:
-        return ()
-    for entry in entries:
-        top = os.path.join(stage, entry)
-        for dirpath, _, names in os.walk(top) if os.path.isdir(top) else [(stage, [], [entry])]:
-            for name in names:
-                try:
-                    out.append((os.path.join(dirpath, name), os.lstat(os.path.join(dirpath, name)).st_size))
-                except FileNotFoundError:
-                    continue
+    for dirpath, dirs, names in os.walk(stage):
+        if dirpath == stage:  # below the stage: only what belongs to this part
+            dirs[:] = [d for d in dirs if part in d]
+            names = [n for n in names if part in n]
+        for name in names:
+            try:
+                out.append((os.path.join(dirpath, name), os.lstat(os.path.join(dirpath, name)).st_size))
+            except FileNotFoundError:
+                continue
     return tuple(sorted(out))
 
 
 def mark_captured(stage: str, rank: int) -> None:
     """``rank-<r>.captured``: rank ``r``'s part has taken its state; what is left (replay,
-    persist) needs no other rank (see :data:`ABANDON_IDLE_S`). Best effort."""
-    try:
-        write_atomic(os.path.join(stage, f"{part_name(rank)}.captured"), b"")
-    except OSError as e:  # the staging directory was removed by an abort
-        log.info("gockpt: could not mark part %d of %s captured: %s", rank, stage, e)
+    persist) needs no other rank (see :data:`ABANDON_IDLE_S`). Written on the training thread
+    at a step boundary: an empty file, not fsynced (only the living commit thread reads it).
+    Best effort."""
+    _write_marker(stage, rank, "captured", durable=False)

@@ -116,7 +116,8 @@ def window_forecast(windows: Sequence[float], q: float) -> float:
 
 
 class _BufferStash:
-    """Buffers before the first forward after update number ``updates`` (Windows._stash)."""
+    """Buffers as of the first step boundary, or owner's forward, after update number
+    ``updates`` (Windows._stash)."""
 
     __slots__ = ("saves", "updates", "values")
 
@@ -203,9 +204,8 @@ class Windows:
         # moved ones.
         self._updates = 0  # after_update calls: the clock of the stash
         self._stash: _BufferStash | None = None
-        self._stash_hooks: dict[str, Any] = {}  # module name -> its forward pre-hook handle
+        self._stash_hooks: dict[int, Any] = {}  # id(owner) -> its forward pre-hook handle
         self._stash_keys: dict[str, tuple[nn.Module, str]] = {}  # entry key -> (owner, name)
-        self._stash_owners: dict[str, nn.Module] = {}  # module name -> module owning buffers
         self._stash_store: dict[str, torch.Tensor] = {}  # entry key -> the copy, reused
 
     # ------------------------------------------------------------------ request
@@ -1058,14 +1058,13 @@ class Windows:
             except AttributeError:  # a wrapped model's key: taken live, as before
                 continue
             self._stash_keys[e.key] = (module, name)
-            self._stash_owners[owner] = module
         if not self.marks_boundaries and (self._stash is None or self._stash.updates != self._updates):
             self._hook_owners()
 
     def _hook_owners(self) -> None:
-        for owner, module in self._stash_owners.items():
-            if owner not in self._stash_hooks:
-                self._stash_hooks[owner] = module.register_forward_pre_hook(EngineHook(self._stash_buffers))
+        for module, _ in self._stash_keys.values():
+            if id(module) not in self._stash_hooks:
+                self._stash_hooks[id(module)] = module.register_forward_pre_hook(EngineHook(self._stash_buffers))
 
     def _unhook_owners(self) -> None:
         # Unhooked between the stash and the next update: their forwards take torch's path
@@ -1079,17 +1078,16 @@ class Windows:
         save is still to be captured (their first forward stashes the buffers); with them,
         the next boundary does (:meth:`step_end`)."""
         self._stash = None
-        if self._stash_owners:
+        if self._stash_keys:
             if not any(not s.captured for s in self.saves):
                 self._disarm_stash_if_idle()
             elif not self.marks_boundaries:
                 self._hook_owners()
 
     def _disarm_stash_if_idle(self) -> None:
-        if self._stash_owners and not any(not s.captured for s in self.saves):
+        if self._stash_keys and not any(not s.captured for s in self.saves):
             self._unhook_owners()
             self._stash_keys.clear()
-            self._stash_owners.clear()
             self._stash = None
             self._stash_store.clear()
 

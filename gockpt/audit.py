@@ -23,7 +23,7 @@ from .load import framework_files
 from .errors import CheckpointCorruptError
 from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header, decode_json, dtype_itemsize
 
-__all__ = ["Problem", "describe_checkpoint", "read_manifest", "verify_checkpoint"]
+__all__ = ["Problem", "describe_checkpoint", "read_manifest", "require_intact", "verify_checkpoint"]
 
 _READ_BYTES = 8 << 20
 
@@ -194,6 +194,20 @@ def verify_checkpoint(
         except Exception as e:  # noqa: BLE001 - reported as a problem of this checkpoint
             problems.append(Problem(path, f"does not load: {type(e).__name__}: {e}"))
     return problems
+
+
+def require_intact(path: str, storage_options: Mapping[str, Any] | None = None, *,
+                   checksums: bool = True) -> None:
+    """:func:`verify_checkpoint` of ``path``'s files (not loaded), raising on the first problem.
+
+    Raises:
+        FileNotFoundError: no manifest at ``path``.
+        gockpt.CheckpointCorruptError: naming the first bad file and how many more there are.
+    """
+    problems = verify_checkpoint(path, storage_options, load=False, checksums=checksums)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"{problems[0].file}: {problems[0].message}{more}", path=path)
 
 
 def _verify_parts(fs: Any, root: str, path: str, storage_options: Mapping[str, Any] | None,

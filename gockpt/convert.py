@@ -33,8 +33,6 @@ import logging
 import os
 import pathlib
 import re
-import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +41,7 @@ import torch
 
 from . import fsutil, storage
 from .errors import CheckpointCorruptError
+from .folder import SIDECAR_NAME
 from .frameworks import (
     FRAMEWORKS_GROUP,
     Framework,
@@ -51,6 +50,7 @@ from .frameworks import (
     register_framework,
 )
 from .load import framework_files
+from .format import FORMAT_NAME
 from .restore import load_checkpoint
 from .snapshot import own_storage, save_tree
 
@@ -161,7 +161,9 @@ def open_source(
     if framework_files(manifest) and any(_ACC_MODEL.match(n) for n in manifest["files"]):
         # A framework's own folder layout written by the engine (accelerate_gockpt): its files
         # checked against the manifest, then read as the framework's folder.
-        _check_writer_folder(path, fs, root, options)
+        from .audit import require_intact
+
+        require_intact(path, options)
         return _accelerate_source(path, fs, root, allow_pickle, skip=_WRITER_FILES)
     state = load_checkpoint(path, storage_options=options, allow_pickle=allow_pickle)
     step = int(state.manifest["meta"].get("captured_step", 0))
@@ -239,12 +241,9 @@ def to_hf(
                        functools.partial(_write_all, data=text))
             written.append("model.safetensors.index.json")
     except BaseException:
-        if made:  # the directory this call made, and what it wrote there
-            for name in written:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(root, name))
+        if made:  # the directory this call made, with what it wrote there
             with contextlib.suppress(OSError):
-                os.rmdir(root)
+                fsutil.remove_local(root)
         raise
     return written
 
@@ -296,8 +295,8 @@ def to_dcp(source: Source, dst: str, *, storage_options: Mapping[str, Any] | Non
         _dcp_save(dcp, source.state, dst, checkpoint_id=staging, no_dist=no_dist)
         os.replace(staging, final)  # over an empty directory too (POSIX rename)
     finally:
-        if os.path.lexists(staging):
-            shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fsutil.remove_local(staging)
 
 
 def _dcp_save(dcp: Any, state: Any, dst: str, **kwargs: Any) -> None:
@@ -392,7 +391,8 @@ def check_destination(source: Source | str, dst: str,
 
 
 def _holds_gockpt_manifest(fs: Any, directory: str) -> bool:
-    """Whether ``directory`` holds a ``manifest.json`` that is GoCkpt's or may be (damaged)."""
+    """Whether ``directory`` holds a ``manifest.json`` that is GoCkpt's or may be (damaged:
+    unreadable, not a JSON object)."""
     import json
 
     target = fsutil.join(directory, storage.MANIFEST_NAME)
@@ -402,8 +402,7 @@ def _holds_gockpt_manifest(fs: Any, directory: str) -> bool:
         obj = json.loads(storage.read_bounded(fs, target, max_bytes=storage.MAX_METADATA_BYTES))
     except Exception:  # noqa: BLE001 - unreadable or not JSON: may be a damaged checkpoint's
         return True
-    return not isinstance(obj, dict) or obj.get("format") == "gockpt" or "format" not in obj \
-        and "files" in obj
+    return not isinstance(obj, dict) or obj.get("format") == FORMAT_NAME
 
 
 # --- sources -----------------------------------------------------------------------------
@@ -449,22 +448,7 @@ def _torch_file_source(path: str, obj: Any) -> Source:
 
 
 #: Files the engine adds to a framework's folder layout (:mod:`gockpt.folder`): not the framework's.
-_WRITER_FILES = frozenset({storage.MANIFEST_NAME, "gockpt.json"})
-
-
-def _check_writer_folder(path: str, fs: Any, root: str, options: Mapping[str, Any]) -> None:
-    """A folder in a framework's layout that the engine wrote: every file it lists present, of
-    its size and checksum (:func:`gockpt.audit.verify_checkpoint`), before its files are read.
-
-    Raises:
-        gockpt.CheckpointCorruptError: naming the first bad file.
-    """
-    from .audit import verify_checkpoint
-
-    problems = verify_checkpoint(path, options, load=False)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointCorruptError(f"{problems[0].file}: {problems[0].message}{more}", path=path)
+_WRITER_FILES = frozenset({storage.MANIFEST_NAME, SIDECAR_NAME})
 
 
 def _accelerate_source(path: str, fs: Any, root: str, allow_pickle: bool,
@@ -572,7 +556,7 @@ def write_file(fs: Any, path: str, fill: Callable[[Any], Any]) -> None:
             return
         parent, name = os.path.split(path)
         # A scratch name gockpt.storage.cleanup_staging removes should this process die here.
-        tmp = os.path.join(parent, f".{name}.gockpt-tmp-{os.getpid()}-{uuid.uuid4().hex}")
+        tmp = fsutil.scratch_path(parent, name)
         try:
             with open(tmp, "wb") as f:
                 fill(f)

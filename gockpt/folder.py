@@ -215,7 +215,7 @@ def check_before_load(directory: str, *, verify: bool = True) -> None:
         FileNotFoundError: no such folder.
         CheckpointCorruptError: naming the file and what is wrong.
     """
-    from .audit import verify_checkpoint  # audit imports the loaders; not needed to write
+    from .audit import require_intact  # audit imports the loaders; not needed to write
 
     with os.scandir(directory) as it:
         for entry in it:
@@ -227,9 +227,5 @@ def check_before_load(directory: str, *, verify: bool = True) -> None:
                 raise CheckpointCorruptError(
                     f"{entry.path}: not a regular file or folder (a FIFO, device or socket)",
                     path=directory)
-    if not has_manifest(directory):
-        return
-    problems = verify_checkpoint(directory, load=False, checksums=verify)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointCorruptError(f"{problems[0].file}: {problems[0].message}{more}", path=directory)
+    if has_manifest(directory):
+        require_intact(directory, checksums=verify)

@@ -453,18 +453,18 @@ def remove_local(path: str) -> None:
             return
         try:
             if sys.version_info >= (3, 12):
-                shutil.rmtree(path, onexc=lambda _f, _p, e: _gone_is_fine(_f, _p, (type(e), e, None)))
+                shutil.rmtree(path, onexc=_gone_is_fine)
             else:
-                shutil.rmtree(path, onerror=_gone_is_fine)
+                shutil.rmtree(path, onerror=lambda f, p, info: _gone_is_fine(f, p, info[1]))
             return
         except OSError as e:
             if e.errno != errno.ENOTEMPTY or attempt == 2:
                 raise
 
 
-def _gone_is_fine(func: Any, path: str, exc_info: Any) -> None:
-    if not isinstance(exc_info[1], FileNotFoundError):
-        raise exc_info[1]
+def _gone_is_fine(_func: Any, _path: str, exc: BaseException) -> None:
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 def remove_file(fs: AbstractFileSystem, path: str) -> None:

@@ -135,9 +135,9 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str], *, keep_params: bool 
 
     Returns:
         The same structure; a tensor whose key is in ``live`` is ``{REF: key, "stride": s}``
-        (``s`` the strides when the tensor is not contiguous, else None); any other tensor is detached and copied to the
-        CPU as ``torch.save`` stores it (views of one storage share one copy, a ``Parameter``
-        stays one); other leaves are deep-copied.
+        (``s`` the strides when the tensor is not contiguous, else None); any other tensor is
+        detached and copied to the CPU as ``torch.save`` stores it (views of one storage share
+        one copy, a ``Parameter`` stays one); other leaves are deep-copied.
     """
     memo: dict[int, Any] = {}
     storages: dict[tuple, torch.UntypedStorage] = {}
@@ -175,13 +175,12 @@ def _copy_as_saved(x: torch.Tensor, storages: dict[tuple, torch.UntypedStorage],
         # A small view of a large storage (a row of a weight, a parameter of a flat buffer)
         # is copied alone: the whole storage would cost host memory torch.save streams.
         y = x.detach().to("cpu", copy=True)
-        return torch.nn.Parameter(y, requires_grad=x.requires_grad) if keep_params and \
-            isinstance(x, torch.nn.Parameter) else y
-    k = (x.device, st.data_ptr(), st.nbytes())
-    if k not in storages:
-        whole = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st)
-        storages[k] = whole.to("cpu", copy=True).untyped_storage()
-    y = torch.empty(0, dtype=x.dtype).set_(storages[k], x.storage_offset(), x.shape, x.stride())
+    else:
+        k = (x.device, st.data_ptr(), st.nbytes())
+        if k not in storages:
+            whole = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st)
+            storages[k] = whole.to("cpu", copy=True).untyped_storage()
+        y = torch.empty(0, dtype=x.dtype).set_(storages[k], x.storage_offset(), x.shape, x.stride())
     if keep_params and isinstance(x, torch.nn.Parameter):
         return torch.nn.Parameter(y, requires_grad=x.requires_grad)
     return y

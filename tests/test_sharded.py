@@ -265,8 +265,10 @@ def _abandon_worker(rank: int, world: int, port: int, root: str) -> None:
             f.write(str(took))
         assert took < 60, f"close of a failed run waited {took:.0f} s for a part that never came"
     else:
-        while not os.path.exists(flag):
+        deadline = time.monotonic() + 150  # rank 0's close is bounded; so is this wait
+        while not os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert os.path.exists(flag), "rank 0 never finished its close"
         # Its part comes too late: the commit was abandoned, and the part is not written into
         # a staging directory made anew.
         with pytest.raises(gockpt.CheckpointError, match="abandoned"):
