@@ -128,6 +128,8 @@ def _run(args: argparse.Namespace) -> dict:
     n = max(1, args.checkpoints if args.scheme != "none" else 1)
     return {
         "scheme": args.scheme, "size_gb": args.size_gb, "state_bytes": state_bytes,
+        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "cores": os.cpu_count(),
         "clean_step_s": clean,
         "extra_per_ckpt_s": (sum(measured) - len(measured) * clean) / n,
         "stall_s": statistics.median(stall) if stall else None,
@@ -152,51 +154,16 @@ def _run(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.3, 1.2, 3.0])
-    p.add_argument("--modes", nargs="+", default=["lazy", "gockpt_o", "auto"])
-    p.add_argument("--checkpoints", type=int, default=3)
-    p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where checkpoints are written (default: tmp)")
-    p.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda")
-    p.add_argument("--batch", type=int, default=8, help="rows of the input batch")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of training")
-    p.add_argument("--min-overlap-steps", type=int, default=1,
-                   help="GoCkptConfig.min_overlap_steps of the multi-step modes (e.g. 7 with "
-                        "--modes gockpt_o: the replay's gradient-buffer waits, measured beside "
-                        "their prediction)")
-    p.add_argument("--no-baselines", action="store_true",
-                   help="skip the 'none' and 'torch.save' rows (the engine's rows only; RSS "
-                        "above none is then not given)")
-    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: scheme,size
-    args = p.parse_args()
-    if args.one:
-        args.scheme, size = args.one.rsplit(",", 1)
-        args.size_gb = float(size)
-        print(json.dumps(_run(args)))
-        return
-    rows = []
-    for size in args.sizes_gb:
-        baselines = [] if args.no_baselines else ["none", "torch.save"]
-        for scheme in [*baselines, *[f"gockpt {m}" for m in args.modes]]:
-            cmd = [sys.executable, __file__, "--one", f"{scheme},{size}", "--checkpoints",
-                   str(args.checkpoints), "--interval", str(args.interval), "--warmup", str(args.warmup),
-                   "--device", args.device, "--batch", str(args.batch), "--threads", str(args.threads),
-                   "--min-overlap-steps", str(args.min_overlap_steps)]
-            if args.dir:
-                cmd += ["--dir", args.dir]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-            # Each row as it ends: a run stopped at a time limit keeps the rows it finished.
-            print(f"# done: {scheme} at {size} GB: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+def print_tables(rows: list[dict], args: argparse.Namespace) -> None:
+    """Print the cost table and the engine table of ``rows`` (one dict per finished row)."""
     where = args.device
-    if args.device.startswith("cuda"):
-        import torch
-
-        where = f"{torch.cuda.get_device_name()} (training on the GPU)"
-    print(f"{where}, {os.cpu_count()} cores, {args.threads} training thread(s), batch {args.batch}; "
+    if rows and rows[0].get("device_name"):
+        where = f"{rows[0]['device_name']} (training on the GPU)"
+    elif args.device.startswith("cuda"):
+        where = "a CUDA device (training on the GPU)"
+    cores = rows[0].get("cores") if rows else None
+    cores = cores or (None if args.from_rows else os.cpu_count())
+    print(f"{where}, {cores or 'unrecorded'} cores, {args.threads} training thread(s), batch {args.batch}; "
           f"state = fp32 weights + AdamW state; "
           f"{args.checkpoints} checkpoints every {args.interval} steps; medians"
           + (f"; multi-step modes at K >= {args.min_overlap_steps}." if args.min_overlap_steps > 1
@@ -240,6 +207,56 @@ def main() -> None:
                   f"{fmt(r['stall_lower_bound_s'])} | {fmt(r['stall_s'])} | {by_phase or '-'} | {ratio} | "
                   f"{r['clean_steps']} | {fmt(peak, 2)} |")
 
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.3, 1.2, 3.0])
+    p.add_argument("--modes", nargs="+", default=["lazy", "gockpt_o", "auto"])
+    p.add_argument("--checkpoints", type=int, default=3)
+    p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: tmp)")
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda")
+    p.add_argument("--batch", type=int, default=8, help="rows of the input batch")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of training")
+    p.add_argument("--min-overlap-steps", type=int, default=1,
+                   help="GoCkptConfig.min_overlap_steps of the multi-step modes (e.g. 7 with "
+                        "--modes gockpt_o: the replay's gradient-buffer waits, measured beside "
+                        "their prediction)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the 'none' and 'torch.save' rows (the engine's rows only; RSS "
+                        "above none is then not given)")
+    p.add_argument("--from-rows", nargs="+", default=None, metavar="LOG",
+                   help="only print the tables of the '# done:' rows in these stderr logs (rows of "
+                        "runs cut off by a time limit, or of several calls, in one table)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: scheme,size
+    args = p.parse_args()
+    if args.from_rows:
+        rows = [json.loads(line.split(": ", 2)[2]) for log in args.from_rows
+                for line in open(log, encoding="utf-8") if line.startswith("# done: ")]
+        print_tables(rows, args)
+        return
+    if args.one:
+        args.scheme, size = args.one.rsplit(",", 1)
+        args.size_gb = float(size)
+        print(json.dumps(_run(args)))
+        return
+    rows = []
+    for size in args.sizes_gb:
+        baselines = [] if args.no_baselines else ["none", "torch.save"]
+        for scheme in [*baselines, *[f"gockpt {m}" for m in args.modes]]:
+            cmd = [sys.executable, __file__, "--one", f"{scheme},{size}", "--checkpoints",
+                   str(args.checkpoints), "--interval", str(args.interval), "--warmup", str(args.warmup),
+                   "--device", args.device, "--batch", str(args.batch), "--threads", str(args.threads),
+                   "--min-overlap-steps", str(args.min_overlap_steps)]
+            if args.dir:
+                cmd += ["--dir", args.dir]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            # Each row as it ends: a run stopped at a time limit keeps the rows it finished.
+            print(f"# done: {scheme} at {size} GB: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    print_tables(rows, args)
 
 if __name__ == "__main__":
     main()

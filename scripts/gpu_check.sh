@@ -23,6 +23,11 @@ TESTS_S=${GOCKPT_GPU_TESTS_S:-150}
 BENCH_S=${GOCKPT_GPU_BENCH_S:-170}
 SMALL_S=${GOCKPT_GPU_SMALL_S:-110}
 REPLAY_S=${GOCKPT_GPU_REPLAY_S:-80}
+# Which parts run (default all): e.g. GOCKPT_GPU_PARTS="tests" in a first call, then
+# GOCKPT_GPU_PARTS="bench small replay" on the still-warm machine, so that a failure in the
+# tests can be read and fixed before the benchmarks spend the lease.
+PARTS=" ${GOCKPT_GPU_PARTS:-tests bench small replay} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 
 {
     date -u
@@ -42,37 +47,35 @@ if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.lo
 fi
 "$PY" -c "import gockpt._native as n; print('native kernel:', n.available())" 2>&1 | tee -a "$OUT/machine.txt"
 
-timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -m cuda -o addopts= \
+want tests && { timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -m cuda -o addopts= \
     tests/test_cuda.py tests/adapters/test_lightning_fsdp.py tests/adapters/test_accelerate_fsdp2.py \
     tests/adapters/test_lightning_deepspeed.py >"$OUT/tests.log" 2>&1
-echo "cuda tests: exit $?" | tee -a "$OUT/machine.txt"
+echo "cuda tests: exit $?" | tee -a "$OUT/machine.txt"; }
 
 # A checkpoint every 30 steps: longer than the persist takes at these sizes on that kind of
 # machine (0.8-1.9 s), so the stall is the engine's own, not a wait for storage (at 10 steps
 # every save waited for the host snapshot to drain). About 30 s per row on an H100; each row is
 # also printed to bench.err as it ends, so a run cut off by the time limit keeps its rows.
-timeout "$BENCH_S" "$PY" examples/bench_scale.py --device cuda --batch 4096 --threads 8 \
+want bench && { timeout "$BENCH_S" "$PY" examples/bench_scale.py --device cuda --batch 4096 --threads 8 \
     --sizes-gb 1.2 3 --interval "${GOCKPT_GPU_INTERVAL:-30}" --checkpoints 3 --modes lazy auto \
     >"$OUT/bench.txt" 2>"$OUT/bench.err"
-echo "bench_scale: exit $?" | tee -a "$OUT/machine.txt"
+echo "bench_scale: exit $?" | tee -a "$OUT/machine.txt"; }
 
 # Steps shorter than the copy: K = 1 makes the update wait on the device for the copy (a wait
 # the host does not see as stall); the planner should choose several windows here.
-timeout "$SMALL_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
+want small && { timeout "$SMALL_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
     --sizes-gb 1.2 --interval 200 --checkpoints 3 --modes lazy gockpt_o auto \
     >"$OUT/bench_small.txt" 2>"$OUT/bench_small.err"
-echo "bench_scale, small batch: exit $?" | tee -a "$OUT/machine.txt"
+echo "bench_scale, small batch: exit $?" | tee -a "$OUT/machine.txt"; }
 
 # The replay's waits: gockpt_o held at K >= 7 over the same short steps. From the fourth window
 # on a capture waits for a gradient buffer the CPU replay still holds; the engine table's
 # "replay wait" column (predicted) is read beside the measured grad_buffer stall.
-timeout "$REPLAY_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
+want replay && { timeout "$REPLAY_S" "$PY" examples/bench_scale.py --device cuda --batch 256 --threads 8 \
     --sizes-gb 1.2 --interval 200 --checkpoints 3 --modes gockpt_o --min-overlap-steps 7 --no-baselines \
     >"$OUT/bench_replay.txt" 2>"$OUT/bench_replay.err"
-echo "bench_scale, small batch, K >= 7: exit $?" | tee -a "$OUT/machine.txt"
+echo "bench_scale, small batch, K >= 7: exit $?" | tee -a "$OUT/machine.txt"; }
 
-tail -n 25 "$OUT/tests.log"
-cat "$OUT/bench.txt"
-cat "$OUT/bench_small.txt"
-cat "$OUT/bench_replay.txt"
-cat "$OUT/bench.err" "$OUT/bench_small.err" "$OUT/bench_replay.err" | grep -c '^# done' | sed 's/^/bench rows finished: /'
+want tests && tail -n 40 "$OUT/tests.log"
+for f in bench bench_small bench_replay; do [ -f "$OUT/$f.txt" ] && cat "$OUT/$f.txt"; done
+cat "$OUT"/bench*.err 2>/dev/null | grep -c '^# done' | sed 's/^/bench rows finished: /'
