@@ -20,7 +20,7 @@ from gockpt._safe_read import read_bounded
 from gockpt.errors import CheckpointCorruptError, CheckpointError
 from gockpt.format import decode_json
 from gockpt.fsutil import MANIFEST_NAME, fsync_path, is_local, join, scratch_path, storage_error
-from gockpt.manifest import check_name, validate_manifest
+from gockpt.manifest import check_name, is_part, validate_manifest
 
 LATEST_NAME = "latest"
 #: The largest ``manifest.json`` or ``latest`` pointer read, in bytes.
@@ -150,7 +150,7 @@ def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
 
 def _captured_step(fs: AbstractFileSystem, root: str) -> int | None:
     manifest = complete_manifest(fs, root)
-    if manifest is None:
+    if manifest is None or is_part(manifest):  # a part of a sharded checkpoint cut short
         return None
     step = manifest["meta"].get("captured_step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None

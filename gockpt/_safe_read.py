@@ -48,6 +48,23 @@ def open_regular(path: str) -> int:
     return fd
 
 
+def require_directory(path: str) -> None:
+    """Check that a local directory of a checkpoint (a sharded checkpoint's ``rank-<r>/`` part)
+    is a directory there, not a symlink to one elsewhere.
+
+    Raises:
+        FileNotFoundError: no such directory.
+        CheckpointCorruptError: a symlink, or anything but a directory.
+    """
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except NotADirectoryError:
+        raise FileNotFoundError(errno.ENOENT, "not found", path) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointCorruptError(f"{path}: {_kind(st.st_mode)}, not a directory of the checkpoint",
+                                     path=path)
+
+
 def _kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISLNK, "a symbolic link"),

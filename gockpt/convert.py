@@ -50,6 +50,7 @@ from .frameworks import (
     register_framework,
 )
 from .load import framework_files
+from .manifest import is_part
 from .format import FORMAT_NAME
 from .restore import load_checkpoint
 from .snapshot import own_storage, save_tree
@@ -134,6 +135,7 @@ def open_source(
         FrameworkUnavailableError: a ``GoCkptIO`` checkpoint where the Lightning framework is
             not registered or does not import (the ``lightning`` extra is missing).
         pickle.UnpicklingError: a file that needs ``allow_pickle``.
+        ValueError: ``path`` is one rank's part of a sharded checkpoint (``rank-<r>/``).
     """
     options = dict(storage_options or {})
     fs, root = storage.url_to_fs(path, options)
@@ -158,6 +160,9 @@ def open_source(
     manifest = storage.read_manifest(fs, root)  # a damaged manifest: the error names it
     if manifest["meta"].get("sharded") is not None:
         return _sharded_source(path, manifest["meta"]["sharded"], allow_pickle)
+    if is_part(manifest):  # one rank's share: converted alone, a model of partial tensors
+        raise ValueError(f"{path} is one rank's part of a sharded checkpoint, not a checkpoint on "
+                         "its own: convert the sharded checkpoint directory that holds it")
     if framework_files(manifest) and any(_ACC_MODEL.match(n) for n in manifest["files"]):
         # A framework's own folder layout written by the engine (accelerate_gockpt): its files
         # checked against the manifest, then read as the framework's folder.

@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import fsutil, storage
-from ._safe_read import open_local_regular
+from ._safe_read import open_local_regular, require_directory
 from .errors import CheckpointCorruptError
 from .format import CODE_TO_DTYPE, decode_json, is_int, is_shape
-from .load import read_listed
+from .load import check_shard_header, read_listed, read_shard_header
+from .manifest import by_file as manifest_by_file
 from .manifest import validate_manifest
 from .sharded import INDEX_FILE, part_name, sharding_name
 
@@ -118,6 +119,7 @@ def _part_manifest(fs: Any, path: str, index: dict, r: int, verify: bool) -> tup
     (with ``verify``) checked against the index's checksum."""
     part = index["parts"][r]
     root = os.path.join(path, part["name"])
+    require_directory(root)  # never a link to a directory outside the checkpoint
     manifest_path = os.path.join(root, storage.MANIFEST_NAME)
     entry = {"bytes": part["manifest_bytes"], "xxh3_64": part["manifest_xxh3_64"]}
     raw = _read_listed(fs, manifest_path, entry, verify)
@@ -266,8 +268,10 @@ class GoCkptStorageReader(StorageReader):
 
 def _check_files(root: str, manifest: dict, verify: bool) -> None:
     """Every file of a part's ``manifest``: a regular file (no symlink, FIFO or device) of the
-    recorded size, and with ``verify`` of the recorded xxh3-64 checksum, read from the
-    descriptor that was checked and never past the recorded size."""
+    recorded size, a shard's header equal to the manifest's index of it (so safetensors never
+    parses a header the manifest does not describe), and with ``verify`` the recorded xxh3-64
+    checksum, read from the descriptor that was checked and never past the recorded size."""
+    index = manifest_by_file(manifest)
     for name, entry in manifest["files"].items():
         file_path = os.path.join(root, name)
         try:
@@ -276,6 +280,8 @@ def _check_files(root: str, manifest: dict, verify: bool) -> None:
             raise CheckpointCorruptError(f"{file_path}: file listed in the manifest is missing",
                                          path=file_path) from None
         with os.fdopen(fd, "rb") as f:
+            if name in index:
+                check_shard_header(file_path, read_shard_header(fd, size), size, index[name])
             if not verify:
                 continue
             h, left = xxhash.xxh3_64(), size
@@ -335,6 +341,7 @@ def load_parts(path: str, *, verify: bool = True, allow_pickle: bool = False) ->
     out = []
     for r, part in enumerate(index["parts"]):
         root = os.path.join(path, part["name"])  # a checked name: rank-<r>
+        require_directory(root)
         if verify:
             _part_manifest(fs, path, index, r, verify)
         out.append(load_checkpoint(root, verify=verify, allow_pickle=allow_pickle))

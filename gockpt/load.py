@@ -28,6 +28,7 @@ from fsspec import AbstractFileSystem
 from gockpt import fsutil, storage
 from gockpt.errors import CheckpointCorruptError, CheckpointError
 from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header
+from gockpt.manifest import by_file as manifest_by_file
 
 #: Local tensors smaller than this (bytes) are copied out of the shard mapping.
 OWN_STORAGE_BYTES = 64 << 10
@@ -122,9 +123,7 @@ def _read(path: str, fs: AbstractFileSystem, root: str, verify: bool, allow_pick
                          "files): load it with that framework's loader (Accelerate: "
                          "Accelerator.load_state), or `gockpt convert` it")
 
-    by_file: dict[str, dict[str, dict]] = {}
-    for key, entry in manifest["tensors"].items():
-        by_file.setdefault(entry["file"], {})[key] = entry
+    by_file = manifest_by_file(manifest)
     local = storage.is_local(fs)
     tensors: dict[str, torch.Tensor] = {}
     for name, file_entry in manifest["files"].items():
@@ -188,17 +187,45 @@ def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: boo
 
 
 def _decode(file_path: str, data: memoryview | bytes, index: dict[str, dict]) -> int:
-    """Decode the header and check it equals the manifest's index of this file.
-
-    Returns:
-        Offset of the data section in bytes.
-    """
+    """Decode the header of a whole shard's bytes and check it against the manifest's index
+    (:func:`check_shard_header`). Returns the offset of the data section in bytes."""
     prefix = bytes(data[:8])
     if len(prefix) == 8:
         length = int.from_bytes(prefix, "little")
         # Bounded by the file itself (already size-checked against the manifest).
         prefix = bytes(data[: 8 + min(length, MAX_HEADER_BYTES, len(data))])
-    header, data_start = decode_header(prefix, len(data), file_path)
+    return check_shard_header(file_path, prefix, len(data), index)
+
+
+def read_shard_header(fd: int, size: int) -> bytes:
+    """The first bytes of a local shard of ``size`` bytes open at ``fd``: its 8-byte length
+    and its header, at most :data:`gockpt.format.MAX_HEADER_BYTES` of it (two ``pread``)."""
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) == 8:
+        length = int.from_bytes(prefix, "little")
+        prefix = os.pread(fd, 8 + min(length, MAX_HEADER_BYTES, size), 0)
+    return prefix
+
+
+def check_shard_header(file_path: str, prefix: bytes, size: int, index: dict[str, dict]) -> int:
+    """Decode a shard's safetensors header and check it equals the manifest's index of that file.
+
+    Args:
+        file_path: the shard, for messages.
+        prefix: the file's first bytes: its 8-byte header length and the header.
+        size: the file's size in bytes.
+        index: the manifest's tensors of this file, by their key in the header
+            (:func:`gockpt.manifest.by_file`).
+
+    Returns:
+        Offset of the data section in bytes.
+
+    Raises:
+        CheckpointCorruptError: a header that does not decode, overruns the file or is over
+            :data:`gockpt.format.MAX_HEADER_BYTES`, or lists other tensors, dtypes, shapes or
+            offsets than the index (names the file and the key).
+    """
+    header, data_start = decode_header(prefix, size, file_path)
     unknown = sorted(header.keys() - index.keys())
     if unknown:
         raise CheckpointCorruptError(

@@ -8,6 +8,9 @@ maps alias keys of tied tensors to their stored key, and carries the engine's me
     {"format": "gockpt", "format_version": 1,
      "files": {name: {"bytes": int, "xxh3_64": "16 hex digits"}},
      "tensors": {key: {"file": name, "dtype": "F32", "shape": [..], "data_offsets": [b, e]}},
+     (an entry also has "key", its name in the file's header, where a writer's files share key
+      names, e.g. Accelerate's ``model.safetensors`` and ``model_1.safetensors``: the index key
+      is then ``"<file>/<key>"``; see :func:`by_file`)
      "aliases": {alias_key: stored_key},
      "extra_file": name,
      "meta": {...}}
@@ -32,6 +35,15 @@ from gockpt.format import (
 )
 
 _HEX64_RE = re.compile(r"^[0-9a-f]{16}$")
+
+#: ``meta.writer`` of one rank's part of a sharded checkpoint (:mod:`gockpt.sharded`): complete
+#: as a directory, but only that rank's share of the state, never a checkpoint on its own.
+PART_WRITER = "_PartWriter"
+
+
+def is_part(manifest: dict) -> bool:
+    """Whether a validated manifest is one rank's part of a sharded checkpoint."""
+    return manifest["meta"].get("writer") == PART_WRITER
 
 
 def check_name(name: Any, path: str) -> str:
@@ -83,12 +95,19 @@ def build_manifest(
     tensors: dict[str, dict] = {}
     for shard in shards:
         for key, entry in encoded_entries(shard.header).items():  # this save's own headers
-            tensors[key] = {
+            record = {
                 "file": shard.file,
                 "dtype": entry["dtype"],
                 "shape": list(entry["shape"]),
                 "data_offsets": list(entry["data_offsets"]),
             }
+            index_key = key
+            if index_key in tensors:  # a key name another file of this writer uses too
+                index_key, record["key"] = f"{shard.file}/{key}", key
+                if index_key in tensors:
+                    raise ValueError(f"tensor key {key!r} of {shard.file!r} cannot be indexed: "
+                                     f"{index_key!r} is taken")
+            tensors[index_key] = record
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -100,6 +119,15 @@ def build_manifest(
         "extra_file": extra_file,
         "meta": meta,
     }
+
+
+def by_file(manifest: dict) -> dict[str, dict[str, dict]]:
+    """The tensor index of a validated manifest grouped by file: file name -> {the tensor's
+    key in that file's header -> its index entry}."""
+    out: dict[str, dict[str, dict]] = {}
+    for key, entry in manifest["tensors"].items():
+        out.setdefault(entry["file"], {})[entry.get("key", key)] = entry
+    return out
 
 
 def _brief(value: Any, limit: int = 200) -> str:
@@ -175,6 +203,9 @@ def validate_manifest(obj: Any, path: str) -> dict:
         file = check_name(entry.get("file"), path)
         if file not in files or file == extra_file:
             raise bad(f"tensor {key!r}: file {file!r} is not a listed shard")
+        if "key" in entry and not (isinstance(entry["key"], str) and entry["key"]):
+            raise bad(f"tensor {key!r} in {file!r}: its header key {_brief(entry['key'])} is "
+                      "not a non-empty string")
         dtype = entry.get("dtype")
         if not isinstance(dtype, str) or dtype not in CODE_TO_DTYPE:
             raise bad(f"tensor {key!r} in {file!r}: unknown dtype {entry.get('dtype')!r}")

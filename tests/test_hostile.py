@@ -205,6 +205,7 @@ WRONG_TYPES = {
     "alias target is a dict": (("aliases", "tied"), {"x": 1}, "'tied'"),
     "captured_step is a string": (("meta", "captured_step"), "1", "captured_step"),
     "files is a list": (("files",), [], "'files'"),
+    "header key is a number": (("tensors", first_tensor, "key"), 3, "header key"),
 }
 
 
@@ -464,6 +465,73 @@ def test_a_sharding_file_not_matching_the_global_manifest_is_refused(sharded):
     name = "rank-00000.sharding.json"
     (sharded / name).write_bytes((sharded / name).read_bytes() + b" " * 64)
     corrupt_error(lambda: load_full(str(sharded)), name, "manifest says")
+
+
+def test_a_part_directory_linked_out_of_the_checkpoint_is_refused(sharded, tmp_path):
+    """``rank-00000`` a symlink to an intact copy elsewhere: the files it holds would pass
+    every check, but a checkpoint reads only what is inside it."""
+    from gockpt import cli
+    from gockpt.audit import describe_checkpoint, verify_checkpoint
+    from gockpt.dcp import load_full, load_parts
+
+    outside = tmp_path / "outside"
+    (sharded / "rank-00000").rename(outside)
+    (sharded / "rank-00000").symlink_to(outside, target_is_directory=True)
+    for read in (lambda: load_full(str(sharded)), lambda: load_parts(str(sharded), verify=False),
+                 lambda: describe_checkpoint(str(sharded))):
+        corrupt_error(read, "rank-00000", "symbolic link")
+    problems = verify_checkpoint(str(sharded))
+    assert problems and "symbolic link" in problems[0].message, problems
+    assert cli.main(["convert", str(sharded), str(tmp_path / "hf"), "--to", "hf"]) == 1
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_part_shard_with_a_crafted_header_is_refused_before_safetensors_reads_it(sharded, tmp_path):
+    """A header length past the file, with the checksums in both manifests recomputed to match:
+    reading the sharded checkpoint fails naming the shard, never with safetensors' own error."""
+    import xxhash
+
+    from gockpt import cli
+    from gockpt.dcp import load_full
+
+    shard = _part_shard(sharded)
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", 1 << 62)
+    shard.write_bytes(bytes(data))
+    part = sharded / "rank-00000"
+    manifest = json.loads((part / "manifest.json").read_text())
+    manifest["files"][shard.name]["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(data))
+    (part / "manifest.json").write_text(json.dumps(manifest))
+    text = (part / "manifest.json").read_bytes()
+    index = json.loads((sharded / "sharded.json").read_text())
+    index["parts"][0].update(manifest_bytes=len(text), manifest_xxh3_64=xxhash.xxh3_64_hexdigest(text))
+    (sharded / "sharded.json").write_text(json.dumps(index))
+    _relist(sharded, "sharded.json")
+    corrupt_error(lambda: load_full(str(sharded)), shard.name, "overruns")
+    for to in ("hf", "dcp"):
+        assert cli.main(["convert", str(sharded), str(tmp_path / to), "--to", to]) == 1
+        assert not (tmp_path / to).exists()
+
+
+def test_a_sharded_checkpoint_cut_short_before_its_commit_is_no_checkpoint(sharded, tmp_path):
+    """Each part is a complete directory of its own, but only a rank's share: neither a scan
+    for the newest checkpoint nor the CLI may take one for the whole checkpoint."""
+    from gockpt import cli
+    from gockpt.convert import open_source
+
+    (sharded / "manifest.json").unlink()  # the commit never happened
+    assert latest_checkpoint(str(sharded)) is None
+    assert not is_complete(str(sharded))
+    out = tmp_path / "hf"
+    for argv in (["verify", str(sharded)], ["convert", str(sharded), str(out), "--to", "hf"]):
+        assert cli.main(argv) == 1, argv
+    assert not out.exists()
+    part = sharded / "rank-00000"
+    assert is_complete(str(part))  # a part is complete in itself ...
+    with pytest.raises(ValueError, match="one rank's part of a sharded checkpoint"):
+        open_source(str(part))  # ... but never converted as if it were the model
+    assert cli.main(["convert", str(part), str(out), "--to", "hf"]) == 1
+    assert not out.exists()
 
 
 # --- Accelerate folders: every file read bounded, regular files only -------------------------

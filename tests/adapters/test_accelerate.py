@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import accelerate_gockpt
 import gockpt
 from accelerate_gockpt import GoCkptPlugin, attach
-from gockpt.audit import verify_checkpoint
+from gockpt.audit import describe_checkpoint, verify_checkpoint
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
@@ -166,7 +166,10 @@ def test_loop_without_accumulate_resumes_exactly(tmp_path, reference):
         _assert_resumes_exactly(tmp_path / "run" / "checkpoints" / name, live, accumulate=False)
 
 
-def test_two_models_and_optimizers_are_saved_as_accelerate_does(tmp_path):
+@pytest.mark.parametrize("same_keys", [False, True], ids=["distinct-keys", "same-keys"])
+def test_two_models_and_optimizers_are_saved_as_accelerate_does(tmp_path, same_keys):
+    """Also with two models whose state_dict keys coincide (``0.weight`` in both files): the
+    folder verifies, and GoCkpt's own load_state reads it as stock's does."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
@@ -177,7 +180,9 @@ def test_two_models_and_optimizers_are_saved_as_accelerate_does(tmp_path):
         acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
             project_dir=str(tmp_path), automatic_checkpoint_naming=True))
         torch.manual_seed(seed)
-        gen, disc = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 1))
+        gen = (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+               if same_keys else torch.nn.Linear(4, 4))
+        disc = torch.nn.Sequential(torch.nn.Linear(4, 1))
         og, od = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
         return (acc, *acc.prepare(gen, disc, og, od))
 
@@ -201,12 +206,19 @@ def test_two_models_and_optimizers_are_saved_as_accelerate_does(tmp_path):
         step(*objs, i)
     ckpt.close()
     assert {"model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin"} <= set(os.listdir(path))
-    acc2, *objs2 = make(1)
-    acc2.load_state(str(path))
-    for got, w in zip(objs2[:2], want, strict=True):
-        assert child.differences(dict(got.state_dict()), w) == []
-    for got, w in zip(objs2[2:], want_opt, strict=True):
-        assert torch.equal(got.state_dict()["state"][0]["exp_avg"], w)
+    assert verify_checkpoint(str(path)) == []
+    # Every tensor of both files is in the manifest's index, so each file's header is checked.
+    assert len(describe_checkpoint(str(path))["tensors"]) == sum(len(w) for w in want)
+    for attached in (False, True):
+        acc2, *objs2 = make(1)
+        ckpt2 = attach(acc2, GoCkptPlugin(mode="sync")) if attached else None
+        acc2.load_state(str(path))
+        for got, w in zip(objs2[:2], want, strict=True):
+            assert child.differences(dict(got.state_dict()), w) == []
+        for got, w in zip(objs2[2:], want_opt, strict=True):
+            assert torch.equal(got.state_dict()["state"][0]["exp_avg"], w)
+        if ckpt2 is not None:
+            ckpt2.close()
 
 
 def test_gradscaler_overflow_step_is_not_replayed(tmp_path, reference):
@@ -987,7 +999,7 @@ def test_an_explicit_attach_replaces_the_automatic_one(tmp_path):
 import torch
 from accelerate import Accelerator
 from accelerate_gockpt import GoCkptPlugin, attach
-from gockpt.audit import verify_checkpoint
+from gockpt.audit import describe_checkpoint, verify_checkpoint
 from accelerate_gockpt.run import install
 install()
 acc = Accelerator(cpu=True)
