@@ -18,6 +18,11 @@ from fsspec.implementations.local import LocalFileSystem
 from gockpt.errors import CheckpointCorruptError
 
 
+class ReplacedWhileOpenedError(CheckpointCorruptError):
+    """The path named another file after the open than before it: replaced meanwhile (by a
+    publish of a save of the same path, or by someone else)."""
+
+
 def open_regular(path: str) -> int:
     """Open a local file for reading only if it is a regular file and not a symlink.
 
@@ -44,7 +49,7 @@ def open_regular(path: str) -> int:
     after = os.fstat(fd)
     if not (stat.S_ISREG(after.st_mode) and os.path.samestat(before, after)):
         os.close(fd)
-        raise CheckpointCorruptError(f"{path}: replaced while being opened")
+        raise ReplacedWhileOpenedError(f"{path}: replaced while being opened")
     return fd
 
 

@@ -355,11 +355,15 @@ class Windows:
         """The closure given to an optimizer step returned, right before its update: writes made
         after the window end (hooks the closure calls after the engine's: Lightning runs the
         module's and later callbacks' ``on_before_optimizer_step`` after GoCkpt's) are noted as
-        at a window end, where the update's re-base would otherwise hide them."""
+        at a window end, where the update's re-base would otherwise hide them. A save those
+        hooks requested (a ``save_checkpoint`` in ``on_before_optimizer_step`` or in gradient
+        clipping) opened a window after the window end: it ends here, before the update."""
         self._note_edits()
         for s in self.saves:
             if s.watch is not None and not s.captured:
                 s.watch.check()
+        if any(s.phase is Phase.COPYING for s in self.saves):
+            self._end_windows(self.boundary_version, perf_counter())
 
     def _updated_params(self) -> list[torch.Tensor]:
         """The parameters of the optimizers that applied an update (those edits count for)."""
@@ -399,7 +403,10 @@ class Windows:
         if self._t_update_end is not None:
             self._recent_windows.append(now - self._t_update_end)
             self.window_s = window_forecast(self._recent_windows, self._window_quantile)
-        t_fence = perf_counter()  # the window end of every save: their margins count from it
+        self._end_windows(version, perf_counter())  # the window end of every save: margins count from it
+
+    def _end_windows(self, version: int, t_fence: float) -> None:
+        """End the copy window of each save copying one (waits for its copies), at ``t_fence``."""
         for s in list(self.saves):
             if s.phase is not Phase.COPYING:
                 continue
@@ -417,10 +424,11 @@ class Windows:
             self._note_window(s, t_fence)
             if not s.captured and s.target == version:
                 if not self._fallback_warned and s.num_blocks > 1:
-                    # stacklevel: this, Engine.before_update (or the step pre-hook), its caller.
+                    # stacklevel: this, window_end, Engine.before_update (or the step pre-hook),
+                    # its caller.
                     warnings.warn("gockpt: non-tensor state taken at the next update's window end; "
                                   "call engine.step_end() after each step for the exact boundary",
-                                  stacklevel=3)
+                                  stacklevel=4)
                     self._fallback_warned = True
                 if not self._try_capture(s, version):
                     continue

@@ -341,6 +341,9 @@ _GOCKPT_FORMAT = re.compile(rb'"format"\s*:\s*"gockpt')
 _MAX_MANIFEST_PROBE = 64 << 20
 
 
+_CHECK_ATTEMPTS = 20
+
+
 def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None) -> None:
     """Refuse to replace the local entry ``root`` unless it is a checkpoint's or nothing's.
 
@@ -361,14 +364,24 @@ def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None)
             those entries.
         OSError: ``root`` or its entries cannot be read.
     """
-    try:
-        if not stat.S_ISDIR(os.lstat(root).st_mode):
-            return
-    except FileNotFoundError:
-        return
-    foreign = sorted(n for n in os.listdir(root) if not GOCKPT_NAMES.fullmatch(n)
-                     and not (framework_names is not None and framework_names.fullmatch(n)))
-    if not foreign and not _foreign_manifest(os.path.join(root, MANIFEST_NAME)):
+    # A save of the same path still publishing (``last.ckpt`` saved at every step) swaps a new
+    # directory in while this looks: the look counts only if ``root`` is the same directory
+    # before and after it, else it is taken again.
+    for attempt in range(_CHECK_ATTEMPTS + 1):
+        last = attempt == _CHECK_ATTEMPTS  # swapped at every look: the last one decides
+        try:
+            before = os.lstat(root)
+            if not stat.S_ISDIR(before.st_mode):
+                return
+            foreign = sorted(n for n in os.listdir(root) if not GOCKPT_NAMES.fullmatch(n)
+                             and not (framework_names is not None and framework_names.fullmatch(n)))
+            foreign_manifest = not foreign and _foreign_manifest(os.path.join(root, MANIFEST_NAME))
+            if last or (foreign_manifest is not None and os.path.samestat(before, os.lstat(root))):
+                break
+        except FileNotFoundError:  # moved aside by a publish without an atomic exchange
+            if last:
+                return
+    if not foreign and foreign_manifest is False:
         return
     what = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "") or \
         f"a {MANIFEST_NAME} of another format"
@@ -378,17 +391,19 @@ def check_replaceable(root: str, framework_names: re.Pattern[str] | None = None)
         "first", root)
 
 
-def _foreign_manifest(path: str) -> bool:
+def _foreign_manifest(path: str) -> bool | None:
     """Whether ``path`` exists and is not a manifest of GoCkpt's: a regular file (read as
     untrusted: :func:`gockpt._safe_read.open_local_regular`), at most 64 MiB, naming the
     ``gockpt`` format. Only its first 4 KiB are read where the format is named there (GoCkpt's
-    manifests name it first)."""
-    from gockpt._safe_read import open_local_regular
+    manifests name it first). None: replaced while it was being opened (look again)."""
+    from gockpt._safe_read import ReplacedWhileOpenedError, open_local_regular
 
     try:
         fd, size = open_local_regular(path)
     except FileNotFoundError:
         return False
+    except ReplacedWhileOpenedError:
+        return None
     except (OSError, CheckpointError):  # a symlink, a FIFO, unreadable: not ours
         return True
     with os.fdopen(fd, "rb") as f:
@@ -515,15 +530,18 @@ def remove_local_checkpoint(root: str, discard: Callable[[str], None] | None = N
     Raises:
         OSError: a rename, unlink, fsync or deletion failed.
     """
-    if os.path.islink(root) or (os.path.lexists(root) and not os.path.isdir(root)):
-        os.unlink(root)
-        return
-    if not os.path.isdir(root):
+    try:  # one look: the entry may go meanwhile (a placeholder's own clean-up)
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            os.unlink(root)
+            return
+    except FileNotFoundError:
         return
     parent, name = os.path.split(root)
     aside = scratch_path(parent, name)
     try:
         os.rename(root, aside)
+    except FileNotFoundError:
+        return  # removed meanwhile (an empty placeholder its save's own clean-up took)
     except OSError:
         # Cannot rename (a mount point, ...): the manifest goes first, durably.
         try:
@@ -531,7 +549,7 @@ def remove_local_checkpoint(root: str, discard: Callable[[str], None] | None = N
             fsync_path(root)
         except FileNotFoundError:
             pass
-        shutil.rmtree(root)
+        remove_local(root)
         fsync_path(parent)
         return
     fsync_path(parent)

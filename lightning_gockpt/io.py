@@ -20,6 +20,7 @@ Outside ``fit`` (``trainer.save_checkpoint`` before or after it) the save is blo
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 import warnings
@@ -283,8 +284,16 @@ def make_placeholder(path: str, storage_options: Any) -> None:
 def remove_placeholder(path: str, storage_options: Any) -> None:
     """Remove the placeholder of ``path`` if it is still an empty directory."""
     fs, local = url_to_fs(path, storage_options)
-    if is_local(fs) and os.path.isdir(local) and not os.path.islink(local) and not os.listdir(local):
-        os.rmdir(local)
+    if not is_local(fs):
+        return
+    try:
+        if os.path.isdir(local) and not os.path.islink(local) and not os.listdir(local):
+            os.rmdir(local)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # removed meanwhile (a rotation deleting the cancelled save of this path)
+    except OSError as e:
+        if e.errno != errno.ENOTEMPTY:  # filled meanwhile: a checkpoint now, kept
+            raise
 
 
 def tidy_placeholders(directory: str, storage_options: Any) -> None:

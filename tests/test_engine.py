@@ -1104,3 +1104,50 @@ def test_an_optimizer_that_moves_weights_before_its_closure_is_not_taken_for_an_
     eng.close()
     assert [h.result().mode for h in handles] == ["lazy", "lazy"]
     assert not eng._windows.edits_between_updates
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["step", "step-with-closure"])
+@pytest.mark.parametrize("mode", ["lazy", "auto", "gockpt"])
+def test_a_save_requested_after_the_window_end_and_before_the_update_ends_its_window_first(
+        tmp_path, mode, closure):
+    """Explicit mode: ``before_update()`` ended the windows, then a save is requested before the
+    update (a framework's later hook: Lightning's ``on_before_optimizer_step``). Its first window
+    ends before the update (given a closure, when the closure returns), so the checkpoint is
+    the state of its step, not a torn copy that fails."""
+    model, opt, _, _ = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=2 if mode == "gockpt" else 1,
+                                          max_overlap_steps=2, host_buffer_bytes=1 << 20),
+                 explicit_before_update=True)
+    g = torch.Generator().manual_seed(0)
+    live, handles = {}, []
+
+    def request() -> None:
+        live[eng.version] = snapshot(model, opt)
+        handles.append(eng.save(str(tmp_path / "ck")))
+
+    for it in range(6):
+        x = torch.randn(4, 8, generator=g)
+
+        def loss_fn(x=x, it=it):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if closure and it == 2:
+                request()  # inside the closure, after the backward: as a hook the closure calls
+            return loss
+
+        if not closure:
+            loss_fn()
+        eng.before_update()
+        if not closure and it == 2:
+            request()
+        opt.step(loss_fn) if closure else opt.step()
+        eng.step_end()
+        live.setdefault(eng.version, snapshot(model, opt))
+    eng.close()
+    m = handles[0].result()
+    state = gockpt.load_checkpoint(m.path)
+    v = state.captured_step
+    assert v == m.requested_step + (1 if mode == "gockpt" else 0)
+    assert_state_equal(state.model_state_dict, live[v]["model"], f"{mode}:model@{v}")
+    assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{mode}:optim@{v}")

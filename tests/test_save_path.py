@@ -4,6 +4,7 @@ replace a directory that holds someone's files, and never take a name GoCkpt kee
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -165,3 +166,81 @@ def test_files_added_to_the_old_folder_during_the_swap_are_kept(tmp_path, caplog
     assert len(kept) == 1 and (tmp_path / kept[0] / "notes.txt").read_text() == "mine"
     assert any("kept" in r.getMessage() for r in caplog.records)
     assert sorted(os.listdir(path)) == ["a.bin", "manifest.json"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "renameat2"),
+                    reason="needs renameat2 (Linux, glibc 2.28+)")
+def test_a_checkpoint_swapped_in_while_its_path_is_checked_is_not_taken_for_someones_folder(tmp_path):
+    """``last.ckpt`` saved at every step: the request of one save checks the path while the
+    publish of the save before swaps its new directory in. That look must not read the swap as
+    a folder holding another program's ``manifest.json``."""
+    import ctypes
+    import threading
+
+    from gockpt.fsutil import check_replaceable
+
+    eng, _ = _engine(mode="sync")
+    a, b = str(tmp_path / "last.ckpt"), str(tmp_path / "other.ckpt")
+    eng.save(a).result()
+    eng.save(b).result()
+    eng.close()
+    libc = ctypes.CDLL(None, use_errno=True)
+    stop, swaps = threading.Event(), [0]
+
+    def swap():  # what a publish does (RENAME_EXCHANGE), as fast as it can
+        while not stop.is_set():
+            assert libc.renameat2(-100, a.encode(), -100, b.encode(), 2) == 0
+            swaps[0] += 1
+
+    t = threading.Thread(target=swap)
+    t.start()
+    refused = []
+    try:
+        for _ in range(3000):
+            try:
+                check_replaceable(a)
+            except FileExistsError as e:
+                refused.append(str(e))
+    finally:
+        stop.set()
+        t.join()
+    assert swaps[0] > 100
+    assert refused == [], (len(refused), refused[:1])
+    (tmp_path / "lone").mkdir()  # and a folder of another program's is still refused
+    (tmp_path / "lone" / "manifest.json").write_text('{"version": 1}')
+    with pytest.raises(FileExistsError, match="another format"):
+        check_replaceable(str(tmp_path / "lone"))
+
+
+def test_removing_a_checkpoint_that_another_thread_removes_meanwhile_is_no_error(tmp_path):
+    """A rotation deleting a cancelled save whose empty placeholder that save's own clean-up
+    removes at the same time (Lightning's top-k): the path is gone either way, which is what
+    the removal is for."""
+    import threading
+
+    from gockpt.fsutil import remove_local_checkpoint
+
+    path = str(tmp_path / "epoch=5-step=87.ckpt")
+    stop = threading.Event()
+
+    def churn():  # an empty placeholder made and removed, as fast as it goes
+        while not stop.is_set():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    errors = []
+    try:
+        for _ in range(5000):
+            try:
+                remove_local_checkpoint(path)
+            except OSError as e:
+                errors.append(e)
+    finally:
+        stop.set()
+        t.join()
+    assert errors == [], (len(errors), errors[:1])
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # nothing left aside

@@ -553,3 +553,32 @@ def test_a_save_from_the_modules_batch_end_captured_by_a_later_request_holds_one
         assert held == gockpt.load_checkpoint(str(ours), allow_pickle=True).captured_step
         assert held in (step, step + 1), held
         _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
+
+
+class _SaveBeforeOptimizerStep(pl.Callback):
+    """Saves ``bopt-<step>.ckpt`` from ``on_before_optimizer_step`` at steps 2 and 5: after
+    GoCkpt's own hook (the window end), right before the update."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step in (2, 5):
+            trainer.save_checkpoint(f"{trainer.default_root_dir}/bopt-{trainer.global_step}.ckpt")
+
+
+@pytest.mark.parametrize("mode", ["auto", "lazy", "gockpt", "gockpt_o"])
+@pytest.mark.parametrize("feature", ["plain", "batch_norm"])
+def test_a_save_from_on_before_optimizer_step_is_written_and_training_goes_on(tmp_path, mode, feature):
+    """A save requested after GoCkpt's window end and before the update (a callback's or the
+    module's on_before_optimizer_step, gradient clipping) opens its copy window there: it ends
+    before the update, as the save stock writes there, not as a torn copy that fails the run."""
+    io = GoCkptIO() if mode == "auto" else _io(mode)
+    _run(tmp_path / "g", feature, io=io, max_steps=8, callbacks=(_SaveBeforeOptimizerStep(),))
+    _run(tmp_path / "s", feature, max_steps=8, callbacks=(_SaveBeforeOptimizerStep(),),
+         ckpt_every_steps=1)
+    for step in (2, 5):
+        ours = tmp_path / "g" / f"bopt-{step}.ckpt"
+        held = GoCkptIO().load_checkpoint(str(ours))["global_step"]
+        if held == step:  # taken at the request, as stock's file
+            _same_as_stock(ours, tmp_path / "s" / f"bopt-{step}.ckpt")
+        else:  # a forced multi-step plan captures at a later step's batch end (README, Limits)
+            assert mode in ("gockpt", "gockpt_o") and held > step, (mode, held)
+            _same_as_stock(ours, tmp_path / "s" / f"step={held}.ckpt")
