@@ -162,7 +162,7 @@ class ShardedSaves:
         for h in [h for h in self._handles if h.done()]:
             self._handles.remove(h)
             try:
-                m = h.result(0)
+                m = h.outcome(0)
             except BaseException:  # noqa: BLE001 - raised on the training thread by wait()
                 continue
             self._finished.append(m)

@@ -32,7 +32,7 @@ from ._planner import ReplayBackends
 from ._record import Phase, SaveRecord, edited_after_capture
 from .config import GoCkptConfig
 from .errors import CheckpointCancelledError, CheckpointTornError
-from .handle import CheckpointMetrics
+from .handle import CheckpointMetrics, SaveHandle
 from .layout import Unit
 from .persist import (PersistRequest, PersistResult, io_threads, io_threads_cap,
                       lower_thread_priority, persist, slot_chunks)
@@ -70,7 +70,7 @@ class Pipeline:
         self._backends = backends
         self._slots = slots
         self._on_durable = on_durable
-        self._errors: list[BaseException] = []
+        self._errors: list[tuple[BaseException, SaveHandle]] = []
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._published_seq: dict[str, int] = {}
@@ -124,10 +124,13 @@ class Pipeline:
         self._replay_q.put(("finalize", s))
 
     def raise_errors(self) -> None:
-        """Raise the oldest background error not raised yet (the original exception)."""
-        if self._errors:
+        """Raise the oldest background error not raised yet (the original exception); one its
+        save's ``handle.result()`` already raised on the training thread is not raised again."""
+        while self._errors:
             with self._lock:
-                e = self._errors.pop(0)
+                e, handle = self._errors.pop(0)
+            if handle.error_raised:
+                continue
             # The original exception, with its type and cause chain: ``except CheckpointTornError``
             # and friends must work on the training thread.
             raise e
@@ -246,7 +249,7 @@ class Pipeline:
             self._release(s)
             if not s.handle.done():
                 with self._lock:
-                    self._errors.append(e)
+                    self._errors.append((e, s.handle))
                 s.handle._future.set_exception(e)
             s.phase = Phase.FAILED
 
@@ -365,8 +368,11 @@ class Pipeline:
                 # Never a torn checkpoint, never a failed run: the previous checkpoints stand.
                 log.warning("gockpt: %s", e)
             elif not isinstance(e, CheckpointCancelledError) or s.failed is not None:
+                # Told now; raised on the training thread at its next boundary (step_end, a
+                # request, wait, close), never inside an update.
+                log.error("gockpt: checkpoint %s failed: %s: %s", s.path, type(e).__name__, e)
                 with self._lock:
-                    self._errors.append(e)
+                    self._errors.append((e, s.handle))
             s.handle._future.set_exception(e)
             # After the handle: until it resolves the save still counts as one in the pipeline.
             s.phase = Phase.FAILED

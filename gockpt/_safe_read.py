@@ -58,13 +58,13 @@ def require_directory(path: str) -> None:
     is a directory there, not a symlink to one elsewhere.
 
     Raises:
-        FileNotFoundError: no such directory.
-        CheckpointCorruptError: a symlink, or anything but a directory.
+        CheckpointCorruptError: missing (the checkpoint names it), a symlink, or anything but a
+            directory.
     """
     try:
         st = os.stat(path, follow_symlinks=False)
-    except NotADirectoryError:
-        raise FileNotFoundError(errno.ENOENT, "not found", path) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointCorruptError(f"{path}: missing (the checkpoint lists it)", path=path) from None
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointCorruptError(f"{path}: {_kind(st.st_mode)}, not a directory of the checkpoint",
                                      path=path)

@@ -196,6 +196,8 @@ class Windows:
         self.boundary_version = 0
         self.marks_boundaries = False
         self._in_update: list[tuple[StateLayout, tuple[int, ...]]] | None = None
+        # The step whose window end ran and whose update has not (a request then is late).
+        self._window_ended: int | None = None
         # Buffers as they were at the first step boundary (step_end) after the latest update, or
         # in a loop without boundaries right before the first forward after it, while a save
         # requested before is still to be captured (a batch norm's running statistics move in
@@ -242,6 +244,13 @@ class Windows:
             self._capture(s, version, model_sd, just_opened=True)
         else:
             self._arm_stash(s.layout)
+            if self._in_update is not None:  # inside an optimizer step (a hook its closure calls)
+                self._in_update.append((s.layout, unit_versions(s.layout)))
+        if self._window_ended == version:
+            # Requested after this step's window end and before its update (a hook the closure
+            # calls: Lightning's on_before_optimizer_step, gradient clipping): no window end
+            # comes before that update, so this first block is copied now.
+            self._end_window(s, version, None)
         metrics.add_stall("request", max(0.0, perf_counter() - t0 - metrics.stall_s
                                          - s.flushed_others_s))
         return handle
@@ -287,6 +296,7 @@ class Windows:
     def after_update(self, opt_index: int, version: int, now: float) -> None:
         """Optimizer ``opt_index`` applied update ``version`` (its step post-hook, at ``now``)."""
         self._in_update = None
+        self._window_ended = None
         self._updates += 1
         self._rearm_stash()
         if opt_index == 0:
@@ -355,15 +365,11 @@ class Windows:
         """The closure given to an optimizer step returned, right before its update: writes made
         after the window end (hooks the closure calls after the engine's: Lightning runs the
         module's and later callbacks' ``on_before_optimizer_step`` after GoCkpt's) are noted as
-        at a window end, where the update's re-base would otherwise hide them. A save those
-        hooks requested (a ``save_checkpoint`` in ``on_before_optimizer_step`` or in gradient
-        clipping) opened a window after the window end: it ends here, before the update."""
+        at a window end, where the update's re-base would otherwise hide them."""
         self._note_edits()
         for s in self.saves:
             if s.watch is not None and not s.captured:
                 s.watch.check()
-        if any(s.phase is Phase.COPYING for s in self.saves):
-            self._end_windows(self.boundary_version, perf_counter())
 
     def _updated_params(self) -> list[torch.Tensor]:
         """The parameters of the optimizers that applied an update (those edits count for)."""
@@ -385,6 +391,7 @@ class Windows:
         if not self.marks_boundaries:
             self.marks_boundaries = True
             self._unhook_owners()  # from here on the boundaries stash, not the forwards
+        self._window_ended = None  # a step whose update never ran (GradScaler skipped it)
         self.boundary(version)
         if self._stash_keys and (self._stash is None or self._stash.updates != self._updates):
             self._stash_buffers()
@@ -403,37 +410,40 @@ class Windows:
         if self._t_update_end is not None:
             self._recent_windows.append(now - self._t_update_end)
             self.window_s = window_forecast(self._recent_windows, self._window_quantile)
-        self._end_windows(version, perf_counter())  # the window end of every save: margins count from it
-
-    def _end_windows(self, version: int, t_fence: float) -> None:
-        """End the copy window of each save copying one (waits for its copies), at ``t_fence``."""
+        self._window_ended = version
+        t_fence = perf_counter()  # the window end of every save: their margins count from it
         for s in list(self.saves):
-            if s.phase is not Phase.COPYING:
-                continue
-            t0 = perf_counter()
-            try:
-                s.tickets[s.window].fence_compute()
-                t1 = perf_counter()
-                self._check_window(s)
-            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
-                self.fail(s, e)
-                continue
-            s.phase = Phase.COPIED
-            s.metrics.add_stall("window_end", t1 - t0)
-            s.metrics.add_stall("window_check", perf_counter() - t1)
+            if s.phase is Phase.COPYING:
+                self._end_window(s, version, t_fence)
+
+    def _end_window(self, s: SaveRecord, version: int, t_fence: float | None) -> None:
+        """End ``s``'s copy window (waits for its copies); ``t_fence``: the window end its
+        margin counts from (None: not a window of the step's own, nothing learnt from it)."""
+        t0 = perf_counter()
+        try:
+            s.tickets[s.window].fence_compute()
+            t1 = perf_counter()
+            self._check_window(s)
+        except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+            self.fail(s, e)
+            return
+        s.phase = Phase.COPIED
+        s.metrics.add_stall("window_end", t1 - t0)
+        s.metrics.add_stall("window_check", perf_counter() - t1)
+        if t_fence is not None:
             self._note_window(s, t_fence)
-            if not s.captured and s.target == version:
-                if not self._fallback_warned and s.num_blocks > 1:
-                    # stacklevel: this, window_end, Engine.before_update (or the step pre-hook),
-                    # its caller.
-                    warnings.warn("gockpt: non-tensor state taken at the next update's window end; "
-                                  "call engine.step_end() after each step for the exact boundary",
-                                  stacklevel=4)
-                    self._fallback_warned = True
-                if not self._try_capture(s, version):
-                    continue
-            if s.window == s.num_blocks - 1:
-                self.finalize(s)
+        if not s.captured and s.target == version:
+            if not self._fallback_warned and s.num_blocks > 1:
+                # stacklevel: this, window_end, Engine.before_update (or the step pre-hook),
+                # its caller.
+                warnings.warn("gockpt: non-tensor state taken at the next update's window end; "
+                              "call engine.step_end() after each step for the exact boundary",
+                              stacklevel=4)
+                self._fallback_warned = True
+            if not self._try_capture(s, version):
+                return
+        if s.window == s.num_blocks - 1:
+            self.finalize(s)
 
     def update_started(self, version: int) -> None:
         """An optimizer's pre-hook: until its post-hook, a flush that finds a tensor of a save
@@ -441,7 +451,7 @@ class Windows:
         self.boundary_version = version  # right before an update: the state of ``version``
         layouts = {id(s.layout): s.layout for s in self.saves if not s.captured}
         # The optimizers' tensors only: a forward inside the step (a closure) moves buffers.
-        self._in_update = [(layout, unit_versions(layout)) for layout in layouts.values()] or None
+        self._in_update = [(layout, unit_versions(layout)) for layout in layouts.values()]
 
     def _not_one_step(self, version: int, at_end: bool) -> str | None:
         """Why the live state at ``version`` is not one step's (None: it is): the run stopped

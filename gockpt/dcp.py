@@ -214,7 +214,7 @@ class GoCkptStorageReader(StorageReader):
                 if info["replica"] != 0:
                     continue  # the same chunk is read from the part that holds replica 0
                 entry = manifest["tensors"][key]
-                stored = _Stored(os.path.join(root, entry["file"]), key)
+                stored = _Stored(os.path.join(root, entry["file"]), entry.get("key", key))
                 names = [info["fqn"]] + [a for a, t in sharding["aliases"].items() if t == info["fqn"]]
                 for fqn in names:
                     tmd = md.get(fqn)

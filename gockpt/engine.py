@@ -314,19 +314,22 @@ class Engine:
         """Mark a step boundary (after the optimizer and scheduler steps).
 
         Checkpoints whose captured step is the current step take their non-tensor state here.
+
+        Raises:
+            A background error of an earlier checkpoint (after this boundary's captures): a
+            boundary, not an optimizer update, is where the engine raises them, so no update is
+            skipped by one.
         """
-        self._pipeline.raise_errors()
         self._windows.step_end(self.version)
+        self._pipeline.raise_errors()
 
     def before_update(self) -> None:
         """End the copy window: called right before an optimizer update (explicit mode).
 
-        Waits for the block copied in this window (counted as stall).
-
-        Raises:
-            A background error of an earlier checkpoint.
+        Waits for the block copied in this window (counted as stall). Raises no background
+        error: an exception here would skip the update (they are raised at ``step_end``, the
+        next request, ``wait`` and ``close``).
         """
-        self._pipeline.raise_errors()
         self._windows.window_end(self.version)
 
     def flush(self) -> None:
@@ -374,7 +377,7 @@ class Engine:
         for s in list(self._all):
             left = None if deadline is None else max(0.0, deadline - perf_counter())
             try:
-                out.append(s.handle.result(left))
+                out.append(s.handle.outcome(left))
             except BaseException:  # noqa: BLE001 - failures are raised once, below
                 if not s.handle.done():  # this wait's own deadline, not the save's failure
                     raise
@@ -396,7 +399,7 @@ class Engine:
             self._windows.cancel(s)
         for s in [s for s in self._all if s.path == key]:
             try:
-                s.handle.result()
+                s.handle.outcome()
             except BaseException:  # noqa: BLE001 - the save was cancelled on purpose
                 pass
         self._all = [s for s in self._all if not (s.path == key and s.handle.done())]
@@ -472,7 +475,8 @@ class Engine:
         self._windows.flush(self.version, at_end=at_end)
 
     def _on_pre_hook(self, _i: int) -> None:
-        self._pipeline.raise_errors()
+        # No background error is raised here: it would skip this optimizer's update while the
+        # others apply theirs (step_end, the next save, wait and close raise them).
         self._windows.update_started(self.version)
         self._windows.release_guards(wait=False)
         if not self.explicit_before_update:

@@ -28,6 +28,7 @@ __all__ = [
     "DTYPE_TO_CODE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READ_FORMAT_VERSIONS",
     "MAX_HEADER_BYTES",
     "MAX_DIM",
     "MAX_JSON_DEPTH",
@@ -46,7 +47,11 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gockpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest manifest format this code writes and reads. Version 2 adds a tensor entry's
+``"key"`` (its name in the file's header, where a writer's files share key names); a manifest
+that needs none is still written as version 1, which older readers read."""
+READ_FORMAT_VERSIONS = (1, 2)
 
 DTYPE_TO_CODE: dict[torch.dtype, str] = {
     torch.float64: "F64",

@@ -168,6 +168,9 @@ class SaveHandle:
         self._future: Future[CheckpointMetrics] = Future()
         self._owner = threading.get_ident()
         self._flush: Callable[[], None] | None = None
+        # The save's error was raised to the training thread by result(): the engine does not
+        # raise it again at its next boundary.
+        self.error_raised = False
 
     @property
     def requested_step(self) -> int:
@@ -203,8 +206,20 @@ class SaveHandle:
 
         Raises:
             TimeoutError: not done within ``timeout_s`` seconds.
-            The save's error (``CheckpointCancelledError`` when removed in flight).
+            The save's error (``CheckpointCancelledError`` when removed in flight). Raised here
+            on the training thread, the engine does not raise it again at its next boundary.
         """
+        try:
+            return self.outcome(timeout_s)
+        except BaseException:
+            if self._future.done() and threading.get_ident() == self._owner:
+                self.error_raised = True
+            raise
+
+    def outcome(self, timeout_s: float | None = None) -> CheckpointMetrics:
+        """As :meth:`result`, for code that looks at how the save ended (a framework adapter
+        logging its metrics): an error raised here is still raised by the engine at its next
+        boundary."""
         if not self._future.done() and self._flush is not None \
                 and threading.get_ident() == self._owner:
             # Waiting on the training thread for a save still in its copy windows would wait

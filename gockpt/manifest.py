@@ -5,7 +5,7 @@ complete (GoCkpt §4.4.3: metadata written after the tensors). It lists every fi
 and xxh3-64 checksum, indexes every tensor (file, safetensors dtype code, shape, data offsets),
 maps alias keys of tied tensors to their stored key, and carries the engine's metadata::
 
-    {"format": "gockpt", "format_version": 1,
+    {"format": "gockpt", "format_version": 1,   (2 where an entry has "key", see below)
      "files": {name: {"bytes": int, "xxh3_64": "16 hex digits"}},
      "tensors": {key: {"file": name, "dtype": "F32", "shape": [..], "data_offsets": [b, e]}},
      (an entry also has "key", its name in the file's header, where a writer's files share key
@@ -27,6 +27,7 @@ from gockpt.format import (
     CODE_TO_DTYPE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    READ_FORMAT_VERSIONS,
     MAX_NDIM,
     ShardLayout,
     encoded_entries,
@@ -108,9 +109,11 @@ def build_manifest(
                     raise ValueError(f"tensor key {key!r} of {shard.file!r} cannot be indexed: "
                                      f"{index_key!r} is taken")
             tensors[index_key] = record
+    keyed = any("key" in t for t in tensors.values())
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        # Version 1 where no entry needs a header key: older readers read those.
+        "format_version": FORMAT_VERSION if keyed else 1,
         "files": {
             name: {"bytes": f["bytes"], "xxh3_64": f["xxh3_64"]} for name, f in files.items()
         },
@@ -162,8 +165,9 @@ def validate_manifest(obj: Any, path: str) -> dict:
     if obj.get("format") != FORMAT_NAME:
         raise bad(f"not a GoCkpt manifest (format {obj.get('format')!r})")
     version = obj.get("format_version")
-    if version != FORMAT_VERSION or not is_int(version):
-        raise bad(f"format version {version!r}; this reader reads version {FORMAT_VERSION}")
+    if not is_int(version) or version not in READ_FORMAT_VERSIONS:
+        raise bad(f"format version {version!r}; this reader reads versions "
+                  f"{', '.join(map(str, READ_FORMAT_VERSIONS))} (a newer GoCkpt wrote it?)")
     for field, kind in (("files", dict), ("tensors", dict), ("aliases", dict), ("meta", dict)):
         if not isinstance(obj.get(field), kind):
             raise bad(f"field {field!r} is missing or not an object")
@@ -195,6 +199,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
                 and is_int(sharded.get("world_size", 0))):
             raise bad(f"meta field 'sharded' is malformed: {_brief(sharded)}")
 
+    seen: dict[tuple[str, str], str] = {}  # (file, header key) -> index key
     for key, entry in obj["tensors"].items():
         if not isinstance(key, str) or not key:
             raise bad(f"tensor key {key!r} is not a non-empty string")
@@ -203,9 +208,14 @@ def validate_manifest(obj: Any, path: str) -> dict:
         file = check_name(entry.get("file"), path)
         if file not in files or file == extra_file:
             raise bad(f"tensor {key!r}: file {file!r} is not a listed shard")
-        if "key" in entry and not (isinstance(entry["key"], str) and entry["key"]):
+        if "key" in entry and not (version >= 2 and isinstance(entry["key"], str)
+                                   and key == f"{file}/{entry['key']}"):
             raise bad(f"tensor {key!r} in {file!r}: its header key {_brief(entry['key'])} is "
-                      "not a non-empty string")
+                      f"not the name after {file + '/'!r} (format version 2)")
+        header_key = (file, entry.get("key", key))
+        if header_key in seen:
+            raise bad(f"tensor {key!r} in {file!r}: indexed twice (also as {seen[header_key]!r})")
+        seen[header_key] = key
         dtype = entry.get("dtype")
         if not isinstance(dtype, str) or dtype not in CODE_TO_DTYPE:
             raise bad(f"tensor {key!r} in {file!r}: unknown dtype {entry.get('dtype')!r}")

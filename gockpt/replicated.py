@@ -211,7 +211,7 @@ class ReplicatedEngine:
         for item in [item for item in self._pending if item[1].done()]:
             self._pending.remove(item)
             try:
-                m = item[1].result(0)
+                m = item[1].outcome(0)
             except BaseException:  # noqa: BLE001 - the engine raises it on the training thread
                 continue
             self._finished.append(m)

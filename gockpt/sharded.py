@@ -217,6 +217,12 @@ class ShardedHandle:
         m = self.part.result(timeout_s)
         return m if self._commit is None else self._commit.result(timeout_s)
 
+    def outcome(self, timeout_s: float | None = None) -> CheckpointMetrics:
+        """As :meth:`result`, leaving the part's error to be raised by its engine
+        (:meth:`gockpt.SaveHandle.outcome`)."""
+        m = self.part.outcome(timeout_s)
+        return m if self._commit is None else self._commit.result(timeout_s)
+
 
 class ShardedEngine:
     """A :class:`gockpt.Engine` over this rank's local shards, committing saves with all ranks.

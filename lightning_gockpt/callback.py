@@ -500,7 +500,7 @@ class GoCkptCallback(Callback):
         for handle in done:
             if not _durable(handle):
                 continue
-            metrics = handle.result(0).log_dict()
+            metrics = handle.outcome(0).log_dict()
             for logger in trainer.loggers:
                 logger.log_metrics(metrics=metrics, step=step)
 
@@ -562,8 +562,8 @@ def _durable(handle: _Handle) -> bool:
     if not handle.done():
         return False
     try:
-        handle.result(0)
-    except BaseException:  # cancelled or failed
+        handle.outcome(0)
+    except BaseException:  # cancelled or failed: the engine raises it at its next boundary
         return False
     return not handle.skipped
 

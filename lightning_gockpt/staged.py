@@ -71,6 +71,8 @@ class StagedHandle:
         """
         return self._future.result(timeout_s)
 
+    outcome = result  # no engine raises this save's error again: nothing to tell apart
+
 
 class StagedAdapterEngine:
     """The engine interface :class:`~lightning_gockpt.GoCkptCallback` drives over a strategy's writer.

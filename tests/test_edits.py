@@ -649,3 +649,49 @@ def test_a_capture_after_the_next_forward_holds_the_buffers_of_its_step(tmp_path
     forwards = int(state.model_state_dict["1.num_batches_tracked"])  # one per step
     assert forwards == m.captured_step, f"{forwards} forwards: buffers of a later one"
     _assert_holds_live(m, live)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "gockpt"])
+def test_a_save_requested_inside_an_update_that_then_fails_midway_is_not_written_torn(tmp_path, caplog, mode):
+    # A save requested inside the optimizer's step, after the window end (a hook the closure
+    # calls: Lightning's on_before_optimizer_step), then the update raises after writing some
+    # parameters. A save captured at its request (lazy) holds the state before the update; a
+    # multi-step one, still to be captured, fails as torn and is not written.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=2 if mode == "gockpt" else 1,
+                                          max_overlap_steps=2, host_buffer_bytes=1 << 20),
+                 explicit_before_update=True)
+    before, handles = {}, []
+    with caplog.at_level(logging.WARNING, logger="gockpt"), pytest.raises(RuntimeError, match="failed midway"):
+        try:
+            for it in range(6):
+                x = torch.randn(4, 8)
+
+                def closure(it=it, x=x):
+                    opt.zero_grad()
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    eng.before_update()
+                    if it == 2:
+                        before.update(snapshot(model, opt))
+                        handles.append(eng.save(str(tmp_path / "ck")))
+                        last = list(model.parameters())[-1]
+                        last.grad = last.grad.as_subclass(_FailingGrad)
+                        _FailingGrad.armed = True
+                    return loss
+
+                try:
+                    opt.step(closure)
+                finally:
+                    _FailingGrad.armed = False
+                eng.step_end()
+        finally:
+            eng.close()
+    if mode == "lazy":
+        _assert_holds_live(handles[0].result(), {2: before})
+    else:
+        with pytest.raises(gockpt.CheckpointTornError, match="inside an optimizer update"):
+            handles[0].result()
+        assert not gockpt.is_complete(str(tmp_path / "ck"))

@@ -45,3 +45,62 @@ def test_storage_errors_pickle_with_their_fields(cls):
 def test_corrupt_error_pickles_with_its_path():
     back = pickle.loads(pickle.dumps(errors.CheckpointCorruptError("bad", path="/c")))
     assert str(back) == "bad" and back.path == "/c" and isinstance(back, ValueError)
+
+
+@pytest.mark.parametrize("read_handle", [False, True], ids=["unread", "read-by-its-handle"])
+def test_a_failed_save_is_raised_at_a_boundary_never_inside_an_update(read_handle, caplog):
+    """A save whose writes fail (EIO through a faulty fsspec filesystem), two optimizers: every
+    update still applies (an error raised inside ``optimizer.step()`` would skip one while the
+    other applies); the error is logged when it happens and raised once at the next
+    ``step_end``, after that step's updates, unless its handle's ``result()`` raised it."""
+    import logging
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import faultfs
+
+    root = faultfs.memory_root()
+    fault = faultfs.FaultMemoryFileSystem.fault = faultfs.Fault()
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b))
+    eng = gockpt.Engine(torch.nn.ModuleList([a, b]), [oa, ob], gockpt.GoCkptConfig(mode="async"))
+
+    def step() -> None:
+        (a(torch.ones(2, 4)).sum() + b(torch.ones(2, 4)).sum()).backward()
+        before = a.weight.detach().clone(), b.weight.detach().clone()
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+        assert not torch.equal(before[0], a.weight) and not torch.equal(before[1], b.weight)
+        eng.step_end()
+
+    try:
+        step()
+        fault.raise_after(OSError(errno.EIO, "injected EIO"), 0)
+        with caplog.at_level(logging.ERROR, logger="gockpt"):
+            handle = eng.save(f"{root}/ck1")
+            if read_handle:
+                with pytest.raises(errors.CheckpointStorageError):
+                    handle.result(30)
+            else:  # done() only tells it ended
+                deadline = time.monotonic() + 30
+                while not handle.done():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+        assert any("ck1 failed" in r.getMessage() for r in caplog.records)
+        fault.hook = None
+        if read_handle:
+            step()  # raised by its handle already: not again
+        else:
+            with pytest.raises(errors.CheckpointStorageError, match="ck1"):
+                step()  # its updates applied (checked inside) before step_end raised
+        step()
+    finally:
+        fault.hook = None
+        eng.close()  # nothing left to raise

@@ -422,12 +422,13 @@ def test_a_hung_object_store_fails_the_engine_save_and_training_goes_on(hung_sto
         _, error, _ = run_bounded(lambda: handle.result(timeout_s=HUNG_BOUND_S))
         assert isinstance(error, CheckpointTimeoutError), error
         assert store.path("step-2") in str(error)
-        # Raised once at the next training hook, then training goes on.
+        # Read on another thread: raised once on the training thread at the next boundary
+        # (step_end, after the step's update), then training goes on.
         with pytest.raises(CheckpointTimeoutError):
             step()
         step()
         _, error, _ = run_bounded(engine.close)
-        assert error is None or isinstance(error, CheckpointTimeoutError), error
+        assert error is None, error
     finally:
         fault.hook = fault.op_hook = None
         release.set()

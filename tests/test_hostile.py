@@ -220,6 +220,24 @@ def test_wrong_types_in_the_manifest_name_the_entry(ckpt, case):
     assert latest_checkpoint(store.root) is None
 
 
+def test_a_tensor_indexed_twice_is_refused(ckpt):
+    """Format version 2 names a header key beside an index key: two index entries for one
+    tensor of one file would leave one of them unchecked against the header."""
+    store, manifest = ckpt
+    key = first_tensor(manifest["tensors"])
+    entry = manifest["tensors"][key]
+    manifest["format_version"] = 2
+    manifest["tensors"][f"{entry['file']}/{key}"] = {**entry, "key": key}
+    put_manifest_text(store, json.dumps(manifest))
+    corrupt_error(lambda: read_checkpoint(store.path("ckpt")), "manifest.json", "indexed twice")
+
+
+def test_a_newer_format_version_is_named_as_such(ckpt):
+    store, manifest = ckpt
+    put_manifest_text(store, json.dumps({**manifest, "format_version": 3}))
+    corrupt_error(lambda: read_checkpoint(store.path("ckpt")), "manifest.json", "newer GoCkpt")
+
+
 def test_a_huge_header_length_is_refused(ckpt):
     store, manifest = ckpt
     name = shard_of(manifest)
@@ -465,6 +483,17 @@ def test_a_sharding_file_not_matching_the_global_manifest_is_refused(sharded):
     name = "rank-00000.sharding.json"
     (sharded / name).write_bytes((sharded / name).read_bytes() + b" " * 64)
     corrupt_error(lambda: load_full(str(sharded)), name, "manifest says")
+
+
+def test_a_missing_part_directory_is_a_corrupt_checkpoint(sharded):
+    """A complete index naming a part that is not there: damage, not "no checkpoint"."""
+    import shutil
+
+    from gockpt.dcp import load_full, load_parts
+
+    shutil.rmtree(sharded / "rank-00000")
+    for read in (lambda: load_full(str(sharded)), lambda: load_parts(str(sharded), verify=False)):
+        corrupt_error(read, "rank-00000", "missing")
 
 
 def test_a_part_directory_linked_out_of_the_checkpoint_is_refused(sharded, tmp_path):

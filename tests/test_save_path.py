@@ -98,8 +98,7 @@ def test_a_directory_filled_while_its_save_is_in_flight_is_left_whole(tmp_path):
         h.result()
     assert os.listdir(path) == ["notes.txt"] and (path / "notes.txt").read_text() == "mine"
     assert [n for n in os.listdir(tmp_path) if "gockpt" in n] == []  # no scratch left
-    with pytest.raises(OSError, match="is not a checkpoint"):
-        eng.close()  # the failed save's error, once more
+    eng.close()  # raised once already: not again
 
 
 def test_names_gockpt_keeps_are_refused_at_the_request(tmp_path):
