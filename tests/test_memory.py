@@ -32,10 +32,12 @@ class Run:
         self.it = 0
 
     def boundary(self) -> None:
-        self.eng.step_end()
-        if self.eng.version not in self.live:
-            self.live[self.eng.version] = snapshot(self.model, self.opt)
-            self.live[self.eng.version]["sched"] = self.sched.state_dict()
+        try:
+            self.eng.step_end()  # may raise an earlier save's error, after this boundary's captures
+        finally:
+            if self.eng.version not in self.live:
+                self.live[self.eng.version] = snapshot(self.model, self.opt)
+                self.live[self.eng.version]["sched"] = self.sched.state_dict()
 
     def train(self, n: int) -> None:
         train(self.model, self.opt, self.sched, self.scaler, self.it + n, start_iter=self.it,
