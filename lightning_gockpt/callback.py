@@ -97,7 +97,11 @@ class GoCkptCallback(Callback):
         self._finished_lock = threading.Lock()
         self._pending: list[_Handle] = []
         # Removals waiting for newer saves: (path, its directory's key, the saves it waits on).
-        self._deferred: list[tuple[str, str, list[_Handle]]] = []
+        # Deferred removals: (path, its directory key, the first request number that can
+        # release it). Every request since the oldest of them, in order (number, handle).
+        self._deferred: list[tuple[str, str, int]] = []
+        self._requests: list[tuple[int, _Handle]] = []
+        self._seq = 0
         # Each save's directory (gockpt.fsutil.path_key), taken once at its request: the
         # deferred removals compare them at every batch end.
         self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
@@ -319,6 +323,8 @@ class GoCkptCallback(Callback):
         handle.add_done_callback(lambda h: self._on_done(h, options))
         self._dir_keys[handle] = key
         self._pending = [h for h in self._pending if not h.done()] + [handle]
+        self._seq += 1
+        self._requests.append((self._seq, handle))
         return handle
 
     def remove(self, path: str) -> None:
@@ -336,19 +342,26 @@ class GoCkptCallback(Callback):
             gockpt.remove_checkpoint(path, self.io.config.storage_options)
             return
         key = path_key(path)  # the directory, however this call spells it
-        own = [h for h in self._pending if self._dir_key(h) == key and not h.done()]
+        parent = _parent(key)
+        pending = [h for h in self._pending if not h.done()]
+        own = [h for h in pending if self._dir_key(h) == key]
         if own:
             later = self._pending[self._pending.index(own[-1]) + 1:]
-            if any(h.done() and _durable(h) for h in later):
+            if any(self._releases(h, key, parent) for h in later):
                 self.engine.remove(path)
                 return
-            self._deferred.append((path, key, [h for h in self._pending if not h.done()]))
-            return
-        newer = [h for h in self._pending if not h.done()]
-        if newer:
-            self._deferred.append((path, key, newer))
+        # Released by a checkpoint of this folder requested after the first save still in
+        # flight (or after this removal): a newer checkpoint beside it (PCcheck §4.1).
+        first = min((s for s, h in self._requests if h in pending), default=self._seq + 1)
+        if any(self._dir_key(h) != key and _parent(self._dir_key(h)) == parent for h in pending) or own:
+            self._deferred.append((path, key, first))
         else:
             self.engine.remove(path)
+
+    def _releases(self, h: _Handle, key: str, parent: str) -> bool:
+        """Whether ``h`` is a durable checkpoint beside the one of ``key`` (in ``parent``)."""
+        k = self._dir_key(h)
+        return k != key and _parent(k) == parent and h.done() and _durable(h)
 
     def _close_at_exit(self) -> None:
         if self.engine is not None:
@@ -429,23 +442,27 @@ class GoCkptCallback(Callback):
             self._finished.append(handle)
 
     def _remove_deferred(self) -> None:
-        # A deferred path is removed once another checkpoint requested after the removal is
-        # durable; while one may still become durable it waits; otherwise it stays, being the
-        # newest complete checkpoint.
+        # A deferred path is removed once a checkpoint beside it (its folder), requested after
+        # the first save in flight at the removal, is durable, or once nothing else was saved
+        # there since (the removal only waited for the path's own save). While one of those
+        # may still become durable it waits; if they all failed or were cancelled it stays,
+        # being the newest complete checkpoint there.
         assert self.io is not None
         keep, ready = [], []
-        for path, key, newer in self._deferred:
-            # A save of this directory spelled otherwise is no other checkpoint.
-            others = [h for h in newer if self._dir_key(h) != key]
-            if any(_durable(h) for h in others):
+        for path, key, first in self._deferred:
+            parent = _parent(key)
+            since = [h for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
+            others = [h for h in since if self._dir_key(h) != key]
+            if any(self._releases(h, key, parent) for h in others):
                 ready.append(path)
-            elif not all(h.done() for h in newer):
-                keep.append((path, key, newer))
-            else:
-                later = [h for h in self._pending if not h.done() and self._dir_key(h) != key]
-                if later:
-                    keep.append((path, key, later))
+            elif not all(h.done() for h in since):
+                keep.append((path, key, first))
+            elif not others:
+                ready.append(path)  # only its own save was waited for: removed, as asked
+            # else: every newer save there failed or was cancelled: the path stays
         self._deferred = keep
+        oldest = min((first for _, _, first in keep), default=self._seq + 1)
+        self._requests = [(s, h) for s, h in self._requests if s >= oldest or not h.done()]
         for path in ready:
             if self.engine is not None:
                 self.engine.remove(path)
@@ -556,6 +573,11 @@ def _updates_left(trainer: Trainer, limit: int) -> int:
     if trainer.max_steps is not None and trainer.max_steps >= 0:
         count = min(count, max(0, trainer.max_steps - trainer.global_step))
     return count
+
+
+def _parent(key: str) -> str:
+    """The folder of a checkpoint's directory key (:func:`gockpt.fsutil.path_key`)."""
+    return key.rstrip("/").rpartition("/")[0]
 
 
 def _durable(handle: _Handle) -> bool:

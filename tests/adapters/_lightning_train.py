@@ -160,7 +160,7 @@ def fit(
         default_root_dir=root, max_steps=max_steps, precision=precision, accelerator="cpu",
         devices=devices, strategy=strategy, accumulate_grad_batches=accumulate,
         gradient_clip_val=clip, limit_val_batches=0, logger=logger, callbacks=cbs,
-        enable_checkpointing=ckpt_every is not None, enable_progress_bar=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in cbs), enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, plugins=[io] if io is not None else None,
         log_every_n_steps=1)
     trainer.fit(model, ckpt_path=ckpt_path, weights_only=weights_only)

@@ -794,3 +794,56 @@ def test_removing_the_newest_checkpoint_by_another_spelling_keeps_it_as_stock_wo
     assert is_complete(str(tmp_path / "d" / "x.ckpt"))
     # Requested at step 3 with K = 3: it holds step 5.
     assert GoCkptIO().load_checkpoint(str(tmp_path / "d" / "x.ckpt"))["global_step"] == 5
+
+
+@pytest.mark.parametrize("mode", ["auto", "async"])
+def test_removing_a_checkpoint_whose_save_is_in_flight_removes_it_when_nothing_else_is_saved(tmp_path, mode):
+    """``save_checkpoint(p)`` then ``remove_checkpoint(p)`` in one batch end, nothing else saved:
+    stock leaves nothing; the removal waits for p's own save and then removes it."""
+    import lightning.pytorch as pl
+
+    class SaveThenRemove(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 5:
+                p = str(tmp_path / "x.ckpt")
+                trainer.save_checkpoint(p)
+                trainer.strategy.remove_checkpoint(p)
+
+    io = GoCkptIO() if mode == "auto" else GoCkptIO(mode=mode)
+    fit(str(tmp_path / "run"), io=io, max_steps=8, callbacks=(SaveThenRemove(),))
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_a_rotation_is_released_only_by_a_newer_checkpoint_of_its_own_folder(tmp_path):
+    """Two top-1 ModelCheckpoints, folder A on slow storage (each write held 50 ms, through a
+    faulty fsspec filesystem) and folder B on plain disk: B's checkpoint becoming durable must
+    not release the removal of A's previous one while A's newer one is still being written.
+    At every batch end A holds a complete checkpoint (what a crash there would find)."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    FaultLocalFileSystem.fault = Fault(hook=lambda name, nbytes: time.sleep(0.05))
+    gaps, seen = [], []
+
+    class Look(pl.Callback):  # after both ModelCheckpoints (callbacks' order)
+        def on_train_batch_end(self, trainer, *args):
+            complete = gockpt.latest_checkpoint(str(tmp_path / "a")) is not None
+            if seen and not complete:  # A had a complete checkpoint, and has none now
+                gaps.append(trainer.global_step)
+            if complete:
+                seen.append(trainer.global_step)
+
+    a = ModelCheckpoint(dirpath=local_url(tmp_path / "a"), filename="{step}", every_n_train_steps=1, save_top_k=1)
+    b = ModelCheckpoint(dirpath=str(tmp_path / "b"), filename="{step}", every_n_train_steps=1, save_top_k=1, mode="max",
+                        save_weights_only=True)
+    try:
+        fit(str(tmp_path / "run"), io=GoCkptIO(max_inflight=4, host_buffer_bytes=1 << 26), max_steps=10,
+            callbacks=(a, b, Look()))
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert seen and gaps == []
+    assert sorted(os.listdir(tmp_path / "a")) == ["step=10.ckpt"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["step=10.ckpt"]
