@@ -443,8 +443,9 @@ class GoCkptCallback(Callback):
 
     def _remove_deferred(self) -> None:
         # A deferred path is removed once a checkpoint beside it (its folder), requested after
-        # the first save in flight at the removal, is durable, or once nothing else was saved
-        # there since (the removal only waited for the path's own save). While one of those
+        # the first save in flight at the removal, is durable, or, when nothing else was saved
+        # there since (the removal only waited for the path's own save), once the run has
+        # ended. While one of those
         # may still become durable it waits; if they all failed or were cancelled it stays,
         # being the newest complete checkpoint there.
         assert self.io is not None
@@ -458,7 +459,13 @@ class GoCkptCallback(Callback):
             elif not all(h.done() for h in since):
                 keep.append((path, key, first))
             elif not others:
-                ready.append(path)  # only its own save was waited for: removed, as asked
+                # Only its own save was awaited: the newest checkpoint of its folder, kept
+                # while the run goes on (a crash still finds it); removed, as asked, once the
+                # run has ended.
+                if self._ended or self.engine is None:
+                    ready.append(path)
+                else:
+                    keep.append((path, key, first))
             # else: every newer save there failed or was cancelled: the path stays
         self._deferred = keep
         oldest = min((first for _, _, first in keep), default=self._seq + 1)

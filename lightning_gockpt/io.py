@@ -55,9 +55,10 @@ class GoCkptIO(CheckpointIO):
     replaced, never written through. A local path is created as an empty placeholder directory at
     request time, so ``save_last="link"`` can link to a checkpoint still in flight and
     ``ckpt_path="last"`` finds the link; the placeholder has no manifest, so it is never loaded
-    as a checkpoint. Removing a checkpoint in flight cancels it and leaves no file; removing a
-    complete one waits until the checkpoints requested before it are durable, so a crash always
-    leaves a complete checkpoint. At the start of training, placeholders and scratch files of a
+    as a checkpoint. Removing a checkpoint, in flight or complete, waits until a newer checkpoint
+    of its folder is durable (a save in flight is then cancelled and leaves no file), so a crash
+    always leaves a complete checkpoint there; one that nothing newer in its folder follows is
+    removed once the run has ended. At the start of training, placeholders and scratch files of a
     run that died are cleared. ``fit`` returns once every requested checkpoint is durable.
 
     With ``log_metrics=True``, per checkpoint the loggers get ``gockpt/stall_s``,

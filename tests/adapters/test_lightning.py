@@ -775,25 +775,30 @@ def test_a_load_right_after_a_save_waits_for_it_whatever_the_path_spelling(tmp_p
     assert GoCkptIO().load_checkpoint(str(tmp_path / "d" / "x.ckpt"))["global_step"] == 7
 
 
-def test_removing_the_newest_checkpoint_by_another_spelling_keeps_it_as_stock_would_not_lose_it(tmp_path):
+def test_removing_the_newest_checkpoint_by_another_spelling_keeps_it_while_the_run_goes_on(tmp_path):
     # A removal of the only checkpoint while its save is in flight is deferred until a newer
-    # checkpoint is durable; none comes, so it stays. Spelled otherwise, the save of the same
-    # file is not "a newer checkpoint" whose durability would allow the removal.
+    # checkpoint is durable; none comes, so it stays while the run goes on (a crash finds it),
+    # and is removed once the run has ended, as stock removes it. Spelled otherwise, the save
+    # of the same file is not "a newer checkpoint" whose durability would allow the removal.
     from lightning.pytorch.callbacks import Callback
 
     (tmp_path / "d").mkdir()
     os.symlink(tmp_path / "d", tmp_path / "alias")
+    held = []
 
     class SaveThenRemove(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 2:
                 trainer.save_checkpoint(str(tmp_path / "d" / "x.ckpt"))
                 trainer.strategy.remove_checkpoint(str(tmp_path / "alias" / "x.ckpt"))
+            if batch_idx == 8:  # the last batch end: durable by now, kept
+                path = str(tmp_path / "d" / "x.ckpt")
+                held.append(GoCkptIO().load_checkpoint(path)["global_step"] if is_complete(path) else None)
 
     fit(str(tmp_path), io=gockpt_io("gockpt"), max_steps=9, callbacks=(SaveThenRemove(),))
-    assert is_complete(str(tmp_path / "d" / "x.ckpt"))
     # Requested at step 3 with K = 3: it holds step 5.
-    assert GoCkptIO().load_checkpoint(str(tmp_path / "d" / "x.ckpt"))["global_step"] == 5
+    assert held == [5]
+    assert not (tmp_path / "d" / "x.ckpt").exists()
 
 
 @pytest.mark.parametrize("mode", ["auto", "async"])
