@@ -129,7 +129,7 @@ class Pipeline:
         while self._errors:
             with self._lock:
                 e, handle = self._errors.pop(0)
-            if handle.error_raised:
+            if handle._error_raised:
                 continue
             # The original exception, with its type and cause chain: ``except CheckpointTornError``
             # and friends must work on the training thread.

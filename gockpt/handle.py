@@ -170,7 +170,7 @@ class SaveHandle:
         self._flush: Callable[[], None] | None = None
         # The save's error was raised to the training thread by result(): the engine does not
         # raise it again at its next boundary.
-        self.error_raised = False
+        self._error_raised = False
 
     @property
     def requested_step(self) -> int:
@@ -213,7 +213,7 @@ class SaveHandle:
             return self.outcome(timeout_s)
         except BaseException:
             if self._future.done() and threading.get_ident() == self._owner:
-                self.error_raised = True
+                self._error_raised = True
             raise
 
     def outcome(self, timeout_s: float | None = None) -> CheckpointMetrics:
