@@ -852,3 +852,52 @@ def test_a_rotation_is_released_only_by_a_newer_checkpoint_of_its_own_folder(tmp
     assert seen and gaps == []
     assert sorted(os.listdir(tmp_path / "a")) == ["step=10.ckpt"]
     assert sorted(os.listdir(tmp_path / "b")) == ["step=10.ckpt"]
+
+
+def test_a_removal_awaiting_a_cancelled_save_is_released_by_a_later_durable_checkpoint_of_its_folder(tmp_path):
+    """Two ModelCheckpoints in one folder: a top-1 one every step ("s-") and one keeping every
+    epoch end ("ep-", step 10). Step 10 removes s-step=9 while s-step=10 is on slow storage: the
+    removal waits for it. Step 11 removes s-step=10 once ep-step=10, requested after it, is
+    durable, which cancels s-step=10's save. ep-step=10 must then release s-step=9's removal
+    too: the folder ends as stock's does, with no checkpoint left behind for good (the removal
+    used to be dropped when the save it awaited was cancelled)."""
+    import time
+
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = tmp_path / "d"
+    d.mkdir()
+
+    def wait_until(cond, what):
+        deadline = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    def slow(op, path):  # storage slow for one checkpoint, and one held until step 11 is asked for
+        if "/.s-step=10.ckpt." in path and op == "open":
+            time.sleep(1.0)
+        if "/.ep-step=10.ckpt." in path and op == "open":
+            wait_until(lambda: (d / "s-step=11.ckpt").exists(), "the step-11 request")
+
+    class RemoveWhenEpochEndIsDurable(GoCkptIO):
+        def remove_checkpoint(self, path):
+            if path.endswith("s-step=10.ckpt"):
+                wait_until(lambda: gockpt.is_complete(str(d / "ep-step=10.ckpt")), "the epoch-end save")
+            super().remove_checkpoint(path)
+
+    def callbacks(url):
+        return (ModelCheckpoint(dirpath=url, filename="s-{step}", every_n_train_steps=1, save_top_k=1),
+                ModelCheckpoint(dirpath=url, filename="ep-{step}", every_n_epochs=1, save_top_k=-1))
+
+    fit(str(tmp_path / "stock"), max_steps=14, callbacks=callbacks(str(tmp_path / "stock")))
+    FaultLocalFileSystem.fault = Fault(op_hook=slow)
+    try:
+        fit(str(tmp_path / "run"), max_steps=14, callbacks=callbacks(local_url(d)),
+            io=RemoveWhenEpochEndIsDurable(mode="async", max_inflight=8, host_buffer_bytes=1 << 26))
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    stock = sorted(n for n in os.listdir(tmp_path / "stock") if n.endswith(".ckpt"))
+    assert stock == ["ep-step=10.ckpt", "ep-step=14.ckpt", "s-step=14.ckpt"]
+    assert sorted(os.listdir(d)) == stock
