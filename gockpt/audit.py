@@ -19,10 +19,10 @@ import xxhash
 
 from . import fsutil, storage
 from ._safe_read import open_local_regular, require_directory
-from .load import check_shard_header, framework_files
+from .load import check_shard_header, framework_files, read_shard_header
 from .manifest import by_file as manifest_by_file
 from .errors import CheckpointCorruptError
-from .format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_json, dtype_itemsize
+from .format import CODE_TO_DTYPE, decode_json, dtype_itemsize
 
 __all__ = ["Problem", "describe_checkpoint", "read_manifest", "require_intact", "verify_checkpoint"]
 
@@ -271,28 +271,20 @@ def _check_file(
         return "missing (listed in the manifest)"
     if size != entry["bytes"]:
         return f"{size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-    if not checksums:
-        if not is_shard:
-            return None
-        with fs.open(file_path, "rb") as f:  # the header only: its length, then that many bytes
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            if n <= min(MAX_HEADER_BYTES, size - 8):
-                head += f.read(n)
-    else:
-        hasher = xxhash.xxh3_64()
-        head = b""
-        with fs.open(file_path, "rb") as f:
+    if not checksums and not is_shard:
+        return None
+    with fs.open(file_path, "rb") as f:
+        if checksums:
+            hasher = xxhash.xxh3_64()
             while chunk := f.read(_READ_BYTES):
-                if len(head) < 8 + MAX_HEADER_BYTES and is_shard:
-                    head += chunk[: 8 + MAX_HEADER_BYTES - len(head)]
                 hasher.update(chunk)
                 if progress is not None:
                     progress(len(chunk))
-        if hasher.hexdigest() != entry["xxh3_64"]:
-            return f"xxh3-64 checksum {hasher.hexdigest()} does not match the manifest ({entry['xxh3_64']})"
+            if hasher.hexdigest() != entry["xxh3_64"]:
+                return f"xxh3-64 checksum {hasher.hexdigest()} does not match the manifest ({entry['xxh3_64']})"
         if not is_shard:
             return None
+        head = read_shard_header(f, size)
     try:
         check_shard_header(file_path, head, size, index)
     except ValueError as e:

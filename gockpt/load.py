@@ -18,7 +18,7 @@ import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import safetensors.torch
 import torch
@@ -189,21 +189,32 @@ def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: boo
 def _decode(file_path: str, data: memoryview | bytes, index: dict[str, dict]) -> int:
     """Decode the header of a whole shard's bytes and check it against the manifest's index
     (:func:`check_shard_header`). Returns the offset of the data section in bytes."""
-    prefix = bytes(data[:8])
-    if len(prefix) == 8:
-        length = int.from_bytes(prefix, "little")
-        # Bounded by the file itself (already size-checked against the manifest).
-        prefix = bytes(data[: 8 + min(length, MAX_HEADER_BYTES, len(data))])
-    return check_shard_header(file_path, prefix, len(data), index)
+    # Bounded by the file itself (already size-checked against the manifest).
+    return check_shard_header(file_path, read_shard_header(data, len(data)), len(data), index)
 
 
-def read_shard_header(fd: int, size: int) -> bytes:
-    """The first bytes of a local shard of ``size`` bytes open at ``fd``: its 8-byte length
-    and its header, at most :data:`gockpt.format.MAX_HEADER_BYTES` of it (two ``pread``)."""
-    prefix = os.pread(fd, 8, 0)
+def read_shard_header(src: int | BinaryIO | bytes | memoryview, size: int) -> bytes:
+    """The first bytes of a shard of ``size`` bytes: its 8-byte length and its header, at most
+    :data:`gockpt.format.MAX_HEADER_BYTES` of it and never past ``size`` (two reads from the
+    start).
+
+    Args:
+        src: a local file descriptor (read with ``pread``), a seekable binary file (an fsspec
+            file: it is left positioned after the bytes read), or the shard's bytes.
+        size: the shard's size in bytes.
+    """
+    def read(n: int) -> bytes:
+        if isinstance(src, int):
+            return os.pread(src, n, 0)
+        if isinstance(src, (bytes, memoryview)):
+            return bytes(src[:n])
+        src.seek(0)
+        return src.read(n)
+
+    prefix = read(8)
     if len(prefix) == 8:
         length = int.from_bytes(prefix, "little")
-        prefix = os.pread(fd, 8 + min(length, MAX_HEADER_BYTES, size), 0)
+        prefix = read(8 + min(length, MAX_HEADER_BYTES, size))
     return prefix
 
 

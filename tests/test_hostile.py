@@ -598,3 +598,26 @@ def test_an_undecodable_accelerate_model_names_the_file(accelerate_folder):
     (accelerate_folder / "model.safetensors").write_bytes(b"\0" * 64)
     corrupt_error(lambda: open_source(str(accelerate_folder)), "model.safetensors",
                   "not a safetensors file")
+
+
+def test_verify_without_checksums_checks_each_shard_header(ckpt):
+    # Sizes unchanged: only reading the header (locally or through fsspec) tells these apart.
+    from gockpt.audit import verify_checkpoint
+
+    store, manifest = ckpt
+    shard = next(n for n in manifest["files"] if n.endswith(".safetensors"))
+    path = store.fs_path("ckpt", shard)
+    good = store.fs.cat_file(path)
+    n = int.from_bytes(good[:8], "little")
+    at = good.index(b'"shape":[', 8, 8 + n) + len(b'"shape":[')
+    assert good[at:at + 1].isdigit()
+    reshaped = bytearray(good)
+    reshaped[at] = ord("1") if good[at:at + 1] != b"1" else ord("2")
+    overlong = bytearray(good)
+    overlong[:8] = (len(good) + 1).to_bytes(8, "little")
+    assert verify_checkpoint(store.path("ckpt"), load=False, checksums=False) == []
+    for bad, fragment in ((reshaped, "shape"), (overlong, "overruns the file")):
+        store.fs.pipe_file(path, bytes(bad))
+        problems = verify_checkpoint(store.path("ckpt"), load=False, checksums=False)
+        assert [p.file.rpartition("/")[2] for p in problems] == [shard]
+        assert fragment in problems[0].message, problems[0].message
