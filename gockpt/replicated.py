@@ -100,16 +100,26 @@ class ReplicatedEngine:
 
         Raises:
             What ``prepare`` or the engine raised on the writer, on every process (the
-            others get a ``RuntimeError`` naming it).
+            others get a ``RuntimeError`` naming it). With mode ``sync`` and several
+            processes, the save is persisted in the background and waited for after the
+            exchange; what its persist raises is raised on the writer alone, as a background
+            error of the other modes is (its metrics name mode ``async``).
         """
         handle = None
+        # A blocking save (mode "sync") would persist inside engine.save, and its publish waits
+        # for the other processes' shares, which they write only after the exchange below: it
+        # is requested as "async" (the same copy at the same step, persisted in the background)
+        # and waited for once the others have its descriptor.
+        blocking = (self.engine is not None and self._broadcast is not None
+                    and self.engine.config.mode == "sync")
         if self.engine is not None:
             seq, self._seq = self._seq, self._seq + 1
             staging = None
             try:
                 staging, writer = prepare()
                 waiting = [(q, h) for q, h in self._pending if h.captured_step is None]
-                handle = self.engine.save(path, exact_step=exact_step, writer=writer, state_fn=state_fn)
+                handle = self.engine.save(path, exact_step=exact_step, writer=writer, state_fn=state_fn,
+                                          mode="async" if blocking else None)
             except BaseException as e:  # noqa: BLE001 - every process raises it after the broadcast
                 if staging is not None:
                     shutil.rmtree(staging, ignore_errors=True)
@@ -125,6 +135,8 @@ class ReplicatedEngine:
         desc = exchange_request(desc, self._broadcast)
         if self._capture is not None:
             self._capture.follow(desc)
+        if blocking and handle is not None:
+            handle.result()  # durable (or raising) before save returns, as sync promises
         self._harvest()
         return handle
 

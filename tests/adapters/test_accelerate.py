@@ -666,7 +666,10 @@ def test_disabled_plugin_leaves_accelerate_alone(tmp_path, monkeypatch):
     assert "save_state" not in vars(run.acc)
 
 
-def test_two_processes_under_accelerate_launch(tmp_path):
+@pytest.mark.parametrize("mode", ["gockpt", "sync"])
+def test_two_processes_under_accelerate_launch(tmp_path, mode):
+    # sync: the main process's blocking save must not wait inside the request for the other
+    # process's share, which that process writes only once the request is exchanged.
     # No user accelerate config may leak in; "--multi_gpu" is how accelerate launch starts
     # several processes (torchrun), which Accelerator(cpu=True) runs on gloo.
     # Hidden GPUs: with one visible, Accelerate's barrier would name a CUDA device per rank.
@@ -676,7 +679,7 @@ def test_two_processes_under_accelerate_launch(tmp_path):
            "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(_free_port()),
-           str(_HERE / "test_accelerate_child.py"), "ddp", str(tmp_path), "gockpt"]
+           str(_HERE / "test_accelerate_child.py"), "ddp", str(tmp_path), mode]
     proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]

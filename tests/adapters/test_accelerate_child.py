@@ -191,7 +191,9 @@ def _ddp(project_dir: str, mode: str) -> None:
 
     run = build(project_dir, total_limit=2, reset=False)
     rank = run.acc.process_index
-    ckpt = attach(run.acc, GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    # A bounded wait for the other process's share: a save that can never publish fails fast.
+    ckpt = attach(run.acc, GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3,
+                                        publish_timeout_s=60))
     live: dict[int, dict] = {}
 
     def on_batch_end(r: Run) -> None:
