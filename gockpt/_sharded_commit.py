@@ -5,6 +5,7 @@ See :mod:`gockpt.sharded` for the layout and the protocol (PCcheck §4.1 across 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -103,6 +104,9 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
                 raw = f.read()
             parts.append({"name": part_name(r), "manifest_bytes": len(raw), "manifest_xxh3_64": xxh3(raw)})
             os.unlink(os.path.join(stage, f"{part_name(r)}.done"))
+            # Written before .done, read by this thread alone: a checkpoint keeps no marker.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(stage, f"{part_name(r)}.captured"))
             with open(os.path.join(stage, sharding_name(r)), "rb") as f:
                 raw = f.read()
             files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": xxh3(raw)}

@@ -336,7 +336,7 @@ def path_key(path: str | os.PathLike[str]) -> str:
 #: half-deleted or half-copied by a crash holds only these.
 GOCKPT_NAMES = re.compile(
     r"manifest\.json|shard-[0-9a-z-]+\.safetensors|state-[0-9a-f]+\.pt|sharded\.json"
-    r"|rank-\d+(\.sharding\.json|\.done|\.failed)?|gockpt\.json")
+    r"|rank-\d+(\.sharding\.json|\.done|\.failed|\.captured)?|gockpt\.json")
 _GOCKPT_FORMAT = re.compile(rb'"format"\s*:\s*"gockpt')
 _MAX_MANIFEST_PROBE = 64 << 20
 

@@ -243,3 +243,18 @@ def test_removing_a_checkpoint_that_another_thread_removes_meanwhile_is_no_error
         t.join()
     assert errors == [], (len(errors), errors[:1])
     assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # nothing left aside
+
+
+def test_a_sharded_checkpoints_part_markers_do_not_make_its_folder_someone_elses(tmp_path):
+    # Sharded checkpoints of earlier releases kept rank-<r>.captured beside their parts, and a
+    # crash before a commit leaves them: a save of that path replaces them, as stock would.
+    from gockpt.fsutil import check_replaceable
+
+    ck = tmp_path / "last.ckpt"
+    (ck / "rank-00000").mkdir(parents=True)
+    for name in ("rank-00000.captured", "rank-00001.captured", "rank-00000.sharding.json"):
+        (ck / name).write_bytes(b"")
+    check_replaceable(str(ck))
+    (ck / "rank-00001.captured.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a checkpoint"):
+        check_replaceable(str(ck))

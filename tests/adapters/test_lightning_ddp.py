@@ -209,6 +209,19 @@ def test_ddp_spawn_shares_the_write(tmp_path, monkeypatch):
     assert_bitwise_equal(last["state_dict"], {k: v.detach() for k, v in model.state_dict().items()}, "weights")
 
 
+@pytest.mark.parametrize("mode", ["auto", "gockpt_o"])
+def test_ddp_saves_last_ckpt_over_itself_at_every_step(tmp_path, monkeypatch, mode):
+    """``save_last=True`` under DDP: each save of ``last.ckpt`` replaces the one before, whose
+    folder holds both ranks' parts and markers (a GoCkpt checkpoint, not someone's folder)."""
+    monkeypatch.setenv("MASTER_PORT", str(_port()))
+    io = GoCkptIO() if mode == "auto" else _io(mode)
+    fit(str(tmp_path), io=io, max_steps=4, ckpt_every=1, save_top_k=1, save_last=True,
+        strategy="ddp_spawn", devices=2)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=4.ckpt"]
+    last = GoCkptIO().load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert last["global_step"] == 4
+
+
 def test_ddp_optimizers_sharing_a_parameter_checkpoint_as_stock(tmp_path, monkeypatch):
     """Two optimizers over the same parameters under ``ddp_spawn``: no unit layout to share
     out, so rank 0 takes each checkpoint whole at its request; it equals stock DDP's bit for bit."""
