@@ -16,6 +16,7 @@ offsets 0, read from the part of the rank that stored it. Parameter groups and t
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -206,11 +207,14 @@ class GoCkptStorageReader(StorageReader):
         fs = fsutil.url_to_fs(self.path, None)[0]
         md: dict[str, TensorStorageMetadata] = {}
         data: dict[MetadataIndex, _Stored] = {}
+        where: dict[str, str] = {}  # fqn -> the sharding file that declared it first
         for r in range(len(index["parts"])):
             root, manifest = _part_manifest(fs, self.path, index, r, self.verify)
             _check_files(root, manifest, self.verify)
             sharding = _sharding(fs, self.path, r, top, manifest)
+            file_path = os.path.join(self.path, sharding_name(r))
             for key, info in sharding["tensors"].items():
+                where.setdefault(info["fqn"], file_path)
                 if info["replica"] != 0:
                     continue  # the same chunk is read from the part that holds replica 0
                 entry = manifest["tensors"][key]
@@ -222,9 +226,16 @@ class GoCkptStorageReader(StorageReader):
                         tmd = md[fqn] = TensorStorageMetadata(
                             TensorProperties(dtype=_DTYPES[info["dtype"]]),
                             torch.Size(info["global_shape"]), [])
+                    elif (list(tmd.size), tmd.properties.dtype) != (info["global_shape"], _DTYPES[info["dtype"]]):
+                        raise CheckpointCorruptError(
+                            f"{file_path}: tensor {key!r}: {fqn} is {info['dtype']} "
+                            f"{info['global_shape']} here, {tmd.properties.dtype} {list(tmd.size)} "
+                            "in another entry", path=file_path)
                     tmd.chunks.append(ChunkStorageMetadata(torch.Size(info["offsets"]),
                                                            torch.Size(entry["shape"])))
                     data[MetadataIndex(fqn, info["offsets"])] = stored
+        for fqn in where.keys() | md.keys():  # md: aliases too
+            _check_cover(fqn, md.get(fqn), where.get(fqn, self.path))
         self.storage_data = data
         return Metadata(state_dict_metadata=md, storage_data=data)  # type: ignore[arg-type]
 
@@ -264,6 +275,40 @@ class GoCkptStorageReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)  # read synchronously above
         return fut
+
+
+def _check_cover(fqn: str, tmd: TensorStorageMetadata | None, file_path: str) -> None:
+    """The stored chunks of ``fqn`` tile its global shape: none overlaps another, and their
+    elements add up to the whole tensor (else a load would leave part of it unread: garbage
+    in a new tensor, stale values in a live one).
+
+    Raises:
+        CheckpointCorruptError: naming ``file_path``, a sharding file that declares ``fqn``.
+    """
+    def bad(msg: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{file_path}: {fqn}: {msg}", path=file_path)
+
+    if tmd is None:
+        raise bad("no part stores its first replica")
+    chunks = sorted(((tuple(c.offsets), tuple(c.sizes)) for c in tmd.chunks))
+    total = math.prod(tmd.size)
+    if sum(math.prod(n) for _, n in chunks) != total:
+        raise bad(f"the stored chunks hold {sum(math.prod(n) for _, n in chunks)} elements of "
+                  f"its {total} ({list(tmd.size)})")
+    if not tmd.size:
+        if len(chunks) != 1:
+            raise bad(f"a scalar stored {len(chunks)} times")
+        return
+    # A sweep along the first dimension: only chunks whose ranges there meet can overlap.
+    open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, n in chunks:
+        if not all(n):
+            continue  # no elements: overlaps nothing
+        open_ = [(o, m) for o, m in open_ if o[0] + m[0] > off[0]]
+        for o, m in open_:
+            if all(a < b + k and b < a + j for a, j, b, k in zip(off, n, o, m, strict=True)):
+                raise bad(f"the chunks at offsets {list(o)} and {list(off)} overlap")
+        open_.append((off, n))
 
 
 def _check_files(root: str, manifest: dict, verify: bool) -> None:

@@ -621,3 +621,35 @@ def test_verify_without_checksums_checks_each_shard_header(ckpt):
         problems = verify_checkpoint(store.path("ckpt"), load=False, checksums=False)
         assert [p.file.rpartition("/")[2] for p in problems] == [shard]
         assert fragment in problems[0].message, problems[0].message
+
+
+@pytest.mark.parametrize("edit", ["global shape larger", "replica", "overlapping chunks"])
+def test_sharded_chunks_must_tile_each_tensor(sharded, edit, tmp_path):
+    # The sharding file's checksum is recorded again: only its content is wrong. A tensor the
+    # stored chunks do not cover whole would load with unread (uninitialised) elements.
+    from gockpt.audit import verify_checkpoint
+    from gockpt.cli import main
+    from gockpt.dcp import load_full
+
+    sharding = json.loads((sharded / "rank-00000.sharding.json").read_text())
+    tensors = sharding["tensors"]
+    key = next(k for k, i in tensors.items() if i["fqn"] == "model.0.bias")
+    if edit == "global shape larger":
+        tensors[key]["global_shape"] = [64]
+        fragment = "elements"
+    elif edit == "replica":
+        tensors[key]["replica"] = 1
+        fragment = "first replica"
+    else:  # with the second layer's bias (2 elements) as a chunk of the first's: 3 + 2 of 5
+        other = next(k for k, i in tensors.items() if i["fqn"] == "model.1.bias")
+        tensors[other].update(fqn="model.0.bias", global_shape=[5], offsets=[1])
+        tensors[key]["global_shape"] = [5]
+        fragment = "overlap"
+    (sharded / "rank-00000.sharding.json").write_text(json.dumps(sharding))
+    _relist(sharded, "rank-00000.sharding.json")
+    corrupt_error(lambda: load_full(str(sharded)), "rank-00000.sharding.json", "model.0.bias", fragment)
+    problems = verify_checkpoint(str(sharded))
+    assert problems and any(fragment in p.message for p in problems), problems
+    out = tmp_path / "out"
+    assert main(["convert", str(sharded), str(out), "--to", "hf"]) != 0
+    assert not out.exists()
