@@ -116,6 +116,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         try:
             nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
             meta = {"requested_step": metrics.requested_step, "captured_step": target,
+                    "created_unix_s": time.time(),
                     "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
                     "sharded": {"world_size": world, "replicated": replicated,
                                 "parts": [p["name"] for p in parts]}}

@@ -21,6 +21,7 @@ from . import fsutil, storage
 from ._safe_read import open_local_regular, require_directory
 from .load import check_shard_header, framework_files, read_shard_header
 from .manifest import by_file as manifest_by_file
+from .manifest import is_part
 from .errors import CheckpointCorruptError
 from .format import CODE_TO_DTYPE, decode_json, dtype_itemsize
 
@@ -76,7 +77,8 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
         ``captured_step``, ``mode``, ``num_overlap_steps``, ``created_unix_s``, ``replay``
         (backend, exact, max_abs_error), ``files`` (name -> bytes), ``total_bytes``,
         ``tensors`` (key -> dtype, shape, bytes, file), ``tensor_bytes``, ``aliases``,
-        ``framework_files`` (a framework's own files, :func:`gockpt.load.framework_files`), ``meta``.
+        ``framework_files`` (a framework's own files, :func:`gockpt.load.framework_files`),
+        ``part`` (one rank's part of a sharded checkpoint, not a checkpoint of its own), ``meta``.
 
     Raises:
         FileNotFoundError, gockpt.CheckpointCorruptError: as :func:`read_manifest`.
@@ -87,6 +89,7 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
     files = {name: f["bytes"] for name, f in manifest["files"].items()}
     total = sum(files.values()) + len(json.dumps(manifest))
     replay = meta.get("replay") or {}
+    created = meta.get("created_unix_s")
     if "sharded" in meta:
         from .sharded import part_name
 
@@ -99,6 +102,8 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
             part = read_manifest(fsutil.join_user(path, name), storage_options)
             tensors.update(_tensors(part, f"{name}/"))
             replay = replay or part["meta"].get("replay") or {}  # each part replays its own share
+            if created is None:  # an index committed without its own time: its first part's
+                created = part["meta"].get("created_unix_s")
             part_files = {f"{name}/{n}": f["bytes"] for n, f in part["files"].items()}
             files.update(part_files)
             total += sum(part_files.values()) + len(json.dumps(part))
@@ -110,7 +115,8 @@ def describe_checkpoint(path: str, storage_options: Mapping[str, Any] | None = N
         "captured_step": meta.get("captured_step"),
         "mode": meta.get("mode"),
         "num_overlap_steps": meta.get("num_overlap_steps"),
-        "created_unix_s": meta.get("created_unix_s"),
+        "created_unix_s": created,
+        "part": is_part(manifest),
         "replay": replay,
         "files": files,
         "total_bytes": total,

@@ -155,6 +155,8 @@ def _describe(info: dict) -> str:
         what = "shares of a replicated (DDP) state" if sharded.get("replicated") else "local shards"
         layout = (f"sharded: {len(sharded.get('parts', []))} parts, {what} (gockpt.dcp.load_full, "
                   "load_sharded; Lightning: GoCkptIO)")
+    elif info["part"]:
+        layout = "one rank's part of a sharded checkpoint (inspect the folder above it)"
     elif info["meta"].get("writer"):
         layout = f"written by {info['meta']['writer']} (read it with its own loader)"
     else:
@@ -194,6 +196,8 @@ def _verify(args: argparse.Namespace, options: dict) -> int:
         return 1
     how = ("it is in a framework's own layout, for its loader" if info["framework_files"]
            else "it loads")
+    if info["part"]:  # its files are sound, but it is not a checkpoint to resume from alone
+        how += "; it is one rank's part of a sharded checkpoint: verify the folder above it"
     print(f"OK {path}: {len(info['files'])} files, {_size(info['total_bytes'])}, "
           f"sizes, checksums and headers match the manifest; {how}")
     return 0

@@ -77,6 +77,11 @@ def to_lightning_file(
             would change a checkpoint (:func:`gockpt.convert.check_destination`).
         gockpt.CheckpointStorageError: the write failed (names ``dst``).
     """
+    if source.kind == "gockpt-sharded":
+        raise ValueError(
+            f"{source.path}: a sharded checkpoint of sharded tensors (ModelParallelStrategy, "
+            "FSDP2): it has no one-process Lightning dict for --to lightning; resume it under "
+            "its strategy (any number of processes), or convert it --to hf or --to dcp")
     if source.kind != "gockpt-lightning" or source.lightning is None:
         raise ValueError(
             f"{source.path}: not a GoCkpt checkpoint written by GoCkptIO (a {source.kind} "

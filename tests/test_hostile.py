@@ -653,3 +653,19 @@ def test_sharded_chunks_must_tile_each_tensor(sharded, edit, tmp_path):
     out = tmp_path / "out"
     assert main(["convert", str(sharded), str(out), "--to", "hf"]) != 0
     assert not out.exists()
+
+
+def test_the_cli_dates_a_sharded_checkpoint_and_names_a_part_as_one(sharded, capsys):
+    from gockpt.cli import main
+
+    assert main(["inspect", str(sharded)]) == 0
+    out = capsys.readouterr().out
+    assert "created" in out and "unknown" not in out, out
+    part = str(sharded / "rank-00000")
+    assert main(["inspect", part]) == 0
+    assert "one rank's part of a sharded checkpoint" in capsys.readouterr().out
+    assert main(["verify", part]) == 0
+    assert "one rank's part of a sharded checkpoint" in capsys.readouterr().out
+    out = sharded.parent / "out.ckpt"
+    assert main(["convert", str(sharded), str(out), "--to", "lightning"]) == 1
+    assert "sharded tensors" in capsys.readouterr().err and not out.exists()
