@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +44,11 @@ class GoCkptConfig:
     (GoCkpt §4.2.3 caps it near 7: more steps add gradient copies and replay work). >= 1."""
 
     min_overlap_steps: int = 1
-    """Lower bound on K for the multi-step modes (1 <= min_overlap_steps <= max_overlap_steps);
-    raise it to force a copy across several steps."""
+    """Lower bound on the K a multi-step plan chooses (1 <= min_overlap_steps <=
+    max_overlap_steps); raise it to force a copy across several steps. The windows may still
+    end sooner: at the next request when it comes before them (the two saves then share one
+    snapshot), at the run's last step, or when a request finds every host slot taken; and
+    ``auto`` compares that K with ``lazy`` (K = 1)."""
 
     window_quantile: float = 0.25
     """Which quantile of the latest ``window_memory`` copy windows (seconds from the end of one
@@ -77,7 +83,8 @@ class GoCkptConfig:
 
     when_full: str = "wait"
     """What a request does when no snapshot slot is free and it cannot share one: ``"wait"``
-    (counted as stall) or ``"skip"`` (the request is dropped and its handle says so)."""
+    (counted as stall) or ``"skip"`` (the request is dropped and its handle says so; the
+    first skip is logged as a warning on the ``gockpt`` logger, later ones at INFO)."""
 
     num_io_threads: int = 4
     """Threads writing shard files in parallel (GoCkpt §4.4.3). >= 1. The engine runs at most
@@ -188,6 +195,7 @@ class GoCkptConfig:
     copy."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_overlap_steps < 1:
@@ -235,3 +243,29 @@ class GoCkptConfig:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
             ):
                 raise ValueError(f"{name} must be > 0 (seconds) or None, got {value!r}")
+
+    def _check_types(self) -> None:
+        """Each field of the type its annotation names (an ``int`` field takes no float or
+        bool, a ``bool`` field no string, a number is finite): a wrong type would otherwise
+        pass the range checks and fail later, inside a save, with a bare ``TypeError``."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if value is None and kind.endswith("| None"):
+                continue
+            base = kind.removesuffix(" | None")
+            if base == "int":
+                ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            elif base == "float":
+                ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                      and math.isfinite(value))
+            elif base == "bool":
+                ok = isinstance(value, bool)
+            elif base == "str":
+                ok = isinstance(value, str)
+            else:
+                ok = isinstance(value, Mapping)
+            if not ok:
+                what = {"int": "an int", "float": "a finite number", "bool": "True or False",
+                        "str": "a str"}.get(base, "a mapping")
+                none = " or None" if kind.endswith("| None") else ""
+                raise ValueError(f"{f.name} must be {what}{none}, got {value!r}")

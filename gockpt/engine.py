@@ -105,6 +105,7 @@ class Engine:
         self._seq = itertools.count()
         self._all: list[SaveRecord] = []  # every save whose handle may not be resolved yet
         self._closed = False
+        self._skips = 0  # requests skipped for want of a free host slot (when_full="skip")
         self._deleter = BackgroundDeleter()  # deletes removed checkpoints' files
         self._cleaned_dirs: set[str] = set()
         self._claims: list = []  # one writer per checkpoint directory (gockpt.storage.claim_directory)
@@ -287,7 +288,12 @@ class Engine:
         if s is None:
             metrics.skipped = True
             handle._future.set_result(metrics)
-            log.info("gockpt: no free host slot, skipped checkpoint %s", path)
+            # A loop that never reads handles (Lightning, Accelerate) learns of it here: the
+            # first skip is a warning, later ones are logged at INFO, so a run is not flooded.
+            self._skips += 1
+            log.log(logging.WARNING if self._skips == 1 else logging.INFO,
+                    "gockpt: no free host slot (when_full='skip'), skipped checkpoint %s%s", path,
+                    "; later skips are logged at INFO" if self._skips == 1 else f" ({self._skips} so far)")
             return handle
         self._all.append(s)
         try:

@@ -71,7 +71,10 @@ class GoCkptIO(CheckpointIO):
     ``trainer.callback_metrics`` holds only the run's own metrics.
 
     The ``latest`` pointer of the engine is off by default here (``update_latest=False``):
-    ModelCheckpoint's folder holds only checkpoints, and Lightning has ``last.ckpt``.
+    ModelCheckpoint's folder holds only checkpoints, and Lightning has ``last.ckpt``. A
+    :class:`gockpt.GoCkptConfig` passed as ``config`` is used as it is, and its own default is
+    ``update_latest=True`` (a ``latest`` file beside the checkpoints): give it
+    ``update_latest=False`` for the same folder as with keyword options.
 
     Strategies: one device; DDP with more than one process: the ranks share the write, each
     storing a distinct share of the parameters and optimizer state, committed together as one

@@ -287,15 +287,20 @@ def test_engine_on_memory_filesystem(mode):
     assert gockpt.latest_checkpoint(root) == f"{root}/ckpt"
 
 
-def test_full_pool_skips_by_policy_and_waits_by_default(tmp_path):
+def test_full_pool_skips_by_policy_and_waits_by_default(tmp_path, caplog):
     model, opt, sched, scaler = make("adamw")
     cfg = dict(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3, max_inflight=1)
     eng = Engine(model, opt, GoCkptConfig(when_full="skip", **cfg))
     train(model, opt, sched, scaler, 2)
     first = eng.save(str(tmp_path / "a"))
     train(model, opt, sched, scaler, 3, start_iter=2)  # a later step: no sharing
-    second = eng.save(str(tmp_path / "b"))  # the only slot is still in its copy windows
-    assert second.done() and second.skipped and not first.skipped
+    with caplog.at_level("INFO", logger="gockpt"):
+        second = eng.save(str(tmp_path / "b"))  # the only slot is still in its copy windows
+        third = eng.save(str(tmp_path / "b2"))
+    assert second.done() and second.skipped and third.skipped and not first.skipped
+    # A loop that reads no handle still learns of it: the first skip is a warning.
+    skips = [r for r in caplog.records if "skipped checkpoint" in r.getMessage()]
+    assert [r.levelname for r in skips] == ["WARNING", "INFO"], skips
     eng.close()
     assert first.result().captured_step is not None and not (tmp_path / "b").exists()
 
@@ -1165,3 +1170,21 @@ def test_a_save_requested_after_the_window_end_and_before_the_update_ends_its_wi
     assert v == m.requested_step + (1 if mode == "gockpt" and opt_kind == "adamw" else 0)
     assert_state_equal(state.model_state_dict, live[v]["model"], f"{mode}:model@{v}")
     assert_state_equal(state.optimizer_state_dicts[0], live[v]["optim"], f"{mode}:optim@{v}")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_overlap_steps", 3.5), ("max_inflight", 2.5), ("max_inflight", True),
+    ("host_buffer_bytes", 1.5), ("chunk_bytes", float("inf")), ("num_io_threads", "4"),
+    ("verify_on_load", "no"), ("window_quantile", float("nan")), ("mode", None),
+])
+def test_an_option_of_the_wrong_type_is_refused_where_it_is_given(field, value):
+    # Not accepted and failing later, inside the first save, with a bare TypeError.
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        GoCkptConfig(**{field: value})
+
+
+def test_options_of_numeric_types_that_are_not_python_ints_are_accepted():
+    import numpy as np
+
+    config = GoCkptConfig(max_inflight=np.int64(3), window_quantile=np.float32(0.5), host_buffer_bytes=None)
+    assert config.max_inflight == 3 and config.window_quantile == 0.5
