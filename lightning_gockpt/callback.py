@@ -23,7 +23,7 @@ from gockpt.storage import cleanup_staging
 
 from . import deepspeed, fsdp, sharded
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
-from .staged import StagedAdapterEngine, StagedHandle
+from .staged import StagedAdapterEngine, StagedHandle, drain_discards, remove_now
 
 log = logging.getLogger("lightning_gockpt")
 
@@ -99,9 +99,16 @@ class GoCkptCallback(Callback):
         # Removals waiting for newer saves: (path, its directory's key, the saves it waits on).
         # Deferred removals: (path, its directory key, the first request number that can
         # release it). Every request since the oldest of them, in order (number, handle).
-        self._deferred: list[tuple[str, str, int]] = []
+        # (path, key, first, own): ``own`` the number of the path's newest request at the
+        # removal (0: none in this run); only a later request of its folder releases it.
+        self._deferred: list[tuple[str, str, int, int]] = []
         self._requests: list[tuple[int, _Handle]] = []
         self._seq = 0
+        self._newest: dict[str, int] = {}  # key -> number of its newest request (until removed)
+        # Guards _deferred and _requests: a save's done callback (an engine thread) carries out
+        # the removals it releases (_release_now). Held around list updates and that removal,
+        # never around an engine call that waits for the engine's threads.
+        self._removal_lock = threading.RLock()
         # Each save's directory (gockpt.fsutil.path_key), taken once at its request: the
         # deferred removals compare them at every batch end.
         self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
@@ -303,7 +310,8 @@ class GoCkptCallback(Callback):
             return {"lightning": ck}
 
         key = path_key(path)
-        self._deferred = [d for d in self._deferred if d[1] != key]  # replaced, not removed
+        with self._removal_lock:  # after a removal the done callback is carrying out, if any
+            self._deferred = [d for d in self._deferred if d[1] != key]  # replaced, not removed
         if self._zero:
             make_placeholder(path, self.io.config.storage_options)
         cap = 1 if exact_step or gathered else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
@@ -320,11 +328,13 @@ class GoCkptCallback(Callback):
             if self._zero:
                 remove_placeholder(path, options)
             raise
-        handle.add_done_callback(lambda h: self._on_done(h, options))
         self._dir_keys[handle] = key
         self._pending = [h for h in self._pending if not h.done()] + [handle]
-        self._seq += 1
-        self._requests.append((self._seq, handle))
+        with self._removal_lock:
+            self._seq += 1
+            self._requests.append((self._seq, handle))
+            self._newest[key] = self._seq
+        handle.add_done_callback(lambda h: self._on_done(h, options))  # may run here, at once
         return handle
 
     def remove(self, path: str) -> None:
@@ -348,14 +358,20 @@ class GoCkptCallback(Callback):
         if own:
             later = self._pending[self._pending.index(own[-1]) + 1:]
             if any(self._releases(h, key, parent) for h in later):
+                with self._removal_lock:
+                    self._newest.pop(key, None)
                 self.engine.remove(path)
                 return
         # Released by a checkpoint of this folder requested after the first save still in
         # flight (or after this removal): a newer checkpoint beside it (PCcheck §4.1).
-        first = min((s for s, h in self._requests if h in pending), default=self._seq + 1)
-        if any(self._dir_key(h) != key and _parent(self._dir_key(h)) == parent for h in pending) or own:
-            self._deferred.append((path, key, first))
-        else:
+        with self._removal_lock:
+            first = min((s for s, h in self._requests if h in pending), default=self._seq + 1)
+            defer = own or any(self._dir_key(h) != key and _parent(self._dir_key(h)) == parent
+                               for h in pending)
+            newest = self._newest.pop(key, 0)
+            if defer:
+                self._deferred.append((path, key, first, newest))
+        if not defer:
             self.engine.remove(path)
 
     def _releases(self, h: _Handle, key: str, parent: str) -> bool:
@@ -389,6 +405,7 @@ class GoCkptCallback(Callback):
             # Every save has ended: a deferred removal happens only where a newer checkpoint is
             # durable (also after a failed run), else the checkpoint stays as the newest one.
             self._remove_deferred()
+            drain_discards()  # the files of those removed by a save's done callback, gone too
 
     def wait_for(self, path: str) -> None:
         """Finish the saves of ``path`` in flight in this process (training thread): a load of
@@ -440,6 +457,38 @@ class GoCkptCallback(Callback):
                 log.warning("gockpt: could not remove the placeholder of %s", handle.path, exc_info=True)
         with self._finished_lock:
             self._finished.append(handle)
+        if _durable(handle):
+            self._release_now(handle)
+
+    def _release_now(self, h: _Handle) -> None:
+        """The deferred removals that ``h``, durable a moment ago, releases (engine thread).
+
+        Carried out here rather than at the next batch end: a crash in between would leave the
+        rotated-out checkpoint on disk for good, where stock deletes it right after its blocking
+        save. Only removals whose path has no save of its own in flight (cancelling one is the
+        training thread's, at a batch end) are carried out; a request of the path meanwhile
+        waits for the lock, then saves over what is gone.
+        """
+        if self.engine is None or self.io is None:
+            return
+        with self._removal_lock:
+            seq = next((s for s, x in self._requests if x is h), None)
+            if seq is None:
+                return
+            key_h = self._dir_key(h)
+            busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
+            ready = [d for d in self._deferred if d[2] <= seq and d[1] not in busy
+                     and seq > d[3] and self._releases(h, d[1], _parent(d[1]))]
+            if not ready:
+                return
+            self._deferred = [d for d in self._deferred if d not in ready]
+            for entry in ready:
+                try:
+                    remove_now(entry[0], self.io.config)
+                except Exception:  # noqa: BLE001 - a later batch end tries again
+                    log.warning("gockpt: removing %s (released by %s) failed; retried later",
+                                entry[0], key_h, exc_info=True)
+                    self._deferred.append(entry)
 
     def _remove_deferred(self) -> None:
         # A deferred path is removed once a checkpoint beside it (its folder), requested after
@@ -449,15 +498,29 @@ class GoCkptCallback(Callback):
         # may still become durable it waits; if they all failed or were cancelled it stays,
         # being the newest complete checkpoint there.
         assert self.io is not None
+        with self._removal_lock:
+            ready = self._take_ready()
+        for path in ready:
+            if self.engine is not None:
+                self.engine.remove(path)
+            else:
+                gockpt.remove_checkpoint(path, self.io.config.storage_options)
+
+    def _take_ready(self) -> list[str]:
+        """The deferred paths to remove now, taken out of ``_deferred`` (under the lock)."""
         keep, ready = [], []
-        for path, key, first in self._deferred:
+        for entry in self._deferred:
+            path, key, first, own = entry
             parent = _parent(key)
-            since = [h for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
-            others = [h for h in since if self._dir_key(h) != key]
+            since = [(s, h) for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
+            # Only a checkpoint requested after the path's own newest save releases it: two
+            # saves in flight at once would otherwise release each other's removal and leave
+            # the folder with neither (a removal goes from newer to older only).
+            others = [h for s, h in since if s > own and self._dir_key(h) != key]
             if any(self._releases(h, key, parent) for h in others):
                 ready.append(path)
-            elif not all(h.done() for h in since):
-                keep.append((path, key, first))
+            elif not all(h.done() for _, h in since):
+                keep.append(entry)
             elif not others:
                 # Only its own save was awaited: the newest checkpoint of its folder, kept
                 # while the run goes on (a crash still finds it); removed, as asked, once the
@@ -465,16 +528,12 @@ class GoCkptCallback(Callback):
                 if self._ended or self.engine is None:
                     ready.append(path)
                 else:
-                    keep.append((path, key, first))
+                    keep.append(entry)
             # else: every newer save there failed or was cancelled: the path stays
         self._deferred = keep
-        oldest = min((first for _, _, first in keep), default=self._seq + 1)
+        oldest = min((first for _, _, first, _ in keep), default=self._seq + 1)
         self._requests = [(s, h) for s, h in self._requests if s >= oldest or not h.done()]
-        for path in ready:
-            if self.engine is not None:
-                self.engine.remove(path)
-            else:
-                gockpt.remove_checkpoint(path, self.io.config.storage_options)
+        return ready
 
     def _build(self, trainer: Trainer) -> Engine | sharded.ShardedAdapterEngine:
         assert self.io is not None

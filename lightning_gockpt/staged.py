@@ -328,6 +328,18 @@ def remove_when_done(path: str, latest: dict[str, Any], lock: threading.Lock, co
     handle.add_done_callback(drop)
 
 
+def remove_now(path: str, config: GoCkptConfig) -> None:
+    """Delete the checkpoint at ``path``, no save of which is in flight, from any thread: it
+    stops being a checkpoint before this returns; its files are deleted in the background
+    (:func:`drain_discards` waits for them).
+
+    Raises:
+        gockpt.CheckpointStorageError: as :func:`gockpt.remove_checkpoint`.
+    """
+    gockpt.remove_checkpoint(path, config.storage_options, timeout_s=config.storage_timeout_s,
+                             discard=_DELETER)
+
+
 # One deleter for every engine of the process: removals may happen after an engine closed.
 _DELETER = BackgroundDeleter()
 

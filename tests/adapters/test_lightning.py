@@ -854,6 +854,49 @@ def test_a_rotation_is_released_only_by_a_newer_checkpoint_of_its_own_folder(tmp
     assert sorted(os.listdir(tmp_path / "b")) == ["step=10.ckpt"]
 
 
+def test_a_rotated_out_checkpoint_is_removed_as_soon_as_the_newer_one_is_durable(tmp_path):
+    """ModelCheckpoint(save_top_k=1): step 3 removes step=2.ckpt while step=3.ckpt is still
+    being written (slow storage), so the removal waits. It must happen once step=3.ckpt is
+    durable, not at a later batch end: a crash in between would leave step=2.ckpt behind for
+    good, where stock deletes it right after its blocking save. Here the training thread waits
+    at the start of the next batch, so no batch end comes while step=3.ckpt becomes durable."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = tmp_path / "d"
+    d.mkdir()
+    seen = {}
+
+    def slow(op, path):
+        if "/.step=3.ckpt." in path and op == "open":
+            time.sleep(0.3)
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step != 3:  # the batch after step 3's update and batch end
+                return
+            seen["old at the request"] = (d / "step=2.ckpt").exists()
+            deadline = time.monotonic() + 20
+            while not gockpt.is_complete(str(d / "step=3.ckpt")) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            while (d / "step=2.ckpt").exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["old gone"] = not (d / "step=2.ckpt").exists()
+
+    FaultLocalFileSystem.fault = Fault(op_hook=slow)
+    try:
+        fit(str(tmp_path / "run"), io=GoCkptIO(mode="async"), max_steps=5,
+            callbacks=(ModelCheckpoint(dirpath=local_url(d), filename="{step}", every_n_train_steps=1,
+                                       save_top_k=1), Watch()))
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert seen == {"old at the request": True, "old gone": True}
+    assert sorted(os.listdir(d)) == ["step=5.ckpt"]
+
+
 def test_a_removal_awaiting_a_cancelled_save_is_released_by_a_later_durable_checkpoint_of_its_folder(tmp_path):
     """Two ModelCheckpoints in one folder: a top-1 one every step ("s-") and one keeping every
     epoch end ("ep-", step 10). Step 10 removes s-step=9 while s-step=10 is on slow storage: the
