@@ -364,7 +364,7 @@ class ObjectTarget(StorageTarget):
         self.failed: list[tuple[Any, str]] = []
         self.replaced: set[str] = set()
         self.publish_attempted = False
-        #: The manifest put timed out: it may still land, naming this save's files.
+        #: The manifest put got no answer: it may still land, naming this save's files.
         self.publish_in_flight = False
         clash = sorted(set(names) & (self._manifest_files() or set()))
         if clash:
@@ -449,8 +449,12 @@ class ObjectTarget(StorageTarget):
         try:
             self._call(f"put of {self.manifest_path}", self.fs.pipe_file, self.manifest_path,
                        manifest)
-        except TimeoutError:
-            self.publish_in_flight = self.bound_s is not None  # abandoned, not failed
+        except BaseException as e:
+            # Abandoned past our bound, or given up by the client (botocore's read timeout on
+            # S3) or by a dropped connection: the request may have reached the store and land
+            # later, naming this save's files, which must then stay. Only an answered refusal
+            # settles that it did not.
+            self.publish_in_flight = fsutil.may_have_landed(e)
             raise
 
     def cleanup(self, published: bool) -> None:

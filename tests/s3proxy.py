@@ -7,6 +7,8 @@ upstream (a moto server) unless :attr:`FaultProxy.rule` says otherwise for it:
 - ``"503"``: answer ``503 SlowDown`` (S3's throttling reply);
 - ``"reset"``: drop the connection with a TCP reset, without answering;
 - ``"hang"``: never answer (until :meth:`FaultProxy.close`), as a stalled endpoint does.
+- ``"late"``: forward the request only after :attr:`FaultProxy.late_s` seconds: it lands on
+  the store after the client's read timeout, as a request whose reply S3 is slow to send.
 
 Written by hand: toxiproxy needs its own server binary and speaks TCP, not per-request HTTP
 faults; mitmproxy is a large dependency for ~100 lines.
@@ -43,6 +45,8 @@ class FaultProxy:
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rule: Callable[[str, str], str | None] | None = None
         self.requests: list[Request] = []
+        self.late_s = 5.0
+        self.landed_late = 0  # "late" requests forwarded so far
         self._lock = threading.Lock()
         self._closing = threading.Event()
         proxy = self
@@ -126,6 +130,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.owner._closing.wait(120)
             self.close_connection = True
             return
+        if action == "late" and self.owner._closing.wait(self.owner.late_s):
+            self.close_connection = True  # closed meanwhile: dropped
+            return
         conn = http.client.HTTPConnection(*self.owner.upstream, timeout=60)
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
@@ -141,6 +148,9 @@ class _Handler(BaseHTTPRequestHandler):
             length = resp.getheader("Content-Length") if self.command == "HEAD" else len(data)
             self.send_header("Content-Length", str(length or 0))
             self.end_headers()
+            if action == "late":
+                with self.owner._lock:
+                    self.owner.landed_late += 1
             if self.command != "HEAD":
                 self.wfile.write(data)
         finally:

@@ -28,7 +28,7 @@ import gockpt
 from gockpt.errors import CheckpointStorageError, CheckpointTimeoutError
 from gockpt.load import read_checkpoint
 from gockpt.persist import persist
-from gockpt.storage import claim_directory, latest_checkpoint, url_to_fs
+from gockpt.storage import claim_directory, is_complete, latest_checkpoint, url_to_fs
 
 # Generous upper bound on any failing save below (the defaults would take minutes).
 BOUND_S = 30.0
@@ -191,6 +191,32 @@ def test_s3_hung_endpoint_fails_within_the_storage_deadline(s3, make_request):
     proxy.rule = None
     assert bucket_state(store, client) == before
     assert_loads_as(store.path("ckpt"), old, 1, store.storage_options)
+
+
+def test_s3_manifest_put_answered_late_never_tears_the_checkpoint(s3, make_request):
+    """The manifest PUT of a save over a complete checkpoint reaches S3 only after the client
+    gave up on it (its reply is late): the save fails, and its files must stay, for the
+    manifest that lands later names them. Deleting them on the failure left a manifest naming
+    missing files: the only complete checkpoint torn."""
+    store, proxy, client = s3
+    old = save_previous(store, make_request)
+    proxy.late_s = 4.0
+    proxy.rule = lambda method, path: "late" if method == "PUT" and path.split("?")[0].endswith(
+        "/ckpt/manifest.json") else None
+    error, _ = failing_save(store, make_request, timeout_s=1.0)
+    assert isinstance(error, CheckpointTimeoutError)
+    deadline = time.monotonic() + 60
+    while proxy.landed_late < proxy.count("late") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proxy.rule = None
+    assert proxy.landed_late >= 1
+    # The late manifest published the failed save's files: a complete checkpoint of step 2.
+    assert is_complete(store.path("ckpt"), store.storage_options)
+    loaded = read_checkpoint(store.path("ckpt"), storage_options=store.storage_options)
+    if loaded.manifest["meta"]["captured_step"] == 2:
+        assert_loads_as(store.path("ckpt"), big_tensors(2), 2, store.storage_options)
+    else:  # it had not landed after all: the previous checkpoint, whole
+        assert_loads_as(store.path("ckpt"), old, 1, store.storage_options)
 
 
 def test_s3_options_the_user_sets_win(_moto_endpoint):
