@@ -295,9 +295,13 @@ def probe_copy_bandwidth(copier: Any, device: torch.device, cap: float | None) -
     call: a CUDA copy is issued inside it and may have ended when it returns, which read an
     H200's link as several times its real pace, so one-step plans were chosen where the copy
     took three steps. The planner replaces this figure with the pace measured on the saves'
-    own copies once it has seen enough of them.
+    own copies once it has seen enough of them. Under an emulated link (``cap``, which the
+    copier's throttle holds it to) the copy is made smaller where 8 MiB would take over 50 ms
+    at ``cap`` (down to 64 KiB): at a few hundred KB/s the probe took a minute per engine start.
     """
     n = 8 << 20
+    if cap is not None:
+        n = max(64 << 10, min(n, int(cap * 0.05)))
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
     copier.copy([(src, dst)], PRIORITY_GRAD).wait()
