@@ -603,23 +603,6 @@ def storage_error(
     )
 
 
-def may_have_landed(e: BaseException) -> bool:
-    """Whether a request that raised ``e`` may still have reached the store and take effect:
-    a timeout of any layer (the client gave up waiting for the answer) or a connection lost
-    with no answer (``ConnectionError``, botocore's and aiohttp's connection errors), rather
-    than the store's refusal."""
-    seen: BaseException | None = e
-    for _ in range(20):
-        if seen is None:
-            return False
-        name = type(seen).__name__
-        if (isinstance(seen, (TimeoutError, ConnectionError)) or "Timeout" in name
-                or "Connection" in name or "Disconnected" in name):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def _is_timeout(e: BaseException | None) -> bool:
     seen = 0
     while e is not None and seen < 20:

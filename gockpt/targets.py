@@ -363,8 +363,7 @@ class ObjectTarget(StorageTarget):
         #: (file, path) of the files whose write failed: discarded first by :meth:`cleanup`.
         self.failed: list[tuple[Any, str]] = []
         self.replaced: set[str] = set()
-        self.publish_attempted = False
-        #: The manifest put got no answer: it may still land, naming this save's files.
+        #: The manifest put failed: a try of it may still land, naming this save's files.
         self.publish_in_flight = False
         clash = sorted(set(names) & (self._manifest_files() or set()))
         if clash:
@@ -445,16 +444,14 @@ class ObjectTarget(StorageTarget):
 
     def publish(self, manifest: bytes) -> None:
         self.replaced = self._manifest_files() or set()
-        self.publish_attempted = True
         try:
             self._call(f"put of {self.manifest_path}", self.fs.pipe_file, self.manifest_path,
                        manifest)
-        except BaseException as e:
-            # Abandoned past our bound, or given up by the client (botocore's read timeout on
-            # S3) or by a dropped connection: the request may have reached the store and land
-            # later, naming this save's files, which must then stay. Only an answered refusal
-            # settles that it did not.
-            self.publish_in_flight = fsutil.may_have_landed(e)
+        except BaseException:
+            # Whatever the last error says, an earlier try of the same put (s3fs and botocore
+            # retry it) may have reached the store and land later, naming this save's files,
+            # which must then stay: they are kept (a few objects leaked at worst).
+            self.publish_in_flight = True
             raise
 
     def cleanup(self, published: bool) -> None:
@@ -475,17 +472,12 @@ class ObjectTarget(StorageTarget):
         if published:
             doomed = self.replaced - ours
         elif self.publish_in_flight:
-            # The put was abandoned, not refused: it may land later and name our files.
+            # The put failed, but a try of it may land later and name our files.
             log.warning(
-                "gockpt: the manifest put of %s got no answer within storage_timeout_s and may "
-                "still land: the %d object(s) of this save are kept", self.root, len(ours),
+                "gockpt: the manifest put of %s failed and a try of it may still land: the %d "
+                "object(s) of this save are kept", self.root, len(ours),
             )
             doomed = set()
-        elif self.publish_attempted:
-            # The put raised, yet it may have landed: delete our files only if the manifest
-            # there provably does not name them.
-            current = self._read_manifest_files()
-            doomed = ours if current is not None and not (current & ours) else set()
         else:
             doomed = ours
         if doomed:
