@@ -96,19 +96,22 @@ class GoCkptCallback(Callback):
         self._finished: list[_Handle] = []
         self._finished_lock = threading.Lock()
         self._pending: list[_Handle] = []
-        # Removals waiting for newer saves: (path, its directory's key, the saves it waits on).
-        # Deferred removals: (path, its directory key, the first request number that can
-        # release it). Every request since the oldest of them, in order (number, handle).
-        # (path, key, first, own): ``own`` the number of the path's newest request at the
-        # removal (0: none in this run); only a later request of its folder releases it.
+        # Deferred removals: (path, its directory key, the first request number it waits for,
+        # own): ``own`` the number of the path's newest request at the removal (0: none in this
+        # run); only a durable request of its folder numbered after ``own`` releases it. Every
+        # request since the oldest ``first``, in order (number, handle).
         self._deferred: list[tuple[str, str, int, int]] = []
         self._requests: list[tuple[int, _Handle]] = []
         self._seq = 0
         self._newest: dict[str, int] = {}  # key -> number of its newest request (until removed)
-        # Guards _deferred and _requests: a save's done callback (an engine thread) carries out
-        # the removals it releases (_release_now). Held around list updates and that removal,
-        # never around an engine call that waits for the engine's threads.
+        self._seq_of: weakref.WeakKeyDictionary[_Handle, int] = weakref.WeakKeyDictionary()
+        self._durable_seq: dict[str, int] = {}  # folder -> number of its newest durable request
+        self._removing: set[str] = set()  # keys a done callback is deleting now
+        # Guards the removal state above: a save's done callback (an engine thread) carries out
+        # the removals it releases (_release_now). Held around updates of that state only,
+        # never around storage I/O or an engine call that waits for the engine's threads.
         self._removal_lock = threading.RLock()
+        self._removal_done = threading.Condition(self._removal_lock)
         # Each save's directory (gockpt.fsutil.path_key), taken once at its request: the
         # deferred removals compare them at every batch end.
         self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
@@ -311,6 +314,7 @@ class GoCkptCallback(Callback):
 
         key = path_key(path)
         with self._removal_lock:  # after a removal the done callback is carrying out, if any
+            self._removal_done.wait_for(lambda: key not in self._removing)
             self._deferred = [d for d in self._deferred if d[1] != key]  # replaced, not removed
         if self._zero:
             make_placeholder(path, self.io.config.storage_options)
@@ -334,6 +338,7 @@ class GoCkptCallback(Callback):
             self._seq += 1
             self._requests.append((self._seq, handle))
             self._newest[key] = self._seq
+            self._seq_of[handle] = self._seq
         handle.add_done_callback(lambda h: self._on_done(h, options))  # may run here, at once
         return handle
 
@@ -355,21 +360,23 @@ class GoCkptCallback(Callback):
         parent = _parent(key)
         pending = [h for h in self._pending if not h.done()]
         own = [h for h in pending if self._dir_key(h) == key]
-        if own:
-            later = self._pending[self._pending.index(own[-1]) + 1:]
-            if any(self._releases(h, key, parent) for h in later):
-                with self._removal_lock:
-                    self._newest.pop(key, None)
-                self.engine.remove(path)
-                return
-        # Released by a checkpoint of this folder requested after the first save still in
-        # flight (or after this removal): a newer checkpoint beside it (PCcheck §4.1).
         with self._removal_lock:
-            first = min((s for s, h in self._requests if h in pending), default=self._seq + 1)
-            defer = own or any(self._dir_key(h) != key and _parent(self._dir_key(h)) == parent
-                               for h in pending)
             newest = self._newest.pop(key, 0)
+            # Released by a durable checkpoint of this folder requested after the path's own
+            # newest save (PCcheck §4.1): removed now, its own saves in flight cancelled.
+            released = self._durable_seq.get(parent, 0) > newest
+            # Else it waits while a save of the path, or of its folder, is in flight, or while
+            # the newer saves of its folder were skipped or failed (when_full="skip", a
+            # storage error): ModelCheckpoint removes it because it believes them written.
+            newer = any(s > newest and self._dir_key(h) != key and _parent(self._dir_key(h)) == parent
+                        for s, h in self._requests)
+            defer = not released and bool(
+                own or newer or any(self._dir_key(h) != key and _parent(self._dir_key(h)) == parent
+                                    for h in pending))
             if defer:
+                first = min((s for s, h in self._requests if h in pending), default=self._seq + 1)
+                first = min([first] + [s for s, h in self._requests if s > newest
+                                       and _parent(self._dir_key(h)) == parent])
                 self._deferred.append((path, key, first, newest))
         if not defer:
             self.engine.remove(path)
@@ -458,6 +465,11 @@ class GoCkptCallback(Callback):
         with self._finished_lock:
             self._finished.append(handle)
         if _durable(handle):
+            seq = self._seq_of.get(handle)
+            if seq is not None:
+                with self._removal_lock:
+                    parent = _parent(self._dir_key(handle))
+                    self._durable_seq[parent] = max(self._durable_seq.get(parent, 0), seq)
             self._release_now(handle)
 
     def _release_now(self, h: _Handle) -> None:
@@ -471,10 +483,10 @@ class GoCkptCallback(Callback):
         """
         if self.engine is None or self.io is None:
             return
+        seq = self._seq_of.get(h)
+        if seq is None:
+            return
         with self._removal_lock:
-            seq = next((s for s, x in self._requests if x is h), None)
-            if seq is None:
-                return
             key_h = self._dir_key(h)
             busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
             ready = [d for d in self._deferred if d[2] <= seq and d[1] not in busy
@@ -482,13 +494,23 @@ class GoCkptCallback(Callback):
             if not ready:
                 return
             self._deferred = [d for d in self._deferred if d not in ready]
+            self._removing.update(d[1] for d in ready)
+        # The deletion outside the lock: on a slow store it must not hold up the training
+        # thread's requests and batch ends (a request of one of these paths waits for it).
+        failed = []
+        try:
             for entry in ready:
                 try:
                     remove_now(entry[0], self.io.config)
                 except Exception:  # noqa: BLE001 - a later batch end tries again
                     log.warning("gockpt: removing %s (released by %s) failed; retried later",
                                 entry[0], key_h, exc_info=True)
-                    self._deferred.append(entry)
+                    failed.append(entry)
+        finally:
+            with self._removal_lock:
+                self._deferred.extend(failed)
+                self._removing.difference_update(d[1] for d in ready)
+                self._removal_done.notify_all()
 
     def _remove_deferred(self) -> None:
         # A deferred path is removed once a checkpoint beside it (its folder), requested after
@@ -529,7 +551,9 @@ class GoCkptCallback(Callback):
                     ready.append(path)
                 else:
                     keep.append(entry)
-            # else: every newer save there failed or was cancelled: the path stays
+            elif not (self._ended or self.engine is None):
+                keep.append(entry)  # the newer saves there failed or were skipped: a later one may be durable
+            # else: the run has ended with no newer checkpoint there: the path stays
         self._deferred = keep
         oldest = min((first for _, _, first, _ in keep), default=self._seq + 1)
         self._requests = [(s, h) for s, h in self._requests if s >= oldest or not h.done()]

@@ -897,6 +897,47 @@ def test_a_rotated_out_checkpoint_is_removed_as_soon_as_the_newer_one_is_durable
     assert sorted(os.listdir(d)) == ["step=5.ckpt"]
 
 
+def test_a_skipped_newer_save_never_lets_a_rotation_empty_its_folder(tmp_path):
+    """``when_full="skip"``: folder B's save holds the only host slot on slow storage, so A's
+    requests are skipped meanwhile, yet ModelCheckpoint removes A's previous checkpoint as if
+    the newer one were written. The removal must wait for a durable newer checkpoint of A:
+    from A's first complete checkpoint on, A always holds one, and it ends with one, its newest
+    durable checkpoint (stock's would be step 12's; the skipped ones were never written)."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    gaps, seen = [], []
+
+    def slow(op, path):
+        if "/b/" in path and op == "open":
+            time.sleep(1.0)
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            complete = [n for n in os.listdir(a) if gockpt.is_complete(str(a / n))]
+            if seen and not complete:
+                gaps.append((trainer.global_step, sorted(os.listdir(a))))
+            seen.extend(complete)
+
+    FaultLocalFileSystem.fault = Fault(op_hook=slow)
+    try:
+        fit(str(tmp_path / "run"), io=GoCkptIO(mode="async", when_full="skip"), max_steps=12,
+            callbacks=(ModelCheckpoint(dirpath=local_url(a), filename="{step}", every_n_train_steps=1, save_top_k=1),
+                       ModelCheckpoint(dirpath=local_url(b), filename="{step}", every_n_train_steps=5, save_top_k=-1),
+                       Watch()))
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert seen and gaps == []
+    left = os.listdir(a)
+    assert len(left) == 1 and gockpt.is_complete(str(a / left[0])), left
+
+
 def test_a_removal_awaiting_a_cancelled_save_is_released_by_a_later_durable_checkpoint_of_its_folder(tmp_path):
     """Two ModelCheckpoints in one folder: a top-1 one every step ("s-") and one keeping every
     epoch end ("ep-", step 10). Step 10 removes s-step=9 while s-step=10 is on slow storage: the
