@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 MODES = ("auto", "sync", "async", "lazy", "gockpt", "gockpt_o")
 """Checkpoint modes.
 
@@ -245,27 +247,38 @@ class GoCkptConfig:
                 raise ValueError(f"{name} must be > 0 (seconds) or None, got {value!r}")
 
     def _check_types(self) -> None:
-        """Each field of the type its annotation names (an ``int`` field takes no float or
-        bool, a ``bool`` field no string, a number is finite): a wrong type would otherwise
-        pass the range checks and fail later, inside a save, with a bare ``TypeError``."""
+        """Each field of the type its annotation names, normalised: an ``int`` field takes an
+        integer or a float of integral value (``1e9``), never a bool; a ``float`` field any
+        real number but NaN (``inf`` where None is allowed becomes None: no bound); a ``bool`` field a bool (numpy's too), never a string;
+        ``storage_options=None`` is ``{}``. A wrong type would otherwise pass the range checks
+        and fail later, inside a save, with a bare ``TypeError``."""
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), str(f.type)
             if value is None and kind.endswith("| None"):
                 continue
             base = kind.removesuffix(" | None")
+            fixed: Any = value
             if base == "int":
-                ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) \
+                    and math.isfinite(value) and float(value) == int(value)
+                fixed = int(value) if ok else value
             elif base == "float":
-                ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                      and math.isfinite(value))
+                ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) \
+                    and not math.isnan(value)
+                if ok and math.isinf(value) and value > 0 and kind.endswith("| None"):
+                    fixed = None  # an unbounded timeout or an unthrottled rate: None says so
             elif base == "bool":
-                ok = isinstance(value, bool)
+                ok = isinstance(value, (bool, np.bool_))
+                fixed = bool(value) if ok else value
             elif base == "str":
                 ok = isinstance(value, str)
             else:
-                ok = isinstance(value, Mapping)
+                ok = value is None or isinstance(value, Mapping)
+                fixed = {} if value is None else value
             if not ok:
-                what = {"int": "an int", "float": "a finite number", "bool": "True or False",
+                what = {"int": "an integer", "float": "a number (not NaN)", "bool": "True or False",
                         "str": "a str"}.get(base, "a mapping")
                 none = " or None" if kind.endswith("| None") else ""
                 raise ValueError(f"{f.name} must be {what}{none}, got {value!r}")
+            if fixed is not value:
+                object.__setattr__(self, f.name, fixed)  # frozen: normalised once, here

@@ -299,12 +299,15 @@ def _check_cover(fqn: str, tmd: TensorStorageMetadata | None, file_path: str) ->
         if len(chunks) != 1:
             raise bad(f"a scalar stored {len(chunks)} times")
         return
-    # A sweep along the first dimension: only chunks whose ranges there meet can overlap.
+    # A sweep along the dimension the chunks split most (the sharded one): only chunks whose
+    # ranges there meet can overlap, so the work stays near-linear in the number of chunks.
+    d = max(range(len(tmd.size)), key=lambda i: len({off[i] for off, _ in chunks}))
+    chunks.sort(key=lambda c: c[0][d])
     open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for off, n in chunks:
         if not all(n):
             continue  # no elements: overlaps nothing
-        open_ = [(o, m) for o, m in open_ if o[0] + m[0] > off[0]]
+        open_ = [(o, m) for o, m in open_ if o[d] + m[d] > off[d]]
         for o, m in open_:
             if all(a < b + k and b < a + j for a, j, b, k in zip(off, n, o, m, strict=True)):
                 raise bad(f"the chunks at offsets {list(o)} and {list(off)} overlap")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any
 
 from torch import nn
@@ -102,8 +103,8 @@ class ReplicatedEngine:
             What ``prepare`` or the engine raised on the writer, on every process (the
             others get a ``RuntimeError`` naming it). With mode ``sync`` and several
             processes, the save is persisted in the background and waited for after the
-            exchange; what its persist raises is raised on the writer alone, as a background
-            error of the other modes is (its metrics name mode ``async``).
+            exchange (its metrics name mode ``async``, the wait counted as ``persist`` stall),
+            and what its persist raised is raised on every process in the same way.
         """
         handle = None
         # A blocking save (mode "sync") would persist inside engine.save, and its publish waits
@@ -128,6 +129,7 @@ class ReplicatedEngine:
                 handle.add_done_callback(lambda h: self._on_done(h, staging))
                 self._pending.append((seq, handle))
                 desc = describe_request(seq, staging, handle, waiting)
+                desc["blocking"] = blocking
         else:
             assert self._capture is not None
             self._capture.boundary()  # the writer's engine.save() is a boundary as well
@@ -135,8 +137,21 @@ class ReplicatedEngine:
         desc = exchange_request(desc, self._broadcast)
         if self._capture is not None:
             self._capture.follow(desc)
-        if blocking and handle is not None:
-            handle.result()  # durable (or raising) before save returns, as sync promises
+        if desc.get("blocking"):
+            # Durable (or failed) before save returns on every process, as sync promises; its
+            # outcome is exchanged too, so a failed persist is raised everywhere, not on the
+            # writer alone (the others would go on into a collective it never joins).
+            outcome = None
+            if handle is not None:
+                t0 = perf_counter()
+                try:
+                    handle.result()
+                except BaseException as e:  # noqa: BLE001 - raised on every process below
+                    outcome = describe_request(desc["seq"], error=e)
+                else:
+                    handle.metrics.add_stall("persist", perf_counter() - t0)
+                    outcome = describe_request(desc["seq"])
+            exchange_request(outcome, self._broadcast)
         self._harvest()
         return handle
 

@@ -1176,6 +1176,7 @@ def test_a_save_requested_after_the_window_end_and_before_the_update_ends_its_wi
     ("max_overlap_steps", 3.5), ("max_inflight", 2.5), ("max_inflight", True),
     ("host_buffer_bytes", 1.5), ("chunk_bytes", float("inf")), ("num_io_threads", "4"),
     ("verify_on_load", "no"), ("window_quantile", float("nan")), ("mode", None),
+    ("storage_options", "{}"),
 ])
 def test_an_option_of_the_wrong_type_is_refused_where_it_is_given(field, value):
     # Not accepted and failing later, inside the first save, with a bare TypeError.
@@ -1186,5 +1187,10 @@ def test_an_option_of_the_wrong_type_is_refused_where_it_is_given(field, value):
 def test_options_of_numeric_types_that_are_not_python_ints_are_accepted():
     import numpy as np
 
-    config = GoCkptConfig(max_inflight=np.int64(3), window_quantile=np.float32(0.5), host_buffer_bytes=None)
+    config = GoCkptConfig(max_inflight=np.int64(3), window_quantile=np.float32(0.5), host_buffer_bytes=1e9,
+                          verify_on_load=np.bool_(False), storage_options=None,
+                          storage_timeout_s=float("inf"))
     assert config.max_inflight == 3 and config.window_quantile == 0.5
+    assert config.host_buffer_bytes == 10**9 and type(config.host_buffer_bytes) is int
+    assert config.verify_on_load is False and config.storage_options == {}
+    assert config.storage_timeout_s is None  # inf: no bound
