@@ -110,3 +110,89 @@ def test_a_writer_and_a_share_taker_checkpoint_one_step_together(tmp_path):
     assert writer_rep.take_published() == []
     writer_rep.close()
     other.close()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_sync_save_of_two_processes_is_durable_when_it_returns_and_its_failure_raised_on_both(tmp_path, fails):
+    """Mode sync: the writer's blocking save must not wait, inside its request, for the share
+    the other process writes only after the request's exchange (a deadlock until the publish
+    timeout). The checkpoint is durable when save returns on both; a failed write raises on both."""
+    import threading
+
+    from gockpt import GoCkptConfig
+    from gockpt.replicated import ReplicatedEngine
+    from gockpt.writer import CheckpointWriter
+
+    class Broadcast:  # two processes' broadcast_object_list, as threads
+        def __init__(self):
+            self.barrier, self.obj = threading.Barrier(2, timeout=30), None
+
+        def writer(self, obj):
+            self.obj = obj
+            self.barrier.wait()
+            self.barrier.wait()
+            return obj
+
+        def other(self, _obj):
+            self.barrier.wait()
+            obj = self.obj
+            self.barrier.wait()
+            return obj
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    config = GoCkptConfig(mode="sync", update_latest=False)
+    b = Broadcast()
+    writer_rep = ReplicatedEngine(models[0], opts[0:1], config, is_writer=True, broadcast=b.writer)
+    other = ReplicatedEngine(models[1], opts[1:2], config, is_writer=False, share=lambda: {"rank": 1},
+                             share_name="share_1.pt", broadcast=b.other)
+    staging = tmp_path / ".0-ckpt.gockpt-tmp-1-ab"
+
+    class Writer(CheckpointWriter):
+        def before_publish(self, snapshot):
+            wait_for_shares(str(staging), ["share_1.pt"], timeout_s=20)
+            if fails:
+                raise OSError(28, "No space left on device")
+
+    def prepare():
+        staging.mkdir()
+        writer = Writer()
+        writer.staging = str(staging)
+        return str(staging), writer
+
+    for m, o in zip(models, opts, strict=True):
+        m(torch.ones(1, 4)).sum().backward()
+        o.step()
+    outcome = {}
+
+    def run_other():
+        try:
+            other.save(str(tmp_path / "ckpt"), prepare)
+            outcome["other"] = None
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            outcome["other"] = e
+
+    t = threading.Thread(target=run_other)
+    t.start()
+    try:
+        handle = writer_rep.save(str(tmp_path / "ckpt"), prepare)
+        outcome["writer"] = None
+    except BaseException as e:  # noqa: BLE001 - inspected below
+        outcome["writer"] = e
+    t.join(30)
+    assert not t.is_alive()
+    if fails:
+        assert "No space left" in str(outcome["writer"]), outcome
+        assert isinstance(outcome["other"], RuntimeError) and "No space left" in str(outcome["other"]), outcome
+        assert not (tmp_path / "ckpt").exists()
+    else:
+        assert outcome == {"writer": None, "other": None}
+        assert handle.done() and handle.result().stall_by_phase_s.get("persist", 0) > 0
+        assert torch.load(tmp_path / "ckpt" / "share_1.pt") == {"rank": 1}
+    for rep in (writer_rep, other):
+        try:
+            rep.close()
+        except BaseException:  # noqa: BLE001 - the failed save's error, raised once more at close
+            pass
