@@ -464,33 +464,31 @@ class GoCkptCallback(Callback):
                 log.warning("gockpt: could not remove the placeholder of %s", handle.path, exc_info=True)
         with self._finished_lock:
             self._finished.append(handle)
-        if _durable(handle):
-            seq = self._seq_of.get(handle)
-            if seq is not None:
-                with self._removal_lock:
-                    parent = _parent(self._dir_key(handle))
-                    self._durable_seq[parent] = max(self._durable_seq.get(parent, 0), seq)
-            self._release_now(handle)
+        seq = self._seq_of.get(handle)
+        if seq is not None and _durable(handle):
+            with self._removal_lock:
+                parent = _parent(self._dir_key(handle))
+                self._durable_seq[parent] = max(self._durable_seq.get(parent, 0), seq)
+        # Durable, it may release removals; ended either way, it may unblock one of its path.
+        self._release_now(handle)
 
     def _release_now(self, h: _Handle) -> None:
-        """The deferred removals that ``h``, durable a moment ago, releases (engine thread).
+        """The deferred removals released now that ``h`` has ended (engine thread): those
+        whose folder holds a durable checkpoint requested after the path's own newest save.
 
         Carried out here rather than at the next batch end: a crash in between would leave the
         rotated-out checkpoint on disk for good, where stock deletes it right after its blocking
         save. Only removals whose path has no save of its own in flight (cancelling one is the
         training thread's, at a batch end) are carried out; a request of the path meanwhile
-        waits for the lock, then saves over what is gone.
+        waits for it, then saves over what is gone.
         """
         if self.engine is None or self.io is None:
-            return
-        seq = self._seq_of.get(h)
-        if seq is None:
             return
         with self._removal_lock:
             key_h = self._dir_key(h)
             busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
-            ready = [d for d in self._deferred if d[2] <= seq and d[1] not in busy
-                     and seq > d[3] and self._releases(h, d[1], _parent(d[1]))]
+            ready = [d for d in self._deferred if d[1] not in busy
+                     and self._durable_seq.get(_parent(d[1]), 0) > d[3]]
             if not ready:
                 return
             self._deferred = [d for d in self._deferred if d not in ready]

@@ -791,8 +791,13 @@ def test_removing_the_newest_checkpoint_by_another_spelling_keeps_it_while_the_r
             if batch_idx == 2:
                 trainer.save_checkpoint(str(tmp_path / "d" / "x.ckpt"))
                 trainer.strategy.remove_checkpoint(str(tmp_path / "alias" / "x.ckpt"))
-            if batch_idx == 8:  # the last batch end: durable by now, kept
+            if batch_idx == 8:  # the last batch end: kept, durable once its persist ends
+                import time
+
                 path = str(tmp_path / "d" / "x.ckpt")
+                deadline = time.monotonic() + 20  # a loaded machine persists slower than 3 steps
+                while not is_complete(path) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 held.append(GoCkptIO().load_checkpoint(path)["global_step"] if is_complete(path) else None)
 
     fit(str(tmp_path), io=gockpt_io("gockpt"), max_steps=9, callbacks=(SaveThenRemove(),))
@@ -894,6 +899,47 @@ def test_a_rotated_out_checkpoint_is_removed_as_soon_as_the_newer_one_is_durable
     finally:
         FaultLocalFileSystem.fault = Fault()
     assert seen == {"old at the request": True, "old gone": True}
+    assert sorted(os.listdir(d)) == ["step=5.ckpt"]
+
+
+def test_a_rotated_out_checkpoint_whose_own_save_was_in_flight_goes_when_that_save_ends(tmp_path):
+    """step=2.ckpt is still being written (slow storage) when step 3 rotates it out, and
+    step=3.ckpt becomes durable first. The removal must happen once step=2's own save has
+    ended, not at a later batch end (no batch end comes while the test waits)."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = tmp_path / "d"
+    d.mkdir()
+    seen = {}
+
+    def slow(op, path):
+        if "/.step=2.ckpt." in path and op == "open":
+            time.sleep(0.4)
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step != 3:
+                return
+            deadline = time.monotonic() + 20
+            while not gockpt.is_complete(str(d / "step=3.ckpt")) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["old there while newer durable"] = (d / "step=2.ckpt").exists()
+            while (d / "step=2.ckpt").exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["old gone"] = not (d / "step=2.ckpt").exists()
+
+    FaultLocalFileSystem.fault = Fault(op_hook=slow)
+    try:
+        fit(str(tmp_path / "run"), io=GoCkptIO(mode="async", max_inflight=4), max_steps=5,
+            callbacks=(ModelCheckpoint(dirpath=local_url(d), filename="{step}", every_n_train_steps=1,
+                                       save_top_k=1), Watch()))
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert seen.get("old gone") is True, seen
     assert sorted(os.listdir(d)) == ["step=5.ckpt"]
 
 
