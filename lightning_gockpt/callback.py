@@ -364,7 +364,7 @@ class GoCkptCallback(Callback):
             newest = self._newest.pop(key, 0)
             # Released by a durable checkpoint of this folder requested after the path's own
             # newest save (PCcheck §4.1): removed now, its own saves in flight cancelled.
-            released = self._durable_seq.get(parent, 0) > newest
+            released = self._released(key, newest)
             # Else it waits while a save of the path, or of its folder, is in flight, or while
             # the newer saves of its folder were skipped or failed (when_full="skip", a
             # storage error): ModelCheckpoint removes it because it believes them written.
@@ -373,18 +373,20 @@ class GoCkptCallback(Callback):
             defer = not released and bool(
                 own or newer or any(self._dir_key(h) != key and _parent(self._dir_key(h)) == parent
                                     for h in pending))
-            if defer:
-                first = min((s for s, h in self._requests if h in pending), default=self._seq + 1)
-                first = min([first] + [s for s, h in self._requests if s > newest
-                                       and _parent(self._dir_key(h)) == parent])
+            if defer:  # waits for the saves in flight and the newer ones of its folder
+                first = min((s for s, h in self._requests if h in pending
+                             or (s > newest and _parent(self._dir_key(h)) == parent)),
+                            default=self._seq + 1)
                 self._deferred.append((path, key, first, newest))
         if not defer:
             self.engine.remove(path)
 
-    def _releases(self, h: _Handle, key: str, parent: str) -> bool:
-        """Whether ``h`` is a durable checkpoint beside the one of ``key`` (in ``parent``)."""
-        k = self._dir_key(h)
-        return k != key and _parent(k) == parent and h.done() and _durable(h)
+    def _released(self, key: str, own: int) -> bool:
+        """Whether the folder of ``key`` holds a durable checkpoint requested after ``own``
+        (the removed path's newest request): the one test every removal path applies (under
+        the lock). Removals go from newer to older only, so two saves in flight at once never
+        release each other's removal."""
+        return self._durable_seq.get(_parent(key), 0) > own
 
     def _close_at_exit(self) -> None:
         if self.engine is not None:
@@ -487,8 +489,7 @@ class GoCkptCallback(Callback):
         with self._removal_lock:
             key_h = self._dir_key(h)
             busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
-            ready = [d for d in self._deferred if d[1] not in busy
-                     and self._durable_seq.get(_parent(d[1]), 0) > d[3]]
+            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3])]
             if not ready:
                 return
             self._deferred = [d for d in self._deferred if d not in ready]
@@ -533,11 +534,8 @@ class GoCkptCallback(Callback):
             path, key, first, own = entry
             parent = _parent(key)
             since = [(s, h) for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
-            # Only a checkpoint requested after the path's own newest save releases it: two
-            # saves in flight at once would otherwise release each other's removal and leave
-            # the folder with neither (a removal goes from newer to older only).
             others = [h for s, h in since if s > own and self._dir_key(h) != key]
-            if any(self._releases(h, key, parent) for h in others):
+            if self._released(key, own):
                 ready.append(path)
             elif not all(h.done() for _, h in since):
                 keep.append(entry)
