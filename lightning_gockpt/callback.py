@@ -97,10 +97,11 @@ class GoCkptCallback(Callback):
         self._finished_lock = threading.Lock()
         self._pending: list[_Handle] = []
         # Deferred removals: (path, its directory key, the first request number it waits for,
-        # own): ``own`` the number of the path's newest request at the removal (0: none in this
-        # run); only a durable request of its folder numbered after ``own`` releases it. Every
-        # request since the oldest ``first``, in order (number, handle).
-        self._deferred: list[tuple[str, str, int, int]] = []
+        # own, need): ``own`` the number of the path's newest request at the removal (0: none in
+        # this run), ``need`` that of the newest request of another path of its folder then (the
+        # checkpoint replacing it); see _released. Every request since the oldest ``first``, in
+        # order (number, handle).
+        self._deferred: list[tuple[str, str, int, int, int]] = []
         self._requests: list[tuple[int, _Handle]] = []
         self._seq = 0
         self._newest: dict[str, int] = {}  # key -> number of its newest request (until removed)
@@ -362,9 +363,13 @@ class GoCkptCallback(Callback):
         own = [h for h in pending if self._dir_key(h) == key]
         with self._removal_lock:
             newest = self._newest.pop(key, 0)
+            # The checkpoint replacing it: ModelCheckpoint requests the new one, then removes the
+            # one it displaces (stock: once the new one is written).
+            need = max((s for k, s in self._newest.items() if k != key and _parent(k) == parent), default=0)
             # Released by a durable checkpoint of this folder requested after the path's own
-            # newest save (PCcheck §4.1): removed now, its own saves in flight cancelled.
-            released = self._released(key, newest)
+            # newest save and no older than ``need`` (PCcheck §4.1): removed now, its own saves in
+            # flight cancelled.
+            released = self._released(key, newest, need)
             # Else it waits while a save of the path, or of its folder, is in flight, or while
             # the newer saves of its folder were skipped or failed (when_full="skip", a
             # storage error): ModelCheckpoint removes it because it believes them written.
@@ -377,16 +382,25 @@ class GoCkptCallback(Callback):
                 first = min((s for s, h in self._requests if h in pending
                              or (s > newest and _parent(self._dir_key(h)) == parent)),
                             default=self._seq + 1)
-                self._deferred.append((path, key, first, newest))
+                self._deferred.append((path, key, first, newest, need))
         if not defer:
             self.engine.remove(path)
 
-    def _released(self, key: str, own: int) -> bool:
-        """Whether the folder of ``key`` holds a durable checkpoint requested after ``own``
-        (the removed path's newest request): the one test every removal path applies (under
-        the lock). Removals go from newer to older only, so two saves in flight at once never
-        release each other's removal."""
-        return self._durable_seq.get(_parent(key), 0) > own
+    def _released(self, key: str, own: int, need: int) -> bool:
+        """Whether a removal of ``key`` may happen now: the one test every removal path applies
+        (under the lock).
+
+        Its folder must hold a durable checkpoint requested after ``own`` (the removed path's
+        newest request): removals go from newer to older only, so two saves in flight at once
+        never release each other's removal. And the request ``need`` (the newest of another
+        path of the folder at the removal: the checkpoint replacing it) must have ended, durable
+        or followed by a durable one: an older checkpoint of the folder (the previous
+        ``last.ckpt``) does not stand in for it, so a top-k folder never holds fewer complete
+        checkpoints than stock's.
+        """
+        durable = self._durable_seq.get(_parent(key), 0)
+        return durable > own and durable >= need and not any(
+            s == need and not h.done() for s, h in self._requests)
 
     def _close_at_exit(self) -> None:
         if self.engine is not None:
@@ -489,7 +503,7 @@ class GoCkptCallback(Callback):
         with self._removal_lock:
             key_h = self._dir_key(h)
             busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
-            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3])]
+            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3], d[4])]
             if not ready:
                 return
             self._deferred = [d for d in self._deferred if d not in ready]
@@ -531,11 +545,11 @@ class GoCkptCallback(Callback):
         """The deferred paths to remove now, taken out of ``_deferred`` (under the lock)."""
         keep, ready = [], []
         for entry in self._deferred:
-            path, key, first, own = entry
+            path, key, first, own, need = entry
             parent = _parent(key)
             since = [(s, h) for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
             others = [h for s, h in since if s > own and self._dir_key(h) != key]
-            if self._released(key, own):
+            if self._released(key, own, need):
                 ready.append(path)
             elif not all(h.done() for _, h in since):
                 keep.append(entry)
@@ -551,7 +565,7 @@ class GoCkptCallback(Callback):
                 keep.append(entry)  # the newer saves there failed or were skipped: a later one may be durable
             # else: the run has ended with no newer checkpoint there: the path stays
         self._deferred = keep
-        oldest = min((first for _, _, first, _ in keep), default=self._seq + 1)
+        oldest = min((e[2] for e in keep), default=self._seq + 1)
         self._requests = [(s, h) for s, h in self._requests if s >= oldest or not h.done()]
         return ready
 

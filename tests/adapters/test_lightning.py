@@ -950,10 +950,10 @@ def test_a_skipped_newer_save_never_lets_a_rotation_empty_its_folder(tmp_path):
 def test_a_removal_awaiting_a_cancelled_save_is_released_by_a_later_durable_checkpoint_of_its_folder(tmp_path):
     """Two ModelCheckpoints in one folder: a top-1 one every step ("s-") and one keeping every
     epoch end ("ep-", step 10). Step 10 removes s-step=9 while s-step=10 is on slow storage: the
-    removal waits for it. Step 11 removes s-step=10 once ep-step=10, requested after it, is
-    durable, which cancels s-step=10's save. ep-step=10 must then release s-step=9's removal
-    too: the folder ends as stock's does, with no checkpoint left behind for good (the removal
-    used to be dropped when the save it awaited was cancelled)."""
+    removal waits for it. Step 11 removes s-step=10 once s-step=11, which replaces it, is
+    durable, cancelling s-step=10's save. A durable checkpoint requested after it must then
+    release s-step=9's removal too: the folder ends as stock's does, with no checkpoint left
+    behind for good (the removal used to be dropped when the save it awaited was cancelled)."""
     import time
 
     from faultfs import Fault, FaultLocalFileSystem, local_url
@@ -993,4 +993,57 @@ def test_a_removal_awaiting_a_cancelled_save_is_released_by_a_later_durable_chec
         FaultLocalFileSystem.fault = Fault()
     stock = sorted(n for n in os.listdir(tmp_path / "stock") if n.endswith(".ckpt"))
     assert stock == ["ep-step=10.ckpt", "ep-step=14.ckpt", "s-step=14.ckpt"]
+    assert sorted(os.listdir(d)) == stock
+
+
+def test_a_top_k_checkpoint_is_removed_only_once_the_one_replacing_it_is_durable(tmp_path):
+    """``ModelCheckpoint(monitor, save_top_k=2, save_last=True)``: each save step requests the new
+    top-k checkpoint, removes the one leaving the top k, then saves ``last.ckpt``. Stock removes
+    the old one after the new one is written, so the folder always holds two complete top-k
+    checkpoints. The previous step's ``last.ckpt``, durable and requested after the removed
+    one, must not release the removal while the new top-k checkpoint is still being written
+    (slow storage for ``step=6.ckpt``): a crash then would find one."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = tmp_path / "d"
+    d.mkdir()
+    gaps, most = [], []
+
+    def slow(op, path):
+        if "/.step=6.ckpt." in path and op == "open":
+            time.sleep(0.5)
+
+    def complete():
+        return sorted(n for n in os.listdir(d) if n.startswith("step=") and gockpt.is_complete(str(d / n)))
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == 5:  # step 4's saves durable before step 6's rotation
+                deadline = time.monotonic() + 20
+                while not all(gockpt.is_complete(str(d / n)) for n in os.listdir(d)):
+                    assert time.monotonic() < deadline, os.listdir(d)
+                    time.sleep(0.005)
+            now = complete()
+            most.append(len(now))
+            if max(most) >= 2 and len(now) < 2:
+                gaps.append((trainer.global_step, sorted(os.listdir(d))))
+
+    def top_k(url):
+        return ModelCheckpoint(dirpath=url, filename="{step}", every_n_train_steps=2, save_top_k=2,
+                               save_last=True, monitor="score", mode="max")
+
+    FaultLocalFileSystem.fault = Fault(op_hook=slow)
+    try:
+        fit(str(tmp_path / "run"), io=GoCkptIO(mode="async", max_inflight=4), max_steps=10,
+            callbacks=(top_k(local_url(d)), Watch()))
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert max(most) == 2 and gaps == [], gaps
+    fit(str(tmp_path / "stock"), max_steps=10, callbacks=(top_k(str(tmp_path / "stock")),))
+    stock = sorted(n for n in os.listdir(tmp_path / "stock") if n.endswith(".ckpt"))
+    assert stock == ["last.ckpt", "step=10.ckpt", "step=8.ckpt"]
     assert sorted(os.listdir(d)) == stock
