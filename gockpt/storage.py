@@ -464,7 +464,9 @@ def prune_numbered(directory: str, keep: int) -> list[str]:
 
     Each goes through :func:`remove_checkpoint` (renamed aside first), so a crash leaves whole
     checkpoints only. Call it after a publish: the newest checkpoint is already in place
-    (PCcheck §4.1: no old checkpoint is touched before the new one is complete).
+    (PCcheck §4.1: no old checkpoint is touched before the new one is complete). The newest is
+    always kept, whatever ``keep``: Accelerate's ``total_limit`` of 0 or less deletes the older
+    ones before each save and keeps the one it writes.
 
     Returns:
         The names deleted, oldest first.
@@ -473,7 +475,7 @@ def prune_numbered(directory: str, keep: int) -> list[str]:
         CheckpointStorageError: a deletion failed (naming the file); the rest are kept.
     """
     names = numbered_checkpoints(directory)
-    doomed = names[: max(0, len(names) - keep)]
+    doomed = names[: max(0, len(names) - max(1, keep))]
     for name in doomed:
         remove_checkpoint(os.path.join(directory, name))
     return doomed

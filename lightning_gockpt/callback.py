@@ -128,6 +128,9 @@ class GoCkptCallback(Callback):
         self._exit_token = -1
         self._step_hooks: list[Any] = []  # optimizer step pre-hooks (see _step_without_us)
         self._user_order: list[Callback] | None = None  # trainer.callbacks as setup found them
+        # The dict of the latest full (not weights-only) dump_checkpoint: Lightning calls the
+        # callbacks' on_save_checkpoint for those only. Held until the request that takes it.
+        self._full_dump: dict[str, Any] | None = None
 
     # A copy (``copy.deepcopy(trainer.callbacks)``, pickling for ``ddp_spawn``) is an unlinked
     # callback: engines, threads and locks stay with the original.
@@ -194,12 +197,17 @@ class GoCkptCallback(Callback):
             self._step_hooks = [opt.register_step_pre_hook(self._step_without_us)
                                 for opt in trainer.optimizers if isinstance(opt, optim.Optimizer)]
 
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # First of the callbacks (setup puts this one first), so before any hook edits the dict.
+        self._full_dump = checkpoint
+
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
             self.engine.before_update()
 
     def _batch_end(self) -> None:
         self._num_batches += 1
+        self._full_dump = None  # a dump no save took (a dict copied by user code) is not held on
         if self.engine is not None:
             trainer = self._trainer
             self.engine.step_end()
@@ -283,7 +291,14 @@ class GoCkptCallback(Callback):
         """
         trainer, engine = self._trainer, self.engine
         assert self.io is not None and trainer is not None and engine is not None
-        weights_only = "optimizer_states" not in checkpoint
+        # A weights-only save (save_weights_only, Trainer.save_checkpoint(weights_only=True)) is
+        # told by the hook that runs for full dumps only, not by the dict's keys: a module hook
+        # may drop "optimizer_states" from a full one, and a re-dump at a later captured step
+        # must then still hold the callbacks' and schedulers' state and run their hooks (an
+        # averaging callback swaps its weights in there). The keys are the fallback where that
+        # hook did not see this dict (callbacks swapped out by the tuner).
+        full, self._full_dump = self._full_dump is checkpoint, None
+        weights_only = not full and "optimizer_states" not in checkpoint
         at_version = engine.version
         # FSDPStrategy (full): the dict holds the state gathered at the request, and dumping it
         # again is a collective the other ranks do not join; it is taken at once (K = 1).
@@ -307,6 +322,7 @@ class GoCkptCallback(Callback):
                 # of that step comes after an update.)
                 return {"lightning": held[0]}
             ck = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+            self._full_dump = None  # this re-dump is no request's
             last = self._last_loops
             if last is not None and last[0] == now and "fit_loop" in ck.get("loops", {}):
                 # Past the first batch end of this step (see _batch_end): that one's loops.

@@ -297,6 +297,26 @@ def test_total_limit_deletes_only_after_the_new_checkpoint_is_published(tmp_path
     ckpt.close()
 
 
+@pytest.mark.parametrize("total_limit", [0, -1, 1])
+def test_a_total_limit_below_one_keeps_the_newest_checkpoint_as_stock_does(tmp_path, total_limit):
+    """Accelerate takes ``total_limit`` of 0 or less without complaint and, deleting the older
+    checkpoints before each save, keeps the one it writes: GoCkpt, deleting after the publish,
+    must keep that one too (it used to delete every checkpoint it wrote)."""
+    names = {}
+    for kind in ("stock", "gockpt"):
+        run = child.build(str(tmp_path / kind), total_limit=total_limit)
+        ckpt = attach(run.acc, GoCkptPlugin()) if kind == "gockpt" else None
+        for batches in (1, 2, 3):
+            child.train(run, batches)
+            run.acc.save_state()
+        if ckpt is not None:
+            ckpt.close()
+        names[kind] = sorted(os.listdir(tmp_path / kind / "checkpoints"))
+    assert names["stock"] == ["checkpoint_2"]
+    assert names["gockpt"] == names["stock"]
+    assert listing(tmp_path / "gockpt" / "checkpoints" / "checkpoint_2") == ACCELERATE_FILES
+
+
 def test_load_state_restores_the_iteration_counter(tmp_path):
     project = tmp_path / "run"
     run = child.build(str(project), total_limit=3)

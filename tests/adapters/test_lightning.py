@@ -1047,3 +1047,47 @@ def test_a_top_k_checkpoint_is_removed_only_once_the_one_replacing_it_is_durable
     stock = sorted(n for n in os.listdir(tmp_path / "stock") if n.endswith(".ckpt"))
     assert stock == ["last.ckpt", "step=10.ckpt", "step=8.ckpt"]
     assert sorted(os.listdir(d)) == stock
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_a_full_save_whose_hook_drops_the_optimizer_state_stays_a_full_save_at_a_later_captured_step(tmp_path, mode):
+    """A module's ``on_save_checkpoint`` drops ``optimizer_states`` (smaller files). The save is
+    still a full one: held at a later step (K = 3), its re-dump must keep the callbacks' and
+    schedulers' state and run the callbacks' hooks (``EMAWeightAveraging`` swaps the averaged
+    weights into ``state_dict``), equal bit for bit to stock's file of the step it holds."""
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    class Smaller(TinyNet):
+        def on_save_checkpoint(self, checkpoint):
+            super().on_save_checkpoint(checkpoint)
+            checkpoint.pop("optimizer_states", None)
+
+    def run(root, every, io):
+        import lightning.pytorch as pl
+
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(default_root_dir=root, max_steps=10, accelerator="cpu", logger=False,
+                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, plugins=[io] if io else None,
+                             callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=every,
+                                                        save_top_k=-1), EMAWeightAveraging(decay=0.5)])
+        trainer.fit(Smaller())
+
+    run(str(tmp_path / "stock"), 1, None)
+    run(str(tmp_path / "run"), 3, GoCkptIO(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    names = sorted(os.listdir(tmp_path / "run"))
+    assert names == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]
+    held = []
+    for name in names:
+        got = GoCkptIO().load_checkpoint(str(tmp_path / "run" / name))
+        held.append(got["global_step"])
+        want = torch.load(tmp_path / "stock" / f"step={got['global_step']}.ckpt", weights_only=False)
+        assert set(got) == set(want) and "optimizer_states" not in got
+        for key in ("state_dict", "lr_schedulers", "rng_state"):
+            assert_bitwise_equal(got[key], want[key], key)
+        ema = [k for k in want["callbacks"] if "EMAWeightAveraging" in k or "WeightAveraging" in k]
+        assert ema
+        for k in ema:
+            assert_bitwise_equal(got["callbacks"][k], want["callbacks"][k], k)
+    assert held != [3, 6, 9]  # held at later steps: the re-dump is what is tested
