@@ -16,6 +16,7 @@ import threading
 
 from fsspec import AbstractFileSystem
 
+from gockpt._bounded import DEFAULT_STORAGE_TIMEOUT_S
 from gockpt._safe_read import read_bounded
 from gockpt.errors import CheckpointCorruptError, CheckpointError
 from gockpt.format import decode_json
@@ -39,16 +40,19 @@ def _reset_latest_lock_in_child() -> None:
 os.register_at_fork(after_in_child=_reset_latest_lock_in_child)
 
 
-def read_manifest(fs: AbstractFileSystem, root: str) -> dict:
+def read_manifest(fs: AbstractFileSystem, root: str, *,
+                  timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S) -> dict:
     """Read and validate ``manifest.json`` of the checkpoint at ``root`` (size-bounded, strict
-    JSON: no duplicate keys, bounded depth).
+    JSON: no duplicate keys, bounded depth); ``timeout_s`` bounds the read on a store that may
+    hang (:func:`gockpt._safe_read.read_bounded`).
 
     Raises:
         FileNotFoundError: no manifest.
         CheckpointCorruptError: the manifest is hostile or malformed (names file and key).
+        TimeoutError: the store did not answer within ``timeout_s``.
     """
     manifest_path = join(root, MANIFEST_NAME)
-    raw = read_bounded(fs, manifest_path, max_bytes=MAX_METADATA_BYTES)
+    raw = read_bounded(fs, manifest_path, max_bytes=MAX_METADATA_BYTES, timeout_s=timeout_s)
     return validate_manifest(decode_json(raw, manifest_path), manifest_path)
 
 

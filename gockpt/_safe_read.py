@@ -15,7 +15,12 @@ import stat
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from gockpt._bounded import DEFAULT_STORAGE_TIMEOUT_S, bounded_call, call_bound
 from gockpt.errors import CheckpointCorruptError
+
+#: Bytes per call of a read from a store whose calls are bounded one by one (a large file
+#: takes as long as it needs while each piece answers in time, as writes do).
+READ_PIECE_BYTES = 64 << 20
 
 
 class ReplacedWhileOpenedError(CheckpointCorruptError):
@@ -110,18 +115,23 @@ def open_local_regular(path: str, expected_bytes: int | None = None) -> tuple[in
 
 
 def read_bounded(
-    fs: AbstractFileSystem, path: str, *, max_bytes: int, exact_bytes: int | None = None
+    fs: AbstractFileSystem, path: str, *, max_bytes: int, exact_bytes: int | None = None,
+    timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
 ) -> bytes:
     """Read a whole file of an untrusted directory with its size bounded before reading.
 
     Locally only a regular file that is not a symlink is opened (no device, FIFO or link out
-    of the directory). Remotely at most ``max_bytes + 1`` bytes are requested.
+    of the directory). Remotely at most ``max_bytes + 1`` bytes are requested; on a store
+    that may hang (not local, not S3, whose requests botocore bounds:
+    :func:`gockpt.fsutil.call_bound`) in pieces of :data:`READ_PIECE_BYTES`, each waited for at
+    most ``timeout_s`` seconds.
 
     Args:
         fs: the filesystem.
         path: the file, inside ``fs``.
         max_bytes: the largest size accepted, in bytes.
         exact_bytes: the size the file must have (the manifest's record), or None.
+        timeout_s: bound on one read call into a store that may hang, in seconds (None: none).
 
     Returns:
         The file's bytes.
@@ -129,6 +139,7 @@ def read_bounded(
     Raises:
         FileNotFoundError: no such file.
         CheckpointCorruptError: not a regular file, over ``max_bytes``, or not ``exact_bytes``.
+        TimeoutError: a read call into the store did not answer within ``timeout_s``.
     """
     limit = max_bytes if exact_bytes is None else min(max_bytes, exact_bytes)
     if isinstance(fs, LocalFileSystem):
@@ -136,7 +147,19 @@ def read_bounded(
             _check_read_size(path, os.fstat(f.fileno()).st_size, max_bytes, exact_bytes)
             data = f.read(limit + 1)  # bounded even if the file grows meanwhile
     else:
-        data = fs.cat_file(path, start=0, end=limit + 1)
+        bound = call_bound(fs, timeout_s)
+        if bound is None:
+            data = fs.cat_file(path, start=0, end=limit + 1)
+        else:
+            out = bytearray()
+            while len(out) < limit + 1:
+                start, end = len(out), min(limit + 1, len(out) + READ_PIECE_BYTES)
+                piece = bounded_call(lambda: fs.cat_file(path, start=start, end=end), bound,  # noqa: B023
+                                     f"read of {path}")
+                out += piece
+                if len(piece) < end - start:  # the end of the file
+                    break
+            data = bytes(out)
     _check_read_size(path, len(data), max_bytes, exact_bytes)
     return data
 

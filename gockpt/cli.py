@@ -139,15 +139,18 @@ def _inspect(args: argparse.Namespace, options: dict) -> int:
 
 
 def _describe(info: dict) -> str:
-    replay = info["replay"]
+    # Informational fields of the manifest that no loader reads: shown as unknown when malformed.
+    replay = info["replay"] if isinstance(info["replay"], dict) else {}
     if replay.get("backend"):
         exact = "bit-exact" if replay.get("exact") else f"max abs error {replay.get('max_abs_error')}"
         backend = f"{replay['backend']} ({exact} against the live optimizer)"
     else:
         backend = "none (the state was copied at one step)"
     created = info["created_unix_s"]
-    when = (datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-            if isinstance(created, (int, float)) else "unknown")
+    try:
+        when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (TypeError, ValueError, OverflowError, OSError):  # not a number, or out of range
+        when = "unknown"
     dtypes = Counter(t["dtype"] for t in info["tensors"].values())
     num_shards = len({t["file"] for t in info["tensors"].values()})
     sharded = info["meta"].get("sharded")

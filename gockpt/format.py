@@ -143,12 +143,17 @@ def is_int(value: Any) -> TypeGuard[int]:
 
 def is_shape(value: Any) -> TypeGuard[list[int]]:
     """Whether ``value`` is a list of at most :data:`MAX_NDIM` integers (not bools), each in
-    ``[0, MAX_DIM]``: a shape torch can hold."""
-    return (
-        isinstance(value, list)
-        and len(value) <= MAX_NDIM
-        and all(type(s) is int and 0 <= s <= MAX_DIM for s in value)
-    )
+    ``[0, MAX_DIM]``, whose nonzero ones multiply to at most ``MAX_DIM``: a shape torch can
+    hold (torch multiplies every dimension, a 0 among them too, and refuses an overflow)."""
+    if not (isinstance(value, list) and len(value) <= MAX_NDIM
+            and all(type(s) is int and 0 <= s <= MAX_DIM for s in value)):
+        return False
+    n = 1
+    for s in value:
+        n *= s or 1
+        if n > MAX_DIM:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,7 @@ def decode_header(prefix: bytes, file_bytes: int, path: str) -> tuple[dict[str, 
         if not is_shape(shape):
             raise CheckpointCorruptError(
                 f"{path}: tensor {key!r} has a malformed shape (at most {MAX_NDIM} dimensions, "
-                f"each from 0 to 2**63 - 1)"
+                f"each from 0 to 2**63 - 1, their product too)"
             )
         spec = TensorSpec(key, CODE_TO_DTYPE[code], tuple(shape))
         if not (type(begin) is int and type(end) is int) or end - begin != spec.nbytes:

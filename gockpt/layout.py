@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .format import TensorSpec, dtype_code
+from .format import DTYPE_TO_CODE, TensorSpec, dtype_code
 
 if TYPE_CHECKING:
     from .partition import Partition
@@ -231,6 +231,19 @@ def _entry(key: str, t: torch.Tensor) -> Entry:
     return Entry(key, t, spec)
 
 
+def storable(t: torch.Tensor) -> bool:
+    """Whether a safetensors shard can hold ``t`` (a ``DTensor``: its local shard): a dense
+    strided tensor with real memory, of a dtype in :data:`gockpt.format.DTYPE_TO_CODE`.
+
+    Others (sparse or complex tensors, unsigned 16-64-bit integers, quantized or meta
+    tensors) are not tracked: they are copied where the state tree is taken, at the captured
+    step, and stored in its pickled part, as ``torch.save`` stores them.
+    """
+    t = local(t)
+    return (t.layout == torch.strided and t.dtype in DTYPE_TO_CODE and not t.is_quantized
+            and t.device.type != "meta" and _dense(t))
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers exactly ``numel`` distinct elements of its storage (any stride order)."""
     if t.is_contiguous():
@@ -265,11 +278,12 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
     """Enumerate the tensors of a checkpoint of ``model`` and ``optimizers``.
 
     Call after the optimizers' state exists (after the first step); state created later is
-    noticed through :attr:`StateLayout.signature`.
+    noticed through :attr:`StateLayout.signature`. A tensor the shards cannot hold
+    (:func:`storable`) is left out, and so is a parameter whose optimizer state holds one
+    (replay needs all of it): the state tree's copy at the captured step stores them.
 
     Raises:
-        ValueError: a sparse or self-overlapping tensor, or a parameter owned by two optimizers.
-        TypeError: a dtype safetensors cannot store.
+        ValueError: a parameter owned by two optimizers.
     """
     sd = model.state_dict(keep_vars=True)
     canonical: dict[int, str] = {}
@@ -288,13 +302,18 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
         model_tensors[key] = v
 
     units: list[Unit] = []
-    owned: dict[int, Unit] = {}
+    owned: dict[int, Unit | None] = {}  # None: owned by an optimizer, left out (not storable)
     for oi, opt in enumerate(optimizers):
         pidx = 0
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) in owned:
                     raise ValueError("a parameter is owned by two optimizers")
+                state = opt.state.get(p, {})
+                if not storable(p) or not all(storable(t) for t in state.values() if isinstance(t, torch.Tensor)):
+                    owned[id(p)] = None
+                    pidx += 1
+                    continue
                 found = canonical.get(id(p))
                 if found is not None:
                     key = found
@@ -302,7 +321,6 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
                     # An optimizer parameter outside the model: stored under the optimizer.
                     key = f"optim.{oi}.{pidx}.__param__"
                 pe = _entry(key, p.detach())
-                state = opt.state.get(p, {})
                 se = {
                     name: _entry(f"optim.{oi}.{pidx}.{name}", t.detach())
                     for name, t in state.items()
@@ -313,7 +331,7 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
                 owned[id(p)] = u
                 pidx += 1
     static = [
-        _entry(key, t.detach()) for key, t in model_tensors.items() if id(t) not in owned
+        _entry(key, t.detach()) for key, t in model_tensors.items() if id(t) not in owned and storable(t)
     ]
     layout = StateLayout(units, static, aliases, model_keys)
     layout.signature = layout_signature(model, optimizers)
@@ -337,20 +355,25 @@ def layout_signature(model: nn.Module, optimizers: list[Optimizer],
         add(k)
         if isinstance(v, torch.Tensor):
             add(id(v))
-            add(local(v).data_ptr())
+            add(_address(v))
     for opt in optimizers:
         add(None)  # where one optimizer ends
         state = opt.state
         for g in opt.param_groups:
             for p in g["params"]:
                 add(id(p))
-                add(local(p).data_ptr())
+                add(_address(p))
                 st = state.get(p)
                 if st:
                     for k, v in st.items():
                         if isinstance(v, torch.Tensor):
                             add(k)
                             add(id(v))
-                            add(local(v).data_ptr())
+                            add(_address(v))
                 add(len(st) if st else 0)  # where one parameter's state ends
     return tuple(sig)
+
+
+def _address(t: torch.Tensor) -> int:
+    # A sparse tensor has no data pointer; its identity is the signature's part for it.
+    return local(t).data_ptr() if t.layout == torch.strided else 0

@@ -55,6 +55,7 @@ def read_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     verify: bool = True,
     allow_pickle: bool = False,
+    timeout_s: float | None = storage.DEFAULT_STORAGE_TIMEOUT_S,
 ) -> LoadedCheckpoint:
     """Load the checkpoint directory at ``path``.
 
@@ -65,6 +66,9 @@ def read_checkpoint(
             the tensor index are checked regardless).
         allow_pickle: load the extra state with full pickle instead of ``weights_only=True``;
             only for checkpoints you trust.
+        timeout_s: bound on one read call in seconds, on a store whose calls may hang (not
+            local, not S3, whose requests botocore bounds): files are read in pieces of
+            :data:`gockpt._safe_read.READ_PIECE_BYTES`, each answered within it. None: unbounded.
 
     Returns:
         A :class:`LoadedCheckpoint` whose tensors are CPU tensors that stay valid after the
@@ -84,7 +88,7 @@ def read_checkpoint(
     """
     fs, root = storage.url_to_fs(path, storage_options)
     try:
-        return _read(path, fs, root, verify, allow_pickle)
+        return _read(path, fs, root, verify, allow_pickle, timeout_s)
     except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError):
         raise
     except Exception as e:  # a store's own error (a botocore read timeout): named as ours
@@ -106,9 +110,9 @@ def framework_files(manifest: Mapping[str, Any]) -> list[str]:
 
 
 def _read(path: str, fs: AbstractFileSystem, root: str, verify: bool, allow_pickle: bool,
-          ) -> LoadedCheckpoint:
+          timeout_s: float | None) -> LoadedCheckpoint:
     try:
-        manifest = storage.read_manifest(fs, root)
+        manifest = storage.read_manifest(fs, root, timeout_s=timeout_s)
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(
             f"{path} is not a complete GoCkpt checkpoint (no manifest.json)"
@@ -134,12 +138,12 @@ def _read(path: str, fs: AbstractFileSystem, root: str, verify: bool, allow_pick
         if local:
             tensors.update(_load_local_shard(file_path, file_entry, index, verify))
         else:
-            tensors.update(_load_remote_shard(fs, file_path, file_entry, index, verify))
+            tensors.update(_load_remote_shard(fs, file_path, file_entry, index, verify, timeout_s))
     for alias, target in manifest["aliases"].items():
         tensors[alias] = tensors[target]
 
     extra_path = fsutil.join(root, manifest["extra_file"])
-    blob = read_listed(fs, extra_path, manifest["files"][manifest["extra_file"]], verify)
+    blob = read_listed(fs, extra_path, manifest["files"][manifest["extra_file"]], verify, timeout_s=timeout_s)
     try:
         extra = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=not allow_pickle)
     except Exception as e:
@@ -164,7 +168,8 @@ def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
 
 
 def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool, *,
-                max_bytes: int | None = None) -> bytes:
+                max_bytes: int | None = None,
+                timeout_s: float | None = storage.DEFAULT_STORAGE_TIMEOUT_S) -> bytes:
     """The bytes of ``file_path``, which a manifest lists as ``entry`` (``bytes``, ``xxh3_64``):
     read as untrusted (a regular file, no symlink, FIFO or device; exactly the recorded size,
     at most ``max_bytes``), the checksum checked with ``verify``.
@@ -178,7 +183,7 @@ def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: boo
                                      f"{max_bytes} a file of this kind may hold", path=file_path)
     try:
         data = storage.read_bounded(
-            fs, file_path, max_bytes=entry["bytes"], exact_bytes=entry["bytes"]
+            fs, file_path, max_bytes=entry["bytes"], exact_bytes=entry["bytes"], timeout_s=timeout_s
         )
     except (FileNotFoundError, NotADirectoryError):
         raise _missing(file_path) from None
@@ -297,9 +302,10 @@ def _load_local_shard(
 
 
 def _load_remote_shard(
-    fs: AbstractFileSystem, file_path: str, entry: dict, index: dict[str, dict], verify: bool
+    fs: AbstractFileSystem, file_path: str, entry: dict, index: dict[str, dict], verify: bool,
+    timeout_s: float | None,
 ) -> dict[str, torch.Tensor]:
-    data = read_listed(fs, file_path, entry, verify)
+    data = read_listed(fs, file_path, entry, verify, timeout_s=timeout_s)
     _decode(file_path, data, index)
     try:
         loaded = safetensors.torch.load(data)

@@ -222,7 +222,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
         shape = entry.get("shape")
         if not is_shape(shape):
             raise bad(f"tensor {key!r} in {file!r}: malformed shape {_brief(shape)} (at most "
-                      f"{MAX_NDIM} dimensions, each from 0 to 2**63 - 1)")
+                      f"{MAX_NDIM} dimensions, each from 0 to 2**63 - 1, their product too)")
         offsets = entry.get("data_offsets")
         if not (
             isinstance(offsets, list)

@@ -36,6 +36,7 @@ class Partition:
         foreign_params: (optimizer index, parameter index) of the units other ranks store.
         foreign_keys: layout keys (``model.<fqn>`` and aliases) of other ranks' parameters.
         stored_keys: layout keys (and aliases) of the tensors this rank stores.
+        stored_params: (optimizer index, parameter index) of the units this rank stores.
     """
 
     rank: int
@@ -44,6 +45,7 @@ class Partition:
     foreign_params: frozenset[tuple[int, int]]
     foreign_keys: frozenset[str]
     stored_keys: frozenset[str]
+    stored_params: frozenset[tuple[int, int]] = frozenset()
 
 
 def balance(sizes: Sequence[int], world: int, base: Sequence[int] | None = None) -> list[int]:
@@ -106,7 +108,8 @@ def partition_layout(layout: StateLayout, rank: int, world: int) -> StateLayout:
     foreign_keys |= {a for a, t in layout.aliases.items() if t in foreign_keys}
     part = Partition(rank, world, tuple(owners),
                      frozenset((u.optimizer_index, u.param_index) for u in foreign),
-                     frozenset(foreign_keys), frozenset(stored | set(aliases)))
+                     frozenset(foreign_keys), frozenset(stored | set(aliases)),
+                     frozenset((u.optimizer_index, u.param_index) for u in mine))
     model_keys = [k for k in layout.model_keys if f"model.{k}" in part.stored_keys]
     return StateLayout(mine, static, aliases, model_keys, layout.signature, partition=part)
 
@@ -133,9 +136,12 @@ def prune_model(state_dict: Mapping[str, Any], part: Partition) -> dict[str, Any
 def prune_optimizer(state_dict: Mapping[str, Any], opt_index: int, part: Partition) -> dict[str, Any]:
     """``optimizer.state_dict()`` without the per-parameter state of other ranks' units.
 
-    The parameter groups are kept whole (every rank's part holds them).
+    The state of a parameter in no unit (left out of the layout: :func:`gockpt.layout.storable`)
+    is kept by rank 0 only, as the tensors ``prune_model`` leaves to it. The parameter groups
+    are kept whole (every rank's part holds them).
     """
     out = dict(state_dict)
     out["state"] = {i: st for i, st in state_dict["state"].items()
-                    if (opt_index, i) not in part.foreign_params}
+                    if (opt_index, i) in part.stored_params
+                    or (part.rank == 0 and (opt_index, i) not in part.foreign_params)}
     return out

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ._bounded import DEFAULT_STORAGE_TIMEOUT_S
 from .errors import CheckpointCorruptError
 from .load import read_checkpoint
 from .snapshot import resolve
@@ -47,6 +48,7 @@ def load_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     verify: bool = True,
     allow_pickle: bool = False,
+    timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
 ) -> LoadedState:
     """Load a GoCkpt checkpoint directory.
 
@@ -56,6 +58,8 @@ def load_checkpoint(
         verify: check file sizes and checksums.
         allow_pickle: unpickle arbitrary objects in the non-tensor state (trusted files only);
             by default only tensors, containers and primitives load.
+        timeout_s: bound on one read call into a store that may hang, in seconds (see
+            :func:`gockpt.load.read_checkpoint`).
 
     Returns:
         A :class:`LoadedState` with CPU tensors.
@@ -66,7 +70,8 @@ def load_checkpoint(
         CheckpointStorageError: a remote store failed while it was read
             (:class:`gockpt.CheckpointTimeoutError` where it timed out).
     """
-    ck = read_checkpoint(path, storage_options=storage_options, verify=verify, allow_pickle=allow_pickle)
+    ck = read_checkpoint(path, storage_options=storage_options, verify=verify, allow_pickle=allow_pickle,
+                         timeout_s=timeout_s)
     meta = ck.manifest["meta"]
     extra_file = ck.manifest["extra_file"]
 

@@ -32,6 +32,7 @@ import torch
 from ._direct import ALIGN as PAGE
 from ._direct import aligned_empty
 from .format import CheckpointCorruptError, ShardLayout, TensorSpec, plan_shards
+from .layout import storable
 
 REF = "__gockpt_tensor__"
 """Key of a reference marker in a serialized state tree: ``{REF: key, "stride": [...] | None}``."""
@@ -72,27 +73,46 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
 
     Containers: ``dict`` and subclasses (copied with ``copy.copy``, instance attributes such as a
     state_dict's ``_metadata`` deep-copied), plain lists, tuples and named tuples. Anything
-    else, or a value for which ``is_leaf`` is true, is a leaf.
+    else, or a value for which ``is_leaf`` is true, is a leaf. A container met twice maps to
+    one copy, as pickle keeps it (a loaded tree of shared lists is not expanded into an
+    exponential one), and a dict or list that holds itself keeps its cycle.
+
+    Raises:
+        ValueError: a cycle through a tuple (no copy can hold it before its items exist).
+        RecursionError: containers nested deeper than the interpreter's recursion limit.
     """
+    memo: dict[int, Any] = {}
+    building: set[int] = set()
 
     def conv(x: Any) -> Any:
         # Tensors and scalars are leaves whatever ``is_leaf`` says: checked first, since a
         # capture maps every tensor and step count of the state, on the training thread.
         if type(x) in _ATOMIC or isinstance(x, torch.Tensor) or is_leaf(x):
             return fn(x)
+        if not isinstance(x, (dict, list, tuple)) or (type(x) is not list and isinstance(x, list)):
+            return fn(x)
+        done = memo.get(id(x))
+        if done is not None:
+            return done
         if isinstance(x, dict):
-            d = copy.copy(x)
+            d = memo[id(x)] = copy.copy(x)
             if vars(x) if hasattr(x, "__dict__") else False:
                 d.__dict__.update(_deep_copy(vars(x)))  # e.g. a state_dict's ``_metadata``
             for k in list(d):
                 d[k] = conv(x[k])
             return d
         if type(x) is list:
-            return [conv(v) for v in x]
-        if isinstance(x, tuple):
-            items = [conv(v) for v in x]
-            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-        return fn(x)
+            out: list = []
+            memo[id(x)] = out
+            out.extend(conv(v) for v in x)
+            return out
+        if id(x) in building:
+            raise ValueError("the state tree holds a tuple that contains itself")
+        building.add(id(x))
+        items = [conv(v) for v in x]
+        building.discard(id(x))
+        t = memo[id(x)] = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return t
 
     return conv(tree)
 
@@ -215,7 +235,8 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
         The tree with tensors; a tensor saved non-contiguous gets its strides back.
 
     Raises:
-        CheckpointCorruptError: a reference names a key that is not stored, or is malformed.
+        CheckpointCorruptError: a reference names a key that is not stored, or is malformed; the
+            tree is nested too deeply to walk, or holds a tuple that contains itself.
     """
     cache: dict[tuple, torch.Tensor] = {}
 
@@ -238,7 +259,12 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
             cache[ck] = t
         return cache[ck]
 
-    return map_tree(tree, leaf, _is_ref)
+    try:
+        return map_tree(tree, leaf, _is_ref)
+    except CheckpointCorruptError:
+        raise
+    except (RecursionError, ValueError) as e:
+        raise CheckpointCorruptError(f"{where}: malformed state tree ({e})") from None
 
 
 #: How many elements a restored view may span per element it holds: a saved view with gaps
@@ -326,12 +352,20 @@ def host_view(buf: torch.Tensor, offset: int, like: torch.Tensor | TensorSpec) -
 
 
 def collect_tensors(tree: Any) -> dict[str, torch.Tensor]:
-    """Every distinct tensor of ``tree`` (by :func:`storage_key`), keyed by its dotted path."""
+    """Every distinct tensor of ``tree`` (by :func:`storage_key`) that a shard can hold
+    (:func:`gockpt.layout.storable`), keyed by its dotted path; the others stay in the tree."""
     found: dict[StorageKey, str] = {}
     out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # containers walked: a shared one once, a cycle ends
 
     def walk(x: Any, path: str) -> None:
+        if isinstance(x, (dict, list, tuple)):
+            if id(x) in seen:
+                return
+            seen.add(id(x))
         if isinstance(x, torch.Tensor):
+            if not storable(x):
+                return
             sk = storage_key(x)
             if sk not in found:
                 key = path or "tensor"
@@ -367,7 +401,8 @@ def save_tree(
     """Write ``tree`` as a complete GoCkpt checkpoint, blocking (no live model needed).
 
     Every tensor of the tree (any device) is copied to a host slot and stored in safetensors
-    shards; the tree itself is stored with references to them, so
+    shards, but for those a shard cannot hold (sparse, complex: :func:`gockpt.layout.storable`),
+    which stay in the tree; the tree itself is stored with references to them, so
     :func:`gockpt.load_checkpoint` returns it as ``extra``. With ``model`` and ``optimizers``
     the checkpoint is the one a :class:`gockpt.Engine` writes: ``load_checkpoint`` returns
     them as ``model_state_dict`` and ``optimizer_state_dicts``, and ``Engine.restore`` loads
@@ -396,7 +431,6 @@ def save_tree(
             (:func:`gockpt.storage.check_save_path`).
         FileExistsError: ``path`` is a local directory that is not empty and holds no
             checkpoint.
-        TypeError: a tensor dtype safetensors cannot store.
         OSError, CheckpointError: from the storage (the previous checkpoint at ``path`` is intact).
     """
     from .fsutil import path_key

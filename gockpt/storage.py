@@ -145,15 +145,21 @@ def check_save_path(path: str, *, update_latest: bool,
         check_replaceable(path, framework_names)
 
 
-def is_complete(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+def is_complete(path: str, storage_options: Mapping[str, Any] | None = None,
+                timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S) -> bool:
     """True if the checkpoint at ``path`` is complete: its manifest is valid and every file it
     names is present with the size it records (a cheap stat per file, no checksums).
 
     A directory torn by a crash during deletion, or a manifest that does not decode, is not
-    complete. Errors reaching the storage count as not complete.
+    complete. Errors reaching the storage count as not complete, and so does a store that may
+    hang (not local, not S3) answering none of it within ``2 * timeout_s`` seconds.
     """
-    fs, root = url_to_fs(path, storage_options)
-    return complete_manifest(fs, root) is not None
+    fs, root = url_to_fs(path, storage_options, timeout_s)
+    try:
+        return _bounded(fs, timeout_s, path, "completeness check of",
+                        lambda: complete_manifest(fs, root) is not None, scale=2.0)
+    except CheckpointStorageError:
+        return False
 
 
 def has_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -170,7 +176,8 @@ def has_manifest(path: str, storage_options: Mapping[str, Any] | None = None) ->
 
 
 def latest_checkpoint(
-    directory: str, storage_options: Mapping[str, Any] | None = None
+    directory: str, storage_options: Mapping[str, Any] | None = None,
+    timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
 ) -> str | None:
     """The newest complete checkpoint in ``directory``.
 
@@ -182,6 +189,7 @@ def latest_checkpoint(
     Args:
         directory: the directory holding checkpoints (local path or fsspec URL).
         storage_options: fsspec options.
+        timeout_s: bound on one object-store operation in seconds (see :func:`url_to_fs`).
 
     Returns:
         ``directory`` joined with the checkpoint's name (same URL form as ``directory``), or
@@ -192,9 +200,16 @@ def latest_checkpoint(
             over 16 MiB, not JSON, wrong fields). A complete checkpoint named ``latest`` is
             not taken for one: the entries are scanned.
         CheckpointStorageError: reading the pointer failed in the store (a
-            :class:`CheckpointTimeoutError` where it timed out): not a verdict on the pointer.
+            :class:`CheckpointTimeoutError` where it timed out, or where a store that may
+            hang, not local and not S3, did not finish the lookup, a scan of the manifests
+            included, within ``4 * timeout_s`` seconds): not a verdict on the pointer.
     """
-    fs, parent = url_to_fs(directory, storage_options)
+    fs, parent = url_to_fs(directory, storage_options, timeout_s)
+    return _bounded(fs, timeout_s, directory, "finding the newest checkpoint in",
+                    lambda: _latest(fs, directory, parent), scale=4.0)
+
+
+def _latest(fs: Any, directory: str, parent: str) -> str | None:
     try:
         pointer = read_pointer(fs, parent, strict=True)
     except CheckpointCorruptError:

@@ -11,7 +11,7 @@ stall, with no patching of GoCkpt itself:
 
 Each class has a :class:`Fault` (class attribute ``fault``; swap it with ``monkeypatch.setattr``):
 ``hook(name, nbytes)`` runs before every write to a file whose name contains ``match``, and
-``op_hook(op, path)`` before ``pipe``/``rm``/``cat`` operations.
+``op_hook(op, path)`` before ``pipe``/``rm``/``cat``/``ls`` operations.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Fault:
         match: substring of file names ``hook`` applies to.
         written: bytes written so far to matching files while armed.
         op_hook: None or ``op_hook(op, path)`` with op in ``"pipe"``, ``"rm"``, ``"cat"``,
-            ``"open"`` (any open for writing), run before the operation.
+            ``"ls"``, ``"open"`` (any open for writing), run before the operation.
     """
 
     hook: Callable[[str, int], None] | None = None
@@ -134,6 +134,10 @@ class _FaultHooks:
     def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
         self.fault.before_op("cat", path)
         return super().cat_file(path, start=start, end=end, **kwargs)  # type: ignore[misc]
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        self.fault.before_op("ls", path)
+        return super().ls(path, detail=detail, **kwargs)  # type: ignore[misc]
 
 
 class FaultLocalFileSystem(_FaultHooks, LocalFileSystem):

@@ -425,6 +425,22 @@ def test_a_malformed_sharded_record_is_named_not_a_type_error(runs, tmp_path, ca
         assert code == 1 and "meta field 'sharded' is malformed" in err and "manifest.json" in err, err
 
 
+@pytest.mark.parametrize("meta", [{"replay": [1]}, {"replay": "native"}, {"created_unix_s": 1e308},
+                                  {"created_unix_s": "yesterday"}])
+def test_inspect_shows_malformed_informational_fields_as_unknown(runs, tmp_path, capsys, meta):
+    """Fields no loader reads (the replay record, the creation time) malformed: the checkpoint
+    still loads, so ``inspect`` still describes it, showing them as unknown (it used to end in
+    a traceback)."""
+    bad = tmp_path / "odd.ckpt"
+    shutil.copytree(runs["ours"], bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["meta"].update(meta)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = _in_process(capsys, "inspect", str(bad))
+    assert code == 0 and "complete        yes" in out and "Traceback" not in err, err
+    assert ("none (the state was copied at one step)" if "replay" in meta else "unknown") in out, out
+
+
 @pytest.fixture(scope="module")
 def gockpt_accelerate_folder(tmp_path_factory):
     """An Accelerate save_state folder written by accelerate_gockpt (it has a manifest), and

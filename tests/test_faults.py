@@ -397,6 +397,30 @@ def test_a_hung_object_store_fails_the_save_within_the_storage_deadline(
     assert_loads_as(store.path("ckpt"), old, 1)
 
 
+@pytest.mark.parametrize("hung", ["cat", "ls"])
+def test_reading_from_a_hung_store_fails_within_the_storage_deadline(hung_store, make_request, make_tensors, hung):
+    """A resume from a store that stopped answering (reads hang, or listings): finding the
+    newest checkpoint and loading it raise a CheckpointTimeoutError naming the path, and
+    ``is_complete`` says no, each within a bound, never a wait without end."""
+    store, fault, release = hung_store
+    persist(make_request(store.path("ckpt"), make_tensors(1), step=1))
+    assert latest_checkpoint(store.root) == store.path("ckpt")
+    fault.hang({hung}, release)
+    ok, error, took = run_bounded(lambda: latest_checkpoint(store.root, timeout_s=HUNG_TIMEOUT_S))
+    assert isinstance(error, CheckpointTimeoutError) and store.root in str(error), (ok, error)
+    assert took < 4 * HUNG_TIMEOUT_S + 5
+    complete, error, _ = run_bounded(lambda: is_complete(store.path("ckpt"), timeout_s=HUNG_TIMEOUT_S))
+    assert complete is False and error is None
+    if hung == "cat":  # a load lists nothing: only reads can hang it
+        _, error, _ = run_bounded(lambda: read_checkpoint(store.path("ckpt"), timeout_s=HUNG_TIMEOUT_S))
+        assert isinstance(error, CheckpointTimeoutError) and "manifest.json" in str(error), error
+        _, error, _ = run_bounded(lambda: gockpt.load_checkpoint(store.path("ckpt"), timeout_s=HUNG_TIMEOUT_S))
+        assert isinstance(error, CheckpointTimeoutError), error
+    release.set()
+    fault.op_hook = None
+    assert read_checkpoint(store.path("ckpt")).manifest["meta"]["captured_step"] == 1
+
+
 def test_a_hung_manifest_put_fails_the_save_and_keeps_what_it_may_publish(
     hung_store, make_request, make_tensors, caplog
 ):

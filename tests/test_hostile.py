@@ -309,6 +309,7 @@ HOSTILE_SHAPES = {
     "a dimension over int64": [0, 10**30],
     "a dimension of 2**63": [0, 1 << 63],
     "65 dimensions": [0] * 65,
+    "dimensions multiplying past int64": [1 << 62, 1 << 62, 0],
 }
 
 
@@ -669,3 +670,87 @@ def test_the_cli_dates_a_sharded_checkpoint_and_names_a_part_as_one(sharded, cap
     out = sharded.parent / "out.ckpt"
     assert main(["convert", str(sharded), str(out), "--to", "lightning"]) == 1
     assert "sharded tensors" in capsys.readouterr().err and not out.exists()
+
+
+# --- the pickled state tree: shared, cyclic and self-holding containers ---------------------
+
+
+def _load_within(path, timeout_s=30.0, **kw):
+    """``load_checkpoint(path)`` on a thread: its result, or a failure if it runs past the bound."""
+    out = {}
+
+    def run():
+        try:
+            out["state"] = load_checkpoint(path, **kw)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"load_checkpoint still running after {timeout_s} s"
+    if "error" in out:
+        raise out["error"]
+    return out["state"]
+
+
+def test_a_state_tree_of_shared_lists_loads_as_pickled_without_expanding(tmp_path):
+    """64 levels of ``L = [L, L]``: a few hundred bytes pickled, 2**64 paths. It loads at once,
+    the sharing kept (it used to be expanded path by path, without bound in time and memory)."""
+    from gockpt.snapshot import save_tree
+
+    deep: list = []
+    for _ in range(64):
+        deep = [deep, deep]
+    save_tree(str(tmp_path / "ck"), {"deep": deep, "w": torch.ones(2)})
+    extra = _load_within(str(tmp_path / "ck")).extra
+    got = extra["deep"]
+    for _ in range(64):
+        assert len(got) == 2 and got[0] is got[1]
+        got = got[0]
+    assert got == [] and torch.equal(extra["w"], torch.ones(2))
+
+
+def test_a_state_tree_that_holds_itself_loads_with_its_cycle(tmp_path):
+    """A list and a dict that contain themselves (``torch.save`` keeps such cycles): saved and
+    loaded with the cycle, not a RecursionError."""
+    from gockpt.snapshot import save_tree
+
+    loop: list = [1]
+    loop.append(loop)
+    node: dict = {"w": torch.arange(3.0)}
+    node["self"] = node
+    save_tree(str(tmp_path / "ck"), {"loop": loop, "node": node})
+    extra = _load_within(str(tmp_path / "ck")).extra
+    assert extra["loop"][0] == 1 and extra["loop"][1] is extra["loop"]
+    assert extra["node"]["self"] is extra["node"] and torch.equal(extra["node"]["w"], torch.arange(3.0))
+
+
+def test_a_state_tree_whose_tuple_holds_itself_is_a_corrupt_checkpoint(tmp_path):
+    """A tuple inside its own list (unpickled only with ``allow_pickle``): no copy of the tree
+    can hold that cycle; the load names the checkpoint (CheckpointCorruptError), never a raw
+    RecursionError."""
+    import io
+
+    import xxhash
+
+    from gockpt.snapshot import save_tree
+
+    path = tmp_path / "ck"
+    save_tree(str(path), {"w": torch.ones(2)})
+    manifest = json.loads((path / "manifest.json").read_text())
+    name = manifest["extra_file"]
+    blob = torch.load(path / name, weights_only=True)
+    inner: list = []
+    cyc = (inner,)
+    inner.append(cyc)
+    blob["user"] = {"cyc": cyc}
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    data = buf.getvalue()
+    (path / name).write_bytes(data)
+    manifest["files"][name] = {**manifest["files"][name], "bytes": len(data),
+                               "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorruptError, match="tuple that contains itself"):
+        _load_within(str(path), allow_pickle=True)

@@ -1091,3 +1091,91 @@ def test_a_full_save_whose_hook_drops_the_optimizer_state_stays_a_full_save_at_a
         for k in ema:
             assert_bitwise_equal(got["callbacks"][k], want["callbacks"][k], k)
     assert held != [3, 6, 9]  # held at later steps: the re-dump is what is tested
+
+
+def _same(got, want, where=""):
+    """Bitwise equality of nested checkpoint entries, sparse tensors included."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.layout == want.layout and got.dtype == want.dtype, where
+        if want.layout != torch.strided:
+            got, want = got.coalesce(), want.coalesce()
+            _same(got.indices(), want.indices(), where + ".indices")
+            _same(got.values(), want.values(), where + ".values")
+            return
+        got, want = torch.view_as_real(got) if got.is_complex() else got, \
+            torch.view_as_real(want) if want.is_complex() else want
+        assert got.shape == want.shape and torch.equal(got.reshape(-1).view(torch.uint8),
+                                                       want.reshape(-1).view(torch.uint8)), where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), f"{where}: {set(got) ^ set(want)}"
+        for k in want:
+            _same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.mark.parametrize("mode", ["sync", "gockpt"])
+def test_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, mode):
+    """A sparse embedding under SGD with momentum (a sparse momentum buffer), a complex
+    parameter, complex, uint16 and sparse buffers: the shards hold none of them, and the run
+    used to fail at its first checkpoint. They are stored as ``torch.save`` stores them, the
+    checkpoint equal to stock's file of the step it holds, and a resume from it continues as
+    a resume from stock's."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch import nn
+
+    class Odd(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 4, sparse=True)
+            self.lin = nn.Linear(4, 2)
+            self.rot = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+            self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)))
+            self.register_buffer("counts", torch.zeros(3, dtype=torch.uint16))
+            self.register_buffer("mask", torch.eye(3).to_sparse())
+
+        def training_step(self, batch, batch_idx):
+            h = self.emb(batch[:, 0].long() % 16)
+            h = h * (self.rot * self.freqs).real
+            self.counts.copy_((self.counts.int() + 1).to(torch.uint16))
+            return (self.lin(h) - batch[:, 1:3]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            data = torch.cat([torch.randint(0, 16, (64, 1), generator=g).float(), torch.randn(64, 2, generator=g)], 1)
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+    def run(root, every, io, max_steps=8, ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        model = Odd()
+        trainer = pl.Trainer(default_root_dir=root, max_steps=max_steps, accelerator="cpu", logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, plugins=[io] if io else None,
+                             callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=every,
+                                                        save_top_k=-1)])
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    run(str(tmp_path / "stock"), 1, None)
+    kw = {"min_overlap_steps": 3, "max_overlap_steps": 3} if mode == "gockpt" else {}
+    run(str(tmp_path / "run"), 3, GoCkptIO(mode=mode, **kw))
+    names = sorted(os.listdir(tmp_path / "run"))
+    assert names == ["step=3.ckpt", "step=6.ckpt"]
+    for name in names:
+        got = GoCkptIO().load_checkpoint(str(tmp_path / "run" / name))
+        want = torch.load(tmp_path / "stock" / f"step={got['global_step']}.ckpt", weights_only=False)
+        assert got["optimizer_states"][0]["state"][1]["momentum_buffer"].layout == torch.sparse_coo
+        for key in ("state_dict", "optimizer_states"):
+            _same(got[key], want[key], key)
+    # A resume from it continues as one from stock's file of the step it holds.
+    held = GoCkptIO().load_checkpoint(str(tmp_path / "run" / names[-1]))["global_step"]
+    a = run(str(tmp_path / "r1"), 100, GoCkptIO(), max_steps=12, ckpt_path=str(tmp_path / "run" / names[-1]))
+    b = run(str(tmp_path / "r2"), 100, None, max_steps=12, ckpt_path=str(tmp_path / "stock" / f"step={held}.ckpt"))
+    _same(dict(a.state_dict()), dict(b.state_dict()), "resumed")

@@ -42,9 +42,14 @@ class Net(pl.LightningModule):
         if feature in ("unfreeze", "add_param_group"):
             self.extra.requires_grad_(False)
         self.automatic_optimization = feature not in ("manual", "shared")
+        if feature == "complex":  # tensors no safetensors shard holds (a rotary table)
+            self.rot = nn.Parameter(torch.polar(torch.ones(8), torch.linspace(0, 1, 8)))
+            self.register_buffer("freqs", torch.polar(torch.ones(8), torch.arange(8.0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.body(x)
+        if self.feature == "complex":
+            y = y * (self.rot * self.freqs).real
         if self.feature == "channels_last":
             img = x[:, :8].reshape(-1, 2, 2, 2).contiguous(memory_format=torch.channels_last)
             y = y + self.conv(img).mean()
