@@ -37,12 +37,17 @@ def open_regular(path: str) -> int:
 
     Raises:
         FileNotFoundError: no such file.
-        CheckpointCorruptError: a symlink, FIFO, device, socket or directory.
+        CheckpointCorruptError: a symlink, FIFO, device, socket or directory; a symlink loop
+            on its path.
     """
     try:
         before = os.stat(path, follow_symlinks=False)
     except NotADirectoryError:
         raise FileNotFoundError(errno.ENOENT, "not found", path) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a directory on the way is a symbolic link loop
+            raise CheckpointCorruptError(f"{path}: a symbolic link loop on its path", path=path) from None
+        raise
     if not stat.S_ISREG(before.st_mode):
         raise CheckpointCorruptError(f"{path}: {_kind(before.st_mode)}, not a regular file")
     try:

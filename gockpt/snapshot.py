@@ -35,7 +35,9 @@ from .format import CheckpointCorruptError, ShardLayout, TensorSpec, plan_shards
 from .layout import storable
 
 REF = "__gockpt_tensor__"
-"""Key of a reference marker in a serialized state tree: ``{REF: key, "stride": [...] | None}``."""
+"""Key of a reference marker in a serialized state tree: ``{REF: key, "stride": [...] | None}``,
+plus ``"param": requires_grad`` where the tensor was an ``nn.Parameter`` of a user's tree, or
+``"requires_grad": True`` where it was another tensor requiring gradients."""
 
 _ALIGN = 64
 
@@ -148,10 +150,10 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str], *, keep_params: bool 
             ``_metadata`` kept), lists and tuples (named tuples kept) with tensors and other
             leaves.
         live: :func:`storage_key` of each tracked tensor -> its shard key.
-        keep_params: an untracked ``nn.Parameter`` is copied as one (a user's tree, which
-            ``torch.save`` would store so); off for the model's ``state_dict(keep_vars=True)``,
-            whose stock form holds plain tensors. (A tracked one loads as a plain tensor: the
-            reference format has no room for its type.)
+        keep_params: an ``nn.Parameter`` stays one, with its ``requires_grad`` (a user's tree,
+            which ``torch.save`` would store so): an untracked one is copied as one, a tracked
+            one's reference records it; off for the model's ``state_dict(keep_vars=True)``,
+            whose stock form holds plain tensors.
 
     Returns:
         The same structure; a tensor whose key is in ``live`` is ``{REF: key, "stride": s}``
@@ -169,8 +171,14 @@ def to_skeleton(tree: Any, live: Mapping[StorageKey, str], *, keep_params: bool 
             return copy.deepcopy(x)
         if id(x) not in memo:
             key = live.get(storage_key(x)) if x.layout == torch.strided else None
-            memo[id(x)] = ({REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
-                           if key is not None else _copy_as_saved(x, storages, keep_params))
+            if key is None:
+                memo[id(x)] = _copy_as_saved(x, storages, keep_params)
+            else:
+                ref = memo[id(x)] = {REF: key, "stride": None if x.is_contiguous() else list(x.stride())}
+                if keep_params and isinstance(x, torch.nn.Parameter):
+                    ref["param"] = bool(x.requires_grad)
+                elif keep_params and x.requires_grad:
+                    ref["requires_grad"] = True
         return memo[id(x)]
 
     return map_tree(tree, leaf)
@@ -185,7 +193,7 @@ def _copy_as_saved(x: torch.Tensor, storages: dict[tuple, torch.UntypedStorage],
                    keep_params: bool) -> torch.Tensor:
     """A CPU copy of an untracked tensor that ``torch.save`` then stores as it stores ``x``:
     views of one storage stay views of one copied storage (offsets and strides kept), and
-    (``keep_params``) a ``Parameter`` stays one, with its ``requires_grad``. Other kinds
+    (``keep_params``) a ``Parameter`` stays one, and ``requires_grad`` is kept. Other kinds
     (sparse, subclasses, quantized) are copied on their own."""
     plain = type(x) in (torch.Tensor, torch.nn.Parameter)
     st = x.untyped_storage() if plain and x.layout == torch.strided else None
@@ -203,11 +211,14 @@ def _copy_as_saved(x: torch.Tensor, storages: dict[tuple, torch.UntypedStorage],
         y = torch.empty(0, dtype=x.dtype).set_(storages[k], x.storage_offset(), x.shape, x.stride())
     if keep_params and isinstance(x, torch.nn.Parameter):
         return torch.nn.Parameter(y, requires_grad=x.requires_grad)
+    if keep_params and x.requires_grad:  # torch.save keeps the flag (loaded as a leaf)
+        y.requires_grad_(True)
     return y
 
 
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, dict) and REF in x and set(x) == {REF, "stride"}
+    return (isinstance(x, dict) and REF in x and "stride" in x
+            and (len(x) == 2 or len(x) == 3 and ("param" in x or "requires_grad" in x)))
 
 
 def references(tree: Any) -> set[str]:
@@ -246,7 +257,10 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
         key, stride = x[REF], x["stride"]
         if not isinstance(key, str) or key not in tensors:
             raise CheckpointCorruptError(f"{where}: state refers to tensor {key!r}, which is not stored")
-        ck = (key, tuple(stride) if isinstance(stride, list) else None)
+        param, grad = x.get("param"), x.get("requires_grad", False)
+        if not (param is None or isinstance(param, bool)) or not isinstance(grad, bool):
+            raise CheckpointCorruptError(f"{where}: malformed reference to tensor {key!r}")
+        ck = (key, tuple(stride) if isinstance(stride, list) else None, param, grad)
         if ck not in cache:
             t = tensors[key]
             if stride is not None:
@@ -256,6 +270,13 @@ def resolve(tree: Any, tensors: Mapping[str, torch.Tensor], where: str = "") -> 
                     raise CheckpointCorruptError(f"{where}: malformed strides for tensor {key!r}")
                 _check_strides(t, stride, key, where)
                 t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+            # As torch.save keeps them: an nn.Parameter, a tensor's requires_grad (a new tensor
+            # object over the same memory, so other references to the key are left as they are).
+            differentiable = t.is_floating_point() or t.is_complex()
+            if param is not None:
+                t = torch.nn.Parameter(t, requires_grad=param and differentiable)
+            elif grad and differentiable:
+                t = t.detach().requires_grad_(True)
             cache[ck] = t
         return cache[ck]
 

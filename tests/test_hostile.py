@@ -138,6 +138,13 @@ def test_a_symlinked_checkpoint_directory_still_loads(local_ckpt, tmp_path):
     read_checkpoint(str(root / "last.ckpt"))
 
 
+def test_a_checkpoint_directory_that_is_a_symlink_loop_is_a_corrupt_checkpoint(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    corrupt_error(lambda: read_checkpoint(str(tmp_path / "a")), "symbolic link loop")
+    corrupt_error(lambda: load_checkpoint(str(tmp_path / "a")), "symbolic link loop")
+
+
 # --- every store: sizes bounded, strict JSON, typed entries --------------------------------------
 
 

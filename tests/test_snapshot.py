@@ -72,19 +72,23 @@ def test_untracked_views_share_a_storage_and_parameters_stay_parameters_as_torch
     from gockpt.snapshot import resolve
 
     tracked = nn.Parameter(torch.randn(3, 4))
+    tracked_leaf = torch.randn(2, requires_grad=True)
     other = torch.randn(4, 5)
     z = torch.tensor([1 + 2j, 3 - 4j])
     tree = {"param": nn.Parameter(torch.randn(3)), "frozen": nn.Parameter(torch.ones(2), requires_grad=False),
             "a": other[1], "b": other[:, 2], "whole": other, "conj": z.conj(),
-            "neg": torch.tensor([1.0, 2.0])._neg_view(), "tracked": tracked}
-    skeleton = to_skeleton(tree, {storage_key(tracked): "model.w"}, keep_params=True)
+            "neg": torch.tensor([1.0, 2.0])._neg_view(), "leaf": torch.randn(2, requires_grad=True),
+            "tracked": tracked, "tracked_plain": tracked.detach(), "tracked_leaf": tracked_leaf}
+    live = {storage_key(tracked): "model.w", storage_key(tracked_leaf): "optim.0.0.__param__"}
+    skeleton = to_skeleton(tree, live, keep_params=True)
+    assert skeleton["tracked"] == {REF: "model.w", "stride": None, "param": True}
     buf = io.BytesIO()
     torch.save(skeleton, buf)
     buf.seek(0)
-    back = resolve(torch.load(buf, weights_only=True), {"model.w": tracked.detach().clone()}, "ckpt")
+    back = resolve(torch.load(buf, weights_only=True), {"model.w": tracked.detach().clone(),
+                                                         "optim.0.0.__param__": tracked_leaf.detach().clone()}, "ckpt")
     stock = torch.load(io.BytesIO(_saved(tree)), weights_only=True)
-    assert torch.equal(back["tracked"], tracked.detach())  # a reference: a plain tensor
-    for k in (k for k in tree if k != "tracked"):
+    for k in tree:
         assert type(back[k]) is type(stock[k]), k
         assert back[k].requires_grad == stock[k].requires_grad, k
         assert torch.equal(back[k], stock[k]) and back[k].stride() == stock[k].stride(), k

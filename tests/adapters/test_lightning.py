@@ -1179,3 +1179,33 @@ def test_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, mode)
     a = run(str(tmp_path / "r1"), 100, GoCkptIO(), max_steps=12, ckpt_path=str(tmp_path / "run" / names[-1]))
     b = run(str(tmp_path / "r2"), 100, None, max_steps=12, ckpt_path=str(tmp_path / "stock" / f"step={held}.ckpt"))
     _same(dict(a.state_dict()), dict(b.state_dict()), "resumed")
+
+
+@pytest.mark.parametrize("mode", ["sync", "gockpt"])
+def test_parameters_and_requires_grad_in_the_dict_load_as_stock_loads_them(tmp_path, mode):
+    """A hook puts a live parameter (tracked: a reference to its shard entry) and a leaf tensor
+    requiring gradients into the checkpoint dict: they load as ``torch.load`` gives them from
+    stock's file, an ``nn.Parameter`` and a tensor with ``requires_grad`` (they came back as
+    plain tensors)."""
+    from _lightning_train import TinyNet
+
+    class Keep(TinyNet):
+        def on_save_checkpoint(self, checkpoint):
+            super().on_save_checkpoint(checkpoint)
+            checkpoint["live"] = self.net[0].weight
+            checkpoint["leaf"] = torch.ones(2, requires_grad=True)
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for root, io in ((tmp_path / "stock", None), (tmp_path / "run", GoCkptIO(mode=mode))):
+        pl.seed_everything(0, verbose=False)
+        pl.Trainer(default_root_dir=root, max_steps=4, accelerator="cpu", logger=False, limit_val_batches=0,
+                   enable_progress_bar=False, enable_model_summary=False, plugins=[io] if io else None,
+                   callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=4)]).fit(Keep())
+    got = GoCkptIO().load_checkpoint(str(tmp_path / "run" / "step=4.ckpt"))
+    want = torch.load(tmp_path / "stock" / "step=4.ckpt", weights_only=False)
+    for key in ("live", "leaf"):
+        assert type(got[key]) is type(want[key]) and got[key].requires_grad == want[key].requires_grad, key
+        assert torch.equal(got[key], want[key]), key
+    assert type(want["live"]) is torch.nn.Parameter and want["leaf"].requires_grad
