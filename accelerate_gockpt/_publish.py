@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import safetensors.torch
@@ -66,21 +66,28 @@ class AccelerateWriter(FolderWriter):
     safe_serialization: bool
     hooked_weights: list[dict[str, Any]] | None = None
     framework_names: re.Pattern[str] | None = ACCELERATE_NAMES
+    #: Weights built whole from the snapshot's state dict (files()) rather than written from the
+    #: host slot: torch.save'd, hooked, or holding a tensor no shard holds (a uint16 or complex
+    #: buffer, which safetensors' own writer stores). Set by tensor_files.
+    weights_from_tree: bool = field(default=False, init=False)
 
     def _weights_name(self, i: int) -> str:
         base = SAFE_WEIGHTS_NAME if self.safe_serialization else WEIGHTS_NAME
         return base if i == 0 else base.replace(".", f"_{i}.")
 
     def tensor_files(self, layout: StateLayout) -> list[TensorFile] | None:
-        if not self.safe_serialization or self.hooked_weights is not None:
-            # Weights as the hooks left them, or torch.save'd: built in files() then.
+        self.weights_from_tree = (not self.safe_serialization or self.hooked_weights is not None
+                                  or any(k.startswith("model.") for k in layout.left_out))
+        if self.weights_from_tree:
+            # Weights as the hooks left them, torch.save'd, or with tensors the slot does not
+            # hold: built in files() then.
             return []
         return [TensorFile(self._weights_name(i), pairs, {"format": "pt"})
                 for i, pairs in enumerate(stored_once(layout, self.key_map, self.num_models))]
 
     def files(self, snapshot: Snapshot) -> Mapping[str, Any]:
         out: dict[str, Any] = {}
-        if not self.safe_serialization or self.hooked_weights is not None:
+        if self.weights_from_tree:
             weights = self.hooked_weights
             if weights is None:
                 weights = [{} for _ in range(self.num_models)]

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["DEFAULT_STORAGE_TIMEOUT_S", "bounded_call", "call_bound", "is_local"]
+__all__ = ["DEFAULT_STORAGE_TIMEOUT_S", "bounded_call", "bounded_fs", "call_bound", "is_local"]
 
 #: Default bound on one object-store operation, in seconds (``GoCkptConfig.storage_timeout_s``).
 DEFAULT_STORAGE_TIMEOUT_S = 60.0
@@ -173,3 +173,30 @@ def _calls_after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_calls_after_fork_in_child)
+
+
+class _BoundedFS:
+    """A filesystem whose every method call is a :func:`bounded_call` (attributes pass through)."""
+
+    def __init__(self, fs: AbstractFileSystem, bound_s: float) -> None:
+        self._fs, self._bound_s = fs, bound_s
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            what = f"{name} of {args[0]}" if args else name
+            return bounded_call(lambda: attr(*args, **kwargs), self._bound_s, what)
+
+        return call
+
+
+def bounded_fs(fs: AbstractFileSystem, timeout_s: float | None) -> AbstractFileSystem:
+    """``fs``, or where its calls may hang (:func:`call_bound`) a proxy whose every method call
+    is waited for at most ``timeout_s`` seconds (``TimeoutError`` past it): a walk of many
+    calls (a scan of a folder's manifests) takes as long as it needs while each call answers
+    in time."""
+    bound = call_bound(fs, timeout_s)
+    return fs if bound is None else _BoundedFS(fs, bound)  # type: ignore[return-value]

@@ -156,15 +156,18 @@ def read_bounded(
         if bound is None:
             data = fs.cat_file(path, start=0, end=limit + 1)
         else:
-            out = bytearray()
-            while len(out) < limit + 1:
-                start, end = len(out), min(limit + 1, len(out) + READ_PIECE_BYTES)
+            pieces, got = [], 0
+            while got < limit + 1:
+                start, end = got, min(limit + 1, got + READ_PIECE_BYTES)
                 piece = bounded_call(lambda: fs.cat_file(path, start=start, end=end), bound,  # noqa: B023
                                      f"read of {path}")
-                out += piece
+                pieces.append(piece)
+                got += len(piece)
                 if len(piece) < end - start:  # the end of the file
                     break
-            data = bytes(out)
+            # One piece (a file under 64 MiB) as it came; more are joined (twice a file's
+            # size at the join, where the one call held it once).
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     _check_read_size(path, len(data), max_bytes, exact_bytes)
     return data
 

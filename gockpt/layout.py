@@ -192,6 +192,9 @@ class StateLayout:
         signature: (key, dtype, shape) of every stored tensor, to notice when the layout changes.
         partition: for a rank sharing the write of a replicated state (DDP), which units it
             stores (:mod:`gockpt.partition`); None when the layout is everything this rank holds.
+        left_out: keys of the tensors no shard can hold (:func:`storable`): model keys
+            (``model.<fqn>``) and the parameters of the units left out; the state tree stores
+            them.
     """
 
     @cached_property
@@ -206,6 +209,7 @@ class StateLayout:
     model_keys: list[str]
     signature: tuple = field(default=())
     partition: Partition | None = None
+    left_out: tuple[str, ...] = ()
 
     @cached_property
     def entries(self) -> tuple[Entry, ...]:
@@ -284,6 +288,9 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
 
     Raises:
         ValueError: a parameter owned by two optimizers.
+        TypeError: such a tensor where only a shard could hold it: in a sharded layout (DTensor
+            state, whose loaders read shards only), or an optimizer parameter that is not in
+            the model (no state tree holds its value).
     """
     sd = model.state_dict(keep_vars=True)
     canonical: dict[int, str] = {}
@@ -303,6 +310,7 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
 
     units: list[Unit] = []
     owned: dict[int, Unit | None] = {}  # None: owned by an optimizer, left out (not storable)
+    left_out: list[str] = []
     for oi, opt in enumerate(optimizers):
         pidx = 0
         for gi, group in enumerate(opt.param_groups):
@@ -310,11 +318,19 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
                 if id(p) in owned:
                     raise ValueError("a parameter is owned by two optimizers")
                 state = opt.state.get(p, {})
+                found = canonical.get(id(p))
                 if not storable(p) or not all(storable(t) for t in state.values() if isinstance(t, torch.Tensor)):
+                    if found is None:
+                        # Outside the model: no state tree holds its value (an optimizer's
+                        # state_dict holds none), so only a shard could.
+                        name, t = next((n, t) for n, t in [("value", p), *state.items()]
+                                       if isinstance(t, torch.Tensor) and not storable(t))
+                        raise TypeError(f"optimizer {oi}, parameter {pidx} (not in the model): its "
+                                        f"{name} ({_kind(t)}) cannot be stored by GoCkpt")
                     owned[id(p)] = None
+                    left_out.append(found)
                     pidx += 1
                     continue
-                found = canonical.get(id(p))
                 if found is not None:
                     key = found
                 else:
@@ -330,10 +346,20 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
                 units.append(u)
                 owned[id(p)] = u
                 pidx += 1
-    static = [
-        _entry(key, t.detach()) for key, t in model_tensors.items() if id(t) not in owned and storable(t)
-    ]
-    layout = StateLayout(units, static, aliases, model_keys)
+    static = []
+    for key, t in model_tensors.items():
+        if id(t) in owned:
+            continue
+        if storable(t):
+            static.append(_entry(key, t.detach()))
+        else:
+            left_out.append(key)
+    layout = StateLayout(units, static, aliases, model_keys, left_out=tuple(left_out))
+    if left_out and layout.sharded:
+        # A sharded checkpoint's loaders (gockpt.dcp) read the shards' entries only.
+        raise TypeError(f"tensor {left_out[0]!r} ({_kind(model_tensors[left_out[0]])}) cannot be stored "
+                        "in a sharded checkpoint (DTensor state): GoCkpt stores dense tensors of "
+                        "safetensors' dtypes only")
     layout.signature = layout_signature(model, optimizers)
     return layout
 
@@ -372,6 +398,11 @@ def layout_signature(model: nn.Module, optimizers: list[Optimizer],
                             add(_address(v))
                 add(len(st) if st else 0)  # where one parameter's state ends
     return tuple(sig)
+
+
+def _kind(t: torch.Tensor) -> str:
+    t = local(t)
+    return f"{t.dtype} {str(t.layout).replace('torch.', '')}"
 
 
 def _address(t: torch.Tensor) -> int:

@@ -86,7 +86,7 @@ def read_checkpoint(
             (a :class:`gockpt.CheckpointTimeoutError` where it timed out), the original error
             as ``__cause__``.
     """
-    fs, root = storage.url_to_fs(path, storage_options)
+    fs, root = storage.url_to_fs(path, storage_options, timeout_s)
     try:
         return _read(path, fs, root, verify, allow_pickle, timeout_s)
     except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError):

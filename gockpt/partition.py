@@ -111,7 +111,8 @@ def partition_layout(layout: StateLayout, rank: int, world: int) -> StateLayout:
                      frozenset(foreign_keys), frozenset(stored | set(aliases)),
                      frozenset((u.optimizer_index, u.param_index) for u in mine))
     model_keys = [k for k in layout.model_keys if f"model.{k}" in part.stored_keys]
-    return StateLayout(mine, static, aliases, model_keys, layout.signature, partition=part)
+    return StateLayout(mine, static, aliases, model_keys, layout.signature, partition=part,
+                       left_out=layout.left_out)
 
 
 def prune_model(state_dict: Mapping[str, Any], part: Partition) -> dict[str, Any]:

@@ -83,7 +83,9 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
         ValueError: a cycle through a tuple (no copy can hold it before its items exist).
         RecursionError: containers nested deeper than the interpreter's recursion limit.
     """
-    memo: dict[int, Any] = {}
+    # id -> (the container, its copy): the container is kept alive with its id, so a mapping
+    # that builds a new container per access cannot reuse the id of one already copied.
+    memo: dict[int, tuple[Any, Any]] = {}
     building: set[int] = set()
 
     def conv(x: Any) -> Any:
@@ -95,9 +97,10 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
             return fn(x)
         done = memo.get(id(x))
         if done is not None:
-            return done
+            return done[1]
         if isinstance(x, dict):
-            d = memo[id(x)] = copy.copy(x)
+            d = copy.copy(x)
+            memo[id(x)] = (x, d)
             if vars(x) if hasattr(x, "__dict__") else False:
                 d.__dict__.update(_deep_copy(vars(x)))  # e.g. a state_dict's ``_metadata``
             for k in list(d):
@@ -105,7 +108,7 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
             return d
         if type(x) is list:
             out: list = []
-            memo[id(x)] = out
+            memo[id(x)] = (x, out)
             out.extend(conv(v) for v in x)
             return out
         if id(x) in building:
@@ -113,7 +116,8 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
         building.add(id(x))
         items = [conv(v) for v in x]
         building.discard(id(x))
-        t = memo[id(x)] = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        t = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        memo[id(x)] = (x, t)
         return t
 
     return conv(tree)
@@ -377,13 +381,13 @@ def collect_tensors(tree: Any) -> dict[str, torch.Tensor]:
     (:func:`gockpt.layout.storable`), keyed by its dotted path; the others stay in the tree."""
     found: dict[StorageKey, str] = {}
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # containers walked: a shared one once, a cycle ends
+    seen: dict[int, Any] = {}  # containers walked (kept alive): a shared one once, a cycle ends
 
     def walk(x: Any, path: str) -> None:
         if isinstance(x, (dict, list, tuple)):
             if id(x) in seen:
                 return
-            seen.add(id(x))
+            seen[id(x)] = x
         if isinstance(x, torch.Tensor):
             if not storable(x):
                 return

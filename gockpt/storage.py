@@ -49,6 +49,7 @@ from gockpt._pointer import (
     read_pointer,
     write_pointer,
 )
+from gockpt._bounded import bounded_fs
 from gockpt._safe_read import open_local_regular, read_bounded
 from gockpt.errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from gockpt.fsutil import (
@@ -151,15 +152,11 @@ def is_complete(path: str, storage_options: Mapping[str, Any] | None = None,
     names is present with the size it records (a cheap stat per file, no checksums).
 
     A directory torn by a crash during deletion, or a manifest that does not decode, is not
-    complete. Errors reaching the storage count as not complete, and so does a store that may
-    hang (not local, not S3) answering none of it within ``2 * timeout_s`` seconds.
+    complete. Errors reaching the storage count as not complete, and so does a call into a
+    store that may hang (not local, not S3) not answered within ``timeout_s`` seconds.
     """
     fs, root = url_to_fs(path, storage_options, timeout_s)
-    try:
-        return _bounded(fs, timeout_s, path, "completeness check of",
-                        lambda: complete_manifest(fs, root) is not None, scale=2.0)
-    except CheckpointStorageError:
-        return False
+    return complete_manifest(bounded_fs(fs, timeout_s), root) is not None
 
 
 def has_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -200,13 +197,18 @@ def latest_checkpoint(
             over 16 MiB, not JSON, wrong fields). A complete checkpoint named ``latest`` is
             not taken for one: the entries are scanned.
         CheckpointStorageError: reading the pointer failed in the store (a
-            :class:`CheckpointTimeoutError` where it timed out, or where a store that may
-            hang, not local and not S3, did not finish the lookup, a scan of the manifests
-            included, within ``4 * timeout_s`` seconds): not a verdict on the pointer.
+            :class:`CheckpointTimeoutError` where it timed out: on a store that may hang, not
+            local and not S3, each call of the lookup, a scan of the manifests included, is
+            waited for at most ``timeout_s`` seconds): not a verdict on the pointer.
     """
     fs, parent = url_to_fs(directory, storage_options, timeout_s)
-    return _bounded(fs, timeout_s, directory, "finding the newest checkpoint in",
-                    lambda: _latest(fs, directory, parent), scale=4.0)
+    fs = bounded_fs(fs, timeout_s)
+    try:
+        return _latest(fs, directory, parent)
+    except TimeoutError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise storage_error(e, directory, directory, action="finding the newest checkpoint in") from e
 
 
 def _latest(fs: Any, directory: str, parent: str) -> str | None:

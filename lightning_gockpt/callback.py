@@ -425,6 +425,7 @@ class GoCkptCallback(Callback):
 
     def close(self) -> None:
         """Finish pending checkpoints and stop the engine; re-raises a background error."""
+        self._full_dump = None  # a dump after the last request (a save after fit) is not held on
         engine, self.engine = self.engine, None
         if engine is None:
             return

@@ -285,3 +285,24 @@ def test_a_failed_run_does_not_wait_out_the_commit_timeout_for_a_stuck_rank(tmp_
     assert not gockpt.is_complete(f"{root}/ck")
     assert gockpt.latest_checkpoint(root) is None
     assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == []
+
+
+def _unstorable_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    m = _model()
+    m.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)))  # a rotary table
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    eng = ShardedEngine(m, opt, gockpt.GoCkptConfig(mode="sync"), commit_timeout_s=30)
+    _step(m, opt, 0)
+    eng.step_end()
+    with pytest.raises(TypeError, match="'model.freqs'.*complex64.*sharded checkpoint"):
+        eng.save(f"{root}/ck")
+    eng.close()
+    end_rank()
+
+
+def test_a_tensor_no_shard_holds_is_refused_at_the_request_of_a_sharded_checkpoint(tmp_path):
+    """A complex buffer in an FSDP2 model: the sharded loaders read shard entries only, so the
+    request is refused with an error naming the tensor (never a checkpoint that cannot resume)."""
+    mp.spawn(_unstorable_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+    assert not os.path.exists(tmp_path / "ck")

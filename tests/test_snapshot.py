@@ -104,3 +104,18 @@ def _saved(tree) -> bytes:
     buf = io.BytesIO()
     torch.save(tree, buf)
     return buf.getvalue()
+
+
+def test_a_mapping_that_builds_a_new_container_per_access_keeps_each_value():
+    """A dict subclass whose ``__getitem__`` makes a fresh list each time: the copy of one key
+    is never given to another (a container's id is not reused while the walk holds it)."""
+    from gockpt.snapshot import map_tree
+
+    class Lazy(dict):
+        def __getitem__(self, k):
+            return [super().__getitem__(k)]
+
+    assert dict(map_tree(Lazy(a=1, b=2, c=3), lambda x: x)) == {"a": [1], "b": [2], "c": [3]}
+    skeleton = to_skeleton({"hp": Lazy(a=torch.ones(1), b=torch.zeros(1))}, {}, keep_params=True)
+    stored = dict(dict.items(skeleton["hp"]))  # as stored, not through the subclass's access
+    assert torch.equal(stored["a"][0], torch.ones(1)) and torch.equal(stored["b"][0], torch.zeros(1))

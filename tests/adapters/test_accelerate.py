@@ -1104,3 +1104,55 @@ def test_a_project_dir_through_a_symlinked_parent_saves_and_refuses_a_second_sav
                                        / "checkpoint_0")
     assert listing(path) == ACCELERATE_FILES
     assert listing(tmp_path / "real" / "run" / "checkpoints" / "checkpoint_0") == ACCELERATE_FILES
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_buffers_no_shard_holds_are_saved_and_loaded_as_stock(tmp_path, safe_serialization):
+    """A uint16 and a complex buffer (a token table, a rotary table): the host slot holds
+    neither, so the weights file is built from the captured state instead; it holds what
+    stock's holds, and ``load_state`` restores them (the save used to fail with a KeyError)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch import nn
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("ids", torch.arange(5).to(torch.uint16))
+            self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)))
+
+        def forward(self, x):
+            return self.lin(x) * (self.freqs.real + self.ids[:4].to(torch.int32))
+
+    def run(out, gockpt_on):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        acc = Accelerator(cpu=True)
+        net = Odd()
+        model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+        ckpt = attach(acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2)) if gockpt_on else None
+        for i in range(3):
+            model(torch.ones(2, 4) * i).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        acc.save_state(str(out), safe_serialization=safe_serialization)
+        if ckpt is not None:
+            ckpt.wait()
+        return acc, model, ckpt
+
+    run(tmp_path / "stock", False)
+    acc, model, ckpt = run(tmp_path / "ours", True)
+    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    read = load_file if safe_serialization else (lambda p: torch.load(p, weights_only=True))
+    ours, stock = read(tmp_path / "ours" / name), read(tmp_path / "stock" / name)
+    assert ours.keys() == stock.keys() == {"lin.weight", "lin.bias", "ids", "freqs"}
+    for k in stock:
+        assert ours[k].dtype == stock[k].dtype and torch.equal(ours[k], stock[k]), k
+    with torch.no_grad():
+        model.ids.zero_()
+        model.freqs.zero_()
+    acc.load_state(str(tmp_path / "ours"))
+    assert torch.equal(model.ids, stock["ids"]) and torch.equal(model.freqs, stock["freqs"])
+    ckpt.close()
