@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gockpt import _claim, _pointer, fsutil
+from gockpt._bounded import bounded_fs
 from gockpt._claim import (
     DEFAULT_CLAIM_LEASE_S,
     OWNER_OBJECT_NAME,
@@ -49,7 +50,6 @@ from gockpt._pointer import (
     read_pointer,
     write_pointer,
 )
-from gockpt._bounded import bounded_fs
 from gockpt._safe_read import open_local_regular, read_bounded
 from gockpt.errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from gockpt.fsutil import (

@@ -188,10 +188,15 @@ def _clone(tree: Any) -> Any:
 
 
 def assert_bitwise_equal(got: Any, want: Any, where: str = "") -> None:
-    """Bit-for-bit equality of nested dicts/lists of tensors and plain values."""
+    """Bit-for-bit equality of nested dicts/lists of tensors (sparse ones too) and plain values."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert got.dtype == want.dtype and got.shape == want.shape and got.layout == want.layout, where
+        if want.layout != torch.strided:
+            got, want = got.coalesce(), want.coalesce()
+            assert_bitwise_equal(got.indices(), want.indices(), f"{where}.indices")
+            assert_bitwise_equal(got.values(), want.values(), f"{where}.values")
+            return
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), where
     elif isinstance(want, dict):
         assert set(got) == set(want), f"{where}: keys differ {set(got) ^ set(want)}"

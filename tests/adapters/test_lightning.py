@@ -1094,31 +1094,6 @@ def test_a_full_save_whose_hook_drops_the_optimizer_state_stays_a_full_save_at_a
     assert held != [3, 6, 9]  # held at later steps: the re-dump is what is tested
 
 
-def _same(got, want, where=""):
-    """Bitwise equality of nested checkpoint entries, sparse tensors included."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.layout == want.layout and got.dtype == want.dtype, where
-        if want.layout != torch.strided:
-            got, want = got.coalesce(), want.coalesce()
-            _same(got.indices(), want.indices(), where + ".indices")
-            _same(got.values(), want.values(), where + ".values")
-            return
-        got, want = torch.view_as_real(got) if got.is_complex() else got, \
-            torch.view_as_real(want) if want.is_complex() else want
-        assert got.shape == want.shape and torch.equal(got.reshape(-1).view(torch.uint8),
-                                                       want.reshape(-1).view(torch.uint8)), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), f"{where}: {set(got) ^ set(want)}"
-        for k in want:
-            _same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _same(a, b, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
-
-
 @pytest.mark.parametrize("mode", ["sync", "gockpt"])
 def test_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, mode):
     """A sparse embedding under SGD with momentum (a sparse momentum buffer), a complex
@@ -1174,12 +1149,12 @@ def test_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, mode)
         want = torch.load(tmp_path / "stock" / f"step={got['global_step']}.ckpt", weights_only=False)
         assert got["optimizer_states"][0]["state"][1]["momentum_buffer"].layout == torch.sparse_coo
         for key in ("state_dict", "optimizer_states"):
-            _same(got[key], want[key], key)
+            assert_bitwise_equal(got[key], want[key], key)
     # A resume from it continues as one from stock's file of the step it holds.
     held = GoCkptIO().load_checkpoint(str(tmp_path / "run" / names[-1]))["global_step"]
     a = run(str(tmp_path / "r1"), 100, GoCkptIO(), max_steps=12, ckpt_path=str(tmp_path / "run" / names[-1]))
     b = run(str(tmp_path / "r2"), 100, None, max_steps=12, ckpt_path=str(tmp_path / "stock" / f"step={held}.ckpt"))
-    _same(dict(a.state_dict()), dict(b.state_dict()), "resumed")
+    assert_bitwise_equal(dict(a.state_dict()), dict(b.state_dict()), "resumed")
 
 
 @pytest.mark.parametrize("mode", ["sync", "gockpt"])

@@ -272,20 +272,7 @@ def test_ddp_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, m
     stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
     assert ours["state_dict"]["rot"].dtype == torch.complex64
     for key in ("state_dict", "optimizer_states"):
-        got = {k: torch.view_as_real(v) if isinstance(v, torch.Tensor) and v.is_complex() else v
-               for k, v in ours[key].items()} if key == "state_dict" else ours[key]
-        want = {k: torch.view_as_real(v) if isinstance(v, torch.Tensor) and v.is_complex() else v
-                for k, v in stock[key].items()} if key == "state_dict" else stock[key]
-        if key == "optimizer_states":
-            got, want = [_real(o) for o in got], [_real(o) for o in want]
-        assert_bitwise_equal(got, want, key)
-
-
-def _real(optimizer_state: dict) -> dict:
-    """An optimizer state_dict with complex tensors as their real views (bitwise comparable)."""
-    state = {i: {n: torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
-                 for n, t in st.items()} for i, st in optimizer_state["state"].items()}
-    return {**optimizer_state, "state": state}
+        assert_bitwise_equal(ours[key], stock[key], key)
 
 
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
