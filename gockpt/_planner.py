@@ -106,6 +106,9 @@ class Planner:
         self._replay_backlog = replay_backlog_bytes  # the pipeline's replays still queued
         self._layout: StateLayout | None = None
         self.layouts_built = 0  # layouts enumerated so far (the first and each change)
+        # Updates this engine has seen applied (its own count; the version may start at a
+        # resumed run's step, before a stateful optimizer has made its state).
+        self.updates_seen = 0
         self._slot_cache: tuple[StateLayout, SlotLayout] | None = None
         self._warned_fallback = False
         # Sharded engines (gockpt.sharded): the (mode, K) every rank follows, from this rank's
@@ -222,7 +225,11 @@ class Planner:
     def _replayable(self, layout: StateLayout, version: int) -> bool:
         # With several optimizers, K-1 updates could end between two optimizers' steps of one
         # iteration, a state no loop resumes from: those engines copy in one step (lazy).
-        return (version > 0 and len(self._optimizers) == 1
+        # Replay cannot create optimizer state: an update must have made it first, one seen
+        # here or one before a resume that loaded it (a stateless optimizer, plain SGD, has
+        # none to make: it waits for one update too).
+        started = self.updates_seen > 0 or (version > 0 and all(o.state for o in self._optimizers))
+        return (started and len(self._optimizers) == 1
                 and all(is_replayable(o) for o in self._optimizers)
                 and not _state_missing(layout))
 

@@ -493,6 +493,7 @@ class Engine:
     def _on_post_hook(self, opt_index: int) -> None:
         now = perf_counter()
         self.version += 1
+        self._planner.updates_seen += 1
         self._windows.after_update(opt_index, self.version, now)
 
     def _before_load(self) -> None:

@@ -589,9 +589,10 @@ class GoCkptCallback(Callback):
     def _build(self, trainer: Trainer) -> Engine | sharded.ShardedAdapterEngine:
         assert self.io is not None
         # Steps in manifests and in the `latest` pointer are Lightning's global steps, so the
-        # checkpoints of a resumed run rank above the ones it resumed from. Before any optimizer
-        # holds state the engine counts from 0, as it must to plan multi-step copies safely.
-        restored = trainer.global_step and all(opt.state for opt in trainer.optimizers)
+        # checkpoints of a resumed run rank above the ones it resumed from, whether or not its
+        # optimizers keep state (plain SGD keeps none); multi-step copies wait for an update
+        # where they have none yet (Planner._replayable).
+        restored = trainer.global_step > 0
         if self._kind == "deepspeed":
             return deepspeed.build_engine(self, trainer)
         if self._kind == "fsdp_sharded":

@@ -1185,3 +1185,47 @@ def test_parameters_and_requires_grad_in_the_dict_load_as_stock_loads_them(tmp_p
         assert type(got[key]) is type(want[key]) and got[key].requires_grad == want[key].requires_grad, key
         assert torch.equal(got[key], want[key]), key
     assert type(want["live"]) is torch.nn.Parameter and want["leaf"].requires_grad
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_resumed_run_records_lightnings_steps_whatever_state_its_optimizer_keeps(tmp_path, opt):
+    """A run resumed into the same folder: its manifests record Lightning's global steps also
+    when the optimizer keeps no state (plain SGD; they used to count from 0 again), so an
+    incomplete ``last.ckpt`` resolves to the newest checkpoint, not to an older one."""
+    import json
+    import warnings
+
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Net(TinyNet):
+        def configure_optimizers(self):
+            if opt == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.05)
+            return super().configure_optimizers()
+
+    d = tmp_path / "ck"
+
+    def run(max_steps, ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        pl.Trainer(default_root_dir=tmp_path, max_steps=max_steps, accelerator="cpu", logger=False,
+                   limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                   plugins=[GoCkptIO(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3)],
+                   callbacks=[ModelCheckpoint(dirpath=d, filename="{step}", save_top_k=-1, every_n_train_steps=4,
+                                              save_last=True)]).fit(Net(), ckpt_path=ckpt_path)
+
+    run(8)
+    run(16, ckpt_path=str(d / "last.ckpt"))
+    for name in sorted(os.listdir(d)):
+        meta = json.loads((d / name / "manifest.json").read_text())["meta"]
+        held = GoCkptIO().load_checkpoint(str(d / name))["global_step"]
+        assert meta["captured_step"] == held, (name, meta["captured_step"], held)
+    # A kill while last.ckpt was being replaced leaves its request-time placeholder.
+    import shutil
+
+    shutil.rmtree(d / "last.ckpt")
+    (d / "last.ckpt").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert GoCkptIO().load_checkpoint(str(d / "last.ckpt"))["global_step"] == 16
