@@ -208,6 +208,8 @@ class GoCkptCallback(Callback):
     def _batch_end(self) -> None:
         self._num_batches += 1
         self._full_dump = None  # a dump no save took (a dict copied by user code) is not held on
+        if self.engine is not None and self._trainer is not None:
+            self._follow_optimizers(self._trainer)
         if self.engine is not None:
             trainer = self._trainer
             self.engine.step_end()
@@ -289,8 +291,10 @@ class GoCkptCallback(Callback):
         state take the engine's overlapped path, any other tensor is copied when the dict is
         taken (:mod:`gockpt.snapshot`).
         """
-        trainer, engine = self._trainer, self.engine
-        assert self.io is not None and trainer is not None and engine is not None
+        trainer = self._trainer
+        assert self.io is not None and trainer is not None and self.engine is not None
+        self._follow_optimizers(trainer)
+        engine = self.engine
         # A weights-only save (save_weights_only, Trainer.save_checkpoint(weights_only=True)) is
         # told by the hook that runs for full dumps only, not by the dict's keys: a module hook
         # may drop "optimizer_states" from a full one, and a re-dump at a later captured step
@@ -463,6 +467,27 @@ class GoCkptCallback(Callback):
     def _dir_key(self, h: _Handle) -> str:
         key = self._dir_keys.get(h)
         return path_key(h.path) if key is None else key
+
+    def _follow_optimizers(self, trainer: Trainer) -> None:
+        """Rebuild the engine where the loop replaced its optimizers (``trainer.optimizers = [...]``
+        mid-run): the engine counts the updates of the optimizers it was built over, and its
+        manifests record Lightning's steps only while it sees every update. The old engine's
+        saves end first (a blocking wait, once per replacement)."""
+        engine = self.engine
+        tracked = getattr(engine, "optimizers", None)
+        if tracked is None or self._kind == "gathered":
+            return
+        now = [o for o in trainer.optimizers if isinstance(o, optim.Optimizer)]
+        if len(now) == len(tracked) and all(a is b for a, b in zip(now, tracked, strict=True)):
+            return
+        log.info("gockpt: the optimizers were replaced; the checkpoint engine is rebuilt over the new ones")
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks = []
+        assert engine is not None
+        engine.close()  # the saves in flight end (their errors are raised here, as at a request)
+        self.engine = self._build(trainer)
+        self._step_hooks = [opt.register_step_pre_hook(self._step_without_us) for opt in now]
 
     def _step_without_us(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         trainer = self._trainer

@@ -1229,3 +1229,39 @@ def test_a_resumed_run_records_lightnings_steps_whatever_state_its_optimizer_kee
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert GoCkptIO().load_checkpoint(str(d / "last.ckpt"))["global_step"] == 16
+
+
+def test_optimizers_replaced_mid_run_are_followed(tmp_path):
+    """``trainer.optimizers = [SGD(...)]`` at step 6: the engine is rebuilt over the new
+    optimizer, so its manifests go on recording Lightning's steps (they froze at 6, and an
+    incomplete ``last.ckpt`` resolved to an older checkpoint) and each checkpoint equals stock's
+    file of the step it holds."""
+    import json
+
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Swap(TinyNet):
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.trainer.global_step == 6 and not isinstance(self.trainer.optimizers[0], torch.optim.SGD):
+                self.trainer.optimizers = [torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)]
+
+    def run(root, every, io):
+        pl.seed_everything(0, verbose=False)
+        pl.Trainer(default_root_dir=root, max_steps=16, accelerator="cpu", logger=False, limit_val_batches=0,
+                   enable_progress_bar=False, enable_model_summary=False, plugins=[io] if io else None,
+                   callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1,
+                                              every_n_train_steps=every)]).fit(Swap())
+
+    run(tmp_path / "stock", 1, None)
+    run(tmp_path / "run", 4, GoCkptIO(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    names = sorted(os.listdir(tmp_path / "run"))
+    assert names == ["step=12.ckpt", "step=16.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    for name in names:
+        meta = json.loads((tmp_path / "run" / name / "manifest.json").read_text())["meta"]
+        got = GoCkptIO().load_checkpoint(str(tmp_path / "run" / name))
+        assert meta["captured_step"] == got["global_step"], name
+        want = torch.load(tmp_path / "stock" / f"step={got['global_step']}.ckpt", weights_only=False)
+        for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+            assert_bitwise_equal(got[key], want[key], f"{name}.{key}")
