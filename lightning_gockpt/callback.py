@@ -97,16 +97,20 @@ class GoCkptCallback(Callback):
         self._finished_lock = threading.Lock()
         self._pending: list[_Handle] = []
         # Deferred removals: (path, its directory key, the first request number it waits for,
-        # own, need): ``own`` the number of the path's newest request at the removal (0: none in
-        # this run), ``need`` that of the newest request of another path of its folder then (the
-        # checkpoint replacing it); see _released. Every request since the oldest ``first``, in
-        # order (number, handle).
-        self._deferred: list[tuple[str, str, int, int, int]] = []
+        # own, need, need_key): ``own`` the number of the path's newest request at the removal
+        # (0: none in this run), ``need`` that of the newest request of another path of its
+        # folder then (the checkpoint replacing it), ``need_key`` that path; see _released.
+        # Every request since the oldest ``first``, in order (number, handle).
+        self._deferred: list[tuple[str, str, int, int, int, str]] = []
         self._requests: list[tuple[int, _Handle]] = []
         self._seq = 0
         self._newest: dict[str, int] = {}  # key -> number of its newest request (until removed)
         self._seq_of: weakref.WeakKeyDictionary[_Handle, int] = weakref.WeakKeyDictionary()
         self._durable_seq: dict[str, int] = {}  # folder -> number of its newest durable request
+        self._durable_key_seq: dict[str, int] = {}  # key -> number of its newest durable request
+        # Request number -> whether it ended durable, for the requests a removal may wait for
+        # (each key's newest, the deferred ones' ``need``; pruned at batch ends).
+        self._ended_ok: dict[int, bool] = {}
         self._removing: set[str] = set()  # keys a done callback is deleting now
         # Guards the removal state above: a save's done callback (an engine thread) carries out
         # the removals it releases (_release_now). Held around updates of that state only,
@@ -385,11 +389,15 @@ class GoCkptCallback(Callback):
             newest = self._newest.pop(key, 0)
             # The checkpoint replacing it: ModelCheckpoint requests the new one, then removes the
             # one it displaces (stock: once the new one is written).
-            need = max((s for k, s in self._newest.items() if k != key and _parent(k) == parent), default=0)
-            # Released by a durable checkpoint of this folder requested after the path's own
-            # newest save and no older than ``need`` (PCcheck §4.1): removed now, its own saves in
-            # flight cancelled.
-            released = self._released(key, newest, need)
+            need, need_key = max(((s, k) for k, s in self._newest.items() if k != key and _parent(k) == parent),
+                                 default=(0, ""))
+            # The removals that waited for this path's save, not durable (skipped, failed, still
+            # being written), now wait for what replaces it, as this removal does.
+            self._deferred = [d[:4] + (need, need_key) if d[5] == key and self._ended_ok.get(d[4]) is not True
+                              else d for d in self._deferred]
+            # Released where the checkpoint replacing it is durable (PCcheck §4.1): removed now,
+            # its own saves in flight cancelled.
+            released = self._released(key, newest, need, need_key)
             # Else it waits while a save of the path, or of its folder, is in flight, or while
             # the newer saves of its folder were skipped or failed (when_full="skip", a
             # storage error): ModelCheckpoint removes it because it believes them written.
@@ -402,25 +410,33 @@ class GoCkptCallback(Callback):
                 first = min((s for s, h in self._requests if h in pending
                              or (s > newest and _parent(self._dir_key(h)) == parent)),
                             default=self._seq + 1)
-                self._deferred.append((path, key, first, newest, need))
+                self._deferred.append((path, key, first, newest, need, need_key))
         if not defer:
             self.engine.remove(path)
 
-    def _released(self, key: str, own: int, need: int) -> bool:
+    def _released(self, key: str, own: int, need: int, need_key: str) -> bool:
         """Whether a removal of ``key`` may happen now: the one test every removal path applies
         (under the lock).
 
         Its folder must hold a durable checkpoint requested after ``own`` (the removed path's
         newest request): removals go from newer to older only, so two saves in flight at once
-        never release each other's removal. And the request ``need`` (the newest of another
-        path of the folder at the removal: the checkpoint replacing it) must have ended, durable
-        or followed by a durable one: an older checkpoint of the folder (the previous
-        ``last.ckpt``) does not stand in for it, so a top-k folder never holds fewer complete
-        checkpoints than stock's.
+        never release each other's removal. Where a request of another path of the folder came
+        after ``own``, the newest of them at the removal (``need`` of ``need_key``: the
+        checkpoint replacing it) must be durable: no other checkpoint of the folder (the
+        previous ``last.ckpt``, another callback's) stands in for it, so a top-k folder never
+        holds fewer complete checkpoints than stock's. If it ended without one (skipped,
+        failed), ModelCheckpoint still counts it: a later durable save of that path releases
+        the removal, or, once that path is removed in turn, what replaces it (``remove``).
         """
         durable = self._durable_seq.get(_parent(key), 0)
-        return durable > own and durable >= need and not any(
-            s == need and not h.done() for s, h in self._requests)
+        if durable <= own:
+            return False
+        if need <= own:
+            return True
+        ok = self._ended_ok.get(need)
+        if ok is None:  # still being written
+            return False
+        return ok or self._durable_key_seq.get(need_key, 0) > need
 
     def _close_at_exit(self) -> None:
         if self.engine is not None:
@@ -523,10 +539,14 @@ class GoCkptCallback(Callback):
         with self._finished_lock:
             self._finished.append(handle)
         seq = self._seq_of.get(handle)
-        if seq is not None and _durable(handle):
+        if seq is not None:
             with self._removal_lock:
-                parent = _parent(self._dir_key(handle))
-                self._durable_seq[parent] = max(self._durable_seq.get(parent, 0), seq)
+                ok = self._ended_ok[seq] = _durable(handle)
+                if ok:
+                    key = self._dir_key(handle)
+                    parent = _parent(key)
+                    self._durable_seq[parent] = max(self._durable_seq.get(parent, 0), seq)
+                    self._durable_key_seq[key] = max(self._durable_key_seq.get(key, 0), seq)
         # Durable, it may release removals; ended either way, it may unblock one of its path.
         self._release_now(handle)
 
@@ -545,7 +565,7 @@ class GoCkptCallback(Callback):
         with self._removal_lock:
             key_h = self._dir_key(h)
             busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
-            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3], d[4])]
+            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3], d[4], d[5])]
             if not ready:
                 return
             self._deferred = [d for d in self._deferred if d not in ready]
@@ -587,11 +607,11 @@ class GoCkptCallback(Callback):
         """The deferred paths to remove now, taken out of ``_deferred`` (under the lock)."""
         keep, ready = [], []
         for entry in self._deferred:
-            path, key, first, own, need = entry
+            path, key, first, own, need, need_key = entry
             parent = _parent(key)
             since = [(s, h) for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
             others = [h for s, h in since if s > own and self._dir_key(h) != key]
-            if self._released(key, own, need):
+            if self._released(key, own, need, need_key):
                 ready.append(path)
             elif not all(h.done() for _, h in since):
                 keep.append(entry)
@@ -607,6 +627,8 @@ class GoCkptCallback(Callback):
                 keep.append(entry)  # the newer saves there failed or were skipped: a later one may be durable
             # else: the run has ended with no newer checkpoint there: the path stays
         self._deferred = keep
+        wanted = set(self._newest.values()) | {e[4] for e in keep}
+        self._ended_ok = {s: ok for s, ok in self._ended_ok.items() if s in wanted}
         oldest = min((e[2] for e in keep), default=self._seq + 1)
         self._requests = [(s, h) for s, h in self._requests if s >= oldest or not h.done()]
         return ready

@@ -1265,3 +1265,69 @@ def test_optimizers_replaced_mid_run_are_followed(tmp_path):
         want = torch.load(tmp_path / "stock" / f"step={got['global_step']}.ckpt", weights_only=False)
         for key in ("state_dict", "optimizer_states", "lr_schedulers"):
             assert_bitwise_equal(got[key], want[key], f"{name}.{key}")
+
+
+def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_path):
+    """``when_full="skip"``, ``ModelCheckpoint(monitor, save_top_k=2, save_last=True)``, the
+    metric 5, 3, 4, 9, 9, ...: step 3's checkpoint displaces step 1's but is skipped (step 2's
+    still holds the one host slot on slow storage). ModelCheckpoint counts it as written, so
+    step 1's stays until a checkpoint of that path, or what replaces it, is durable; a later
+    ``last.ckpt`` does not stand in for it. The folder keeps two complete top-k checkpoints,
+    as stock's does (it kept one from step 5 on)."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch import nn
+
+    table = [5, 3, 4, 9, 9, 9, 9, 9, 9]
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            self.log("m", float(table[self.global_step]), on_step=True, on_epoch=False)
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(64, 8, generator=torch.Generator().manual_seed(0)),
+                                               batch_size=8)
+
+    d = tmp_path / "d"
+    d.mkdir()
+    counts = []
+
+    class Pace(pl.Callback):  # before ModelCheckpoint's batch end (Lightning puts it last)
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step in (2, 4, 5):  # the saves before have time to finish
+                time.sleep(1.5)
+
+        def on_train_batch_start(self, trainer, *args):
+            counts.append(sum(1 for n in os.listdir(d) if n.startswith("step=") and gockpt.is_complete(str(d / n))))
+
+    def slow(op, path):
+        if op == "open":
+            time.sleep(0.1)
+
+    FaultLocalFileSystem.fault = Fault(op_hook=slow)
+    try:
+        pl.seed_everything(0, verbose=False)
+        pl.Trainer(default_root_dir=tmp_path, max_steps=8, accelerator="cpu", logger=False, limit_val_batches=0,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   plugins=[GoCkptIO(mode="async", max_inflight=1, when_full="skip")],
+                   callbacks=[Pace(), ModelCheckpoint(dirpath=local_url(d), filename="{step}", monitor="m", mode="min",
+                                                      save_top_k=2, every_n_train_steps=1, save_last=True)]).fit(Net())
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert not gockpt.is_complete(str(d / "step=3.ckpt"))  # the skipped one
+    # counts[k]: at the batch start after step k's saves were requested; from step 5 on every
+    # save before is done (Pace), the skipped one included.
+    assert counts[5:] == [2] * len(counts[5:]), counts
+    left = sorted(n for n in os.listdir(d) if gockpt.is_complete(str(d / n)))
+    assert left == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"], left
