@@ -97,11 +97,12 @@ class GoCkptCallback(Callback):
         self._finished_lock = threading.Lock()
         self._pending: list[_Handle] = []
         # Deferred removals: (path, its directory key, the first request number it waits for,
-        # own, need, need_key): ``own`` the number of the path's newest request at the removal
-        # (0: none in this run), ``need`` that of the newest request of another path of its
-        # folder then (the checkpoint replacing it), ``need_key`` that path; see _released.
-        # Every request since the oldest ``first``, in order (number, handle).
-        self._deferred: list[tuple[str, str, int, int, int, str]] = []
+        # own, needs): ``own`` the number of the path's newest request at the removal (0: none
+        # in this run), ``needs`` the checkpoints that may stand in for it, (request number,
+        # key): first the newest request of another path of its folder then (the checkpoint
+        # replacing it), then what replaced that one where it was removed before it was durable;
+        # see _released. Every request since the oldest ``first``, in order (number, handle).
+        self._deferred: list[tuple[str, str, int, int, tuple[tuple[int, str], ...]]] = []
         self._requests: list[tuple[int, _Handle]] = []
         self._seq = 0
         self._newest: dict[str, int] = {}  # key -> number of its newest request (until removed)
@@ -391,13 +392,14 @@ class GoCkptCallback(Callback):
             # one it displaces (stock: once the new one is written).
             need, need_key = max(((s, k) for k, s in self._newest.items() if k != key and _parent(k) == parent),
                                  default=(0, ""))
-            # The removals that waited for this path's save, not durable (skipped, failed, still
-            # being written), now wait for what replaces it, as this removal does.
-            self._deferred = [d[:4] + (need, need_key) if d[5] == key and self._ended_ok.get(d[4]) is not True
-                              else d for d in self._deferred]
+            # The removals that waited for this path's save, not durable yet (skipped, failed, or
+            # still being written), may now also be released by what replaces it, as this
+            # removal is (the save in flight still counts if it becomes durable).
+            self._deferred = [d[:4] + (d[4] + ((need, need_key),),) if any(k == key for _, k in d[4])
+                              and not any(self._ended_ok.get(s) for s, _ in d[4]) else d for d in self._deferred]
             # Released where the checkpoint replacing it is durable (PCcheck §4.1): removed now,
             # its own saves in flight cancelled.
-            released = self._released(key, newest, need, need_key)
+            released = self._released(key, newest, ((need, need_key),))
             # Else it waits while a save of the path, or of its folder, is in flight, or while
             # the newer saves of its folder were skipped or failed (when_full="skip", a
             # storage error): ModelCheckpoint removes it because it believes them written.
@@ -410,33 +412,32 @@ class GoCkptCallback(Callback):
                 first = min((s for s, h in self._requests if h in pending
                              or (s > newest and _parent(self._dir_key(h)) == parent)),
                             default=self._seq + 1)
-                self._deferred.append((path, key, first, newest, need, need_key))
+                self._deferred.append((path, key, first, newest, ((need, need_key),)))
         if not defer:
             self.engine.remove(path)
 
-    def _released(self, key: str, own: int, need: int, need_key: str) -> bool:
+    def _released(self, key: str, own: int, needs: tuple[tuple[int, str], ...]) -> bool:
         """Whether a removal of ``key`` may happen now: the one test every removal path applies
         (under the lock).
 
         Its folder must hold a durable checkpoint requested after ``own`` (the removed path's
         newest request): removals go from newer to older only, so two saves in flight at once
         never release each other's removal. Where a request of another path of the folder came
-        after ``own``, the newest of them at the removal (``need`` of ``need_key``: the
-        checkpoint replacing it) must be durable: no other checkpoint of the folder (the
-        previous ``last.ckpt``, another callback's) stands in for it, so a top-k folder never
-        holds fewer complete checkpoints than stock's. If it ended without one (skipped,
-        failed), ModelCheckpoint still counts it: a later durable save of that path releases
-        the removal, or, once that path is removed in turn, what replaces it (``remove``).
+        after ``own``, the newest of them at the removal (the first of ``needs``, (request
+        number, key): the checkpoint replacing it) must be durable: no other checkpoint of the
+        folder (the previous ``last.ckpt``, another callback's) stands in for it, so a top-k
+        folder never holds fewer complete checkpoints than stock's. If it ended without one
+        (skipped, failed), ModelCheckpoint still counts it: a later durable save of that path
+        releases the removal, or, once that path is removed in turn, what replaces it (added
+        to ``needs`` by ``remove``; any one of them durable releases it).
         """
         durable = self._durable_seq.get(_parent(key), 0)
         if durable <= own:
             return False
-        if need <= own:
-            return True
-        ok = self._ended_ok.get(need)
-        if ok is None:  # still being written
-            return False
-        return ok or self._durable_key_seq.get(need_key, 0) > need
+        for need, need_key in needs:
+            if need <= own or self._ended_ok.get(need) or self._durable_key_seq.get(need_key, 0) > need:
+                return True
+        return False
 
     def _close_at_exit(self) -> None:
         if self.engine is not None:
@@ -565,7 +566,7 @@ class GoCkptCallback(Callback):
         with self._removal_lock:
             key_h = self._dir_key(h)
             busy = {self._dir_key(x) for _, x in self._requests if not x.done()}
-            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3], d[4], d[5])]
+            ready = [d for d in self._deferred if d[1] not in busy and self._released(d[1], d[3], d[4])]
             if not ready:
                 return
             self._deferred = [d for d in self._deferred if d not in ready]
@@ -583,7 +584,8 @@ class GoCkptCallback(Callback):
                     failed.append(entry)
         finally:
             with self._removal_lock:
-                self._deferred.extend(failed)
+                # Released already: retried as such (its ``needs`` may be forgotten by then).
+                self._deferred.extend(e[:4] + (((0, ""),),) for e in failed)
                 self._removing.difference_update(d[1] for d in ready)
                 self._removal_done.notify_all()
 
@@ -607,11 +609,11 @@ class GoCkptCallback(Callback):
         """The deferred paths to remove now, taken out of ``_deferred`` (under the lock)."""
         keep, ready = [], []
         for entry in self._deferred:
-            path, key, first, own, need, need_key = entry
+            path, key, first, own, needs = entry
             parent = _parent(key)
             since = [(s, h) for s, h in self._requests if s >= first and _parent(self._dir_key(h)) == parent]
             others = [h for s, h in since if s > own and self._dir_key(h) != key]
-            if self._released(key, own, need, need_key):
+            if self._released(key, own, needs):
                 ready.append(path)
             elif not all(h.done() for _, h in since):
                 keep.append(entry)
@@ -627,7 +629,7 @@ class GoCkptCallback(Callback):
                 keep.append(entry)  # the newer saves there failed or were skipped: a later one may be durable
             # else: the run has ended with no newer checkpoint there: the path stays
         self._deferred = keep
-        wanted = set(self._newest.values()) | {e[4] for e in keep}
+        wanted = set(self._newest.values()) | {s for e in keep for s, _ in e[4]}
         self._ended_ok = {s: ok for s, ok in self._ended_ok.items() if s in wanted}
         oldest = min((e[2] for e in keep), default=self._seq + 1)
         self._requests = [(s, h) for s, h in self._requests if s >= oldest or not h.done()]

@@ -1331,3 +1331,51 @@ def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_
     assert counts[5:] == [2] * len(counts[5:]), counts
     left = sorted(n for n in os.listdir(d) if gockpt.is_complete(str(d / n)))
     assert left == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"], left
+
+
+def test_a_top_1_folder_saved_every_step_on_slow_storage_holds_one_or_two_checkpoints(tmp_path):
+    """``ModelCheckpoint(save_top_k=1)`` every step, GoCkptIO's defaults, slow storage: each
+    save is still in flight when the next step removes it. The removal of the one before must
+    still go once either of them is durable: the folder holds one or two complete checkpoints
+    while the run goes on (an earlier rule kept re-pointing each removal at the newest
+    request, and every checkpoint of the run stayed until its end)."""
+    import time
+
+    import lightning.pytorch as pl
+    from faultfs import Fault, FaultLocalFileSystem, local_url
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch import nn
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(400, 8, generator=torch.Generator().manual_seed(0)),
+                                               batch_size=8)
+
+    d = tmp_path / "d"
+    d.mkdir()
+    counts = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            counts.append(sum(1 for n in os.listdir(d) if n.startswith("step=") and gockpt.is_complete(str(d / n))))
+
+    FaultLocalFileSystem.fault = Fault(op_hook=lambda op, path: time.sleep(0.03) if op == "open" else None)
+    try:
+        pl.Trainer(default_root_dir=tmp_path, max_steps=30, accelerator="cpu", logger=False, limit_val_batches=0,
+                   enable_progress_bar=False, enable_model_summary=False, plugins=[GoCkptIO()],
+                   callbacks=[Count(), ModelCheckpoint(dirpath=local_url(d), filename="{step}", save_top_k=1,
+                                                       every_n_train_steps=1)]).fit(Net())
+    finally:
+        FaultLocalFileSystem.fault = Fault()
+    assert max(counts) <= 2 and counts[-1] >= 1, counts
+    assert sorted(os.listdir(d)) == ["step=30.ckpt"]
