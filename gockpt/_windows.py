@@ -467,6 +467,16 @@ class Windows:
             return "the run stopped inside an optimizer update (it raised after writing part of the state)"
         return None
 
+    def abandon_uncaptured(self, why: str) -> int:
+        """Fail every save not yet captured with :class:`CheckpointTornError` (a warning, never
+        an error for the run): the live state has moved on in a way no step of it can be
+        taken from. Returns how many."""
+        pending = [s for s in self.saves if not s.captured]
+        for s in pending:
+            s.overtaken = True
+            self.fail(s, CheckpointTornError(f"{s.path}: not written: {why}"))
+        return len(pending)
+
     def flush(self, version: int, at_end: bool = False) -> None:
         """Finish the copy windows of every pending save at step ``version``.
 
@@ -476,9 +486,7 @@ class Windows:
         torn."""
         why = self._not_one_step(version, at_end)
         if why is not None:
-            for s in [s for s in self.saves if not s.captured]:
-                s.overtaken = True  # never a torn checkpoint, never an error for the run
-                self.fail(s, CheckpointTornError(f"{s.path}: not written: {why}"))
+            self.abandon_uncaptured(why)  # never a torn checkpoint, never an error for the run
         t_guards = perf_counter()
         # The wait for gradient copies in flight (gockpt_o) is the first save's flush stall:
         # its plan predicted those gradients at the flush.

@@ -338,6 +338,18 @@ class Engine:
         """
         self._windows.window_end(self.version)
 
+    def abandon_uncaptured(self, reason: str) -> int:
+        """Fail every pending checkpoint whose captured step was not reached yet with
+        :class:`~gockpt.errors.CheckpointTornError` (logged as a warning, not raised by the
+        engine): call where the live state moved on in a way the engine did not see (an update
+        by an optimizer it does not track), so that no step of it can be taken any more. The
+        checkpoints already captured go on. ``reason`` ends the error's message.
+
+        Returns:
+            How many checkpoints were failed.
+        """
+        return self._windows.abandon_uncaptured(reason)
+
     def flush(self) -> None:
         """Finish the copy windows of every pending checkpoint now, at the current step.
 
@@ -429,6 +441,7 @@ class Engine:
                                 verify=self.config.verify_on_load, allow_pickle=allow_pickle)
         load_into(self.model, self.optimizers, state)
         self.version = state.captured_step
+        self._planner.updates_seen = 0  # replay waits for the loaded state or an update again
         self._planner.forget_layout()
         return state.extra
 

@@ -208,6 +208,20 @@ class GoCkptCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
+            tracked = getattr(self.engine, "optimizers", None)
+            if tracked is not None and not any(getattr(optimizer, "_optimizer", optimizer) is o for o in tracked):
+                # An optimizer the engine does not know (the loop replaced them since the last
+                # batch end): the loop's state already differs from any step the saves still to
+                # be captured could hold (the dict holds the new optimizer, the forward moved the
+                # buffers), so they are not written (a warning each), never torn; the captured
+                # ones are finished now. The engine follows the new optimizers at the batch end
+                # (_follow_optimizers).
+                n = self.engine.abandon_uncaptured("the optimizers were replaced before its captured step")
+                if n:
+                    log.warning("gockpt: the optimizers were replaced while %d checkpoint(s) were still to "
+                                "be captured; they are not written", n)
+                self.engine.flush()  # the captured ones finish their copies before this update
+                return
             self.engine.before_update()
 
     def _batch_end(self) -> None:
@@ -494,9 +508,11 @@ class GoCkptCallback(Callback):
         tracked = getattr(engine, "optimizers", None)
         if tracked is None or self._kind == "gathered":
             return
-        now = [o for o in trainer.optimizers if isinstance(o, optim.Optimizer)]
+        now = list(trainer.optimizers)
         if len(now) == len(tracked) and all(a is b for a, b in zip(now, tracked, strict=True)):
             return
+        if not all(isinstance(o, optim.Optimizer) for o in now):
+            return  # no engine can track those (as at the start): the one there goes on
         log.info("gockpt: the optimizers were replaced; the checkpoint engine is rebuilt over the new ones")
         for h in self._step_hooks:
             h.remove()
