@@ -1272,6 +1272,32 @@ def test_optimizers_replaced_mid_run_are_followed(tmp_path, swap):
             assert_bitwise_equal(got[key], want[key], f"{name}.{key}")
 
 
+def _linear_module(samples: int, table: list[float] | None = None):
+    """A linear regression LightningModule over ``samples`` random rows (batches of 8); with
+    ``table`` it logs ``m = table[global_step]`` for a monitored ModelCheckpoint."""
+    import lightning.pytorch as pl
+    from torch import nn
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            if table is not None:
+                self.log("m", float(table[self.global_step]), on_step=True, on_epoch=False)
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(samples, 8, generator=torch.Generator().manual_seed(0)),
+                                               batch_size=8)
+
+    return Linear()
+
+
 def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_path):
     """``when_full="skip"``, ``ModelCheckpoint(monitor, save_top_k=2, save_last=True)``, the
     metric 5, 3, 4, 9, 9, ...: step 3's checkpoint displaces step 1's but is skipped (step 2's
@@ -1284,25 +1310,8 @@ def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_
     import lightning.pytorch as pl
     from faultfs import Fault, FaultLocalFileSystem, local_url
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch import nn
 
     table = [5, 3, 4, 9, 9, 9, 9, 9, 9]
-
-    class Net(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 4)
-
-        def training_step(self, batch, batch_idx):
-            self.log("m", float(table[self.global_step]), on_step=True, on_epoch=False)
-            return self.lin(batch).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(64, 8, generator=torch.Generator().manual_seed(0)),
-                                               batch_size=8)
 
     d = tmp_path / "d"
     d.mkdir()
@@ -1327,7 +1336,8 @@ def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_
                    enable_progress_bar=False, enable_model_summary=False,
                    plugins=[GoCkptIO(mode="async", max_inflight=1, when_full="skip")],
                    callbacks=[Pace(), ModelCheckpoint(dirpath=local_url(d), filename="{step}", monitor="m", mode="min",
-                                                      save_top_k=2, every_n_train_steps=1, save_last=True)]).fit(Net())
+                                                      save_top_k=2, every_n_train_steps=1, save_last=True)]
+                   ).fit(_linear_module(64, table))
     finally:
         FaultLocalFileSystem.fault = Fault()
     assert not gockpt.is_complete(str(d / "step=3.ckpt"))  # the skipped one
@@ -1349,22 +1359,6 @@ def test_a_top_1_folder_saved_every_step_on_slow_storage_holds_one_or_two_checkp
     import lightning.pytorch as pl
     from faultfs import Fault, FaultLocalFileSystem, local_url
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch import nn
-
-    class Net(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 4)
-
-        def training_step(self, batch, batch_idx):
-            return self.lin(batch).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(400, 8, generator=torch.Generator().manual_seed(0)),
-                                               batch_size=8)
 
     d = tmp_path / "d"
     d.mkdir()
@@ -1379,7 +1373,7 @@ def test_a_top_1_folder_saved_every_step_on_slow_storage_holds_one_or_two_checkp
         pl.Trainer(default_root_dir=tmp_path, max_steps=30, accelerator="cpu", logger=False, limit_val_batches=0,
                    enable_progress_bar=False, enable_model_summary=False, plugins=[GoCkptIO()],
                    callbacks=[Count(), ModelCheckpoint(dirpath=local_url(d), filename="{step}", save_top_k=1,
-                                                       every_n_train_steps=1)]).fit(Net())
+                                                       every_n_train_steps=1)]).fit(_linear_module(400))
     finally:
         FaultLocalFileSystem.fault = Fault()
     assert max(counts) <= 2 and counts[-1] >= 1, counts
