@@ -195,8 +195,11 @@ class _BoundedFS:
 
 def bounded_fs(fs: AbstractFileSystem, timeout_s: float | None) -> AbstractFileSystem:
     """``fs``, or where its calls may hang (:func:`call_bound`) a proxy whose every method call
-    is waited for at most ``timeout_s`` seconds (``TimeoutError`` past it): a walk of many
-    calls (a scan of a folder's manifests) takes as long as it needs while each call answers
-    in time."""
+    is waited for at most ``timeout_s`` seconds: a walk of many calls (a scan of a folder's
+    manifests) takes as long as it needs while each call answers in time.
+
+    Raises (from the proxy's calls):
+        TimeoutError: a call not answered within ``timeout_s`` (abandoned on its thread).
+    """
     bound = call_bound(fs, timeout_s)
     return fs if bound is None else _BoundedFS(fs, bound)  # type: ignore[return-value]

@@ -203,12 +203,7 @@ def latest_checkpoint(
     """
     fs, parent = url_to_fs(directory, storage_options, timeout_s)
     fs = bounded_fs(fs, timeout_s)
-    try:
-        return _latest(fs, directory, parent)
-    except TimeoutError as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise storage_error(e, directory, directory, action="finding the newest checkpoint in") from e
+    return _timeout_named(directory, "finding the newest checkpoint in", lambda: _latest(fs, directory, parent))
 
 
 def _latest(fs: Any, directory: str, parent: str) -> str | None:
@@ -233,8 +228,14 @@ def _bounded(fs: Any, timeout_s: float | None, path: str, what: str, fn: Callabl
     on without the lock. ``serial``: calls that change the pointer, run in order (a write
     abandoned past its bound may land later, but never after a newer one)."""
     bound = call_bound(fs, timeout_s)
+    return _timeout_named(path, what, lambda: bounded_call(fn, None if bound is None else bound * scale, what,
+                                                           serial=serial))
+
+
+def _timeout_named(path: str, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, a ``TimeoutError`` of it raised as a :class:`CheckpointTimeoutError` naming ``path``."""
     try:
-        return bounded_call(fn, None if bound is None else bound * scale, what, serial=serial)
+        return fn()
     except TimeoutError as e:
         if isinstance(e, CheckpointError):
             raise

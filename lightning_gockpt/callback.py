@@ -199,8 +199,7 @@ class GoCkptCallback(Callback):
             # A run can end without teardown (an exception in a ddp_spawn worker runs no hook):
             # the saves in flight and the top-k removals behind them are finished at exit.
             self._exit_token = _exit.register(self._close_at_exit)
-            self._step_hooks = [opt.register_step_pre_hook(self._step_without_us)
-                                for opt in trainer.optimizers if isinstance(opt, optim.Optimizer)]
+            self._hook_steps(trainer.optimizers)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # First of the callbacks (setup puts this one first), so before any hook edits the dict.
@@ -208,8 +207,9 @@ class GoCkptCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
-            tracked = getattr(self.engine, "optimizers", None)
-            if tracked is not None and not any(getattr(optimizer, "_optimizer", optimizer) is o for o in tracked):
+            tracked = getattr(self.engine, "optimizers", None)  # single-writer engines only
+            raw = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+            if tracked is not None and not any(raw is o for o in tracked):
                 # An optimizer the engine does not know (the loop replaced them since the last
                 # batch end): the loop's state already differs from any step the saves still to
                 # be captured could hold (the dict holds the new optimizer, the forward moved the
@@ -464,9 +464,7 @@ class GoCkptCallback(Callback):
         engine, self.engine = self.engine, None
         if engine is None:
             return
-        for h in self._step_hooks:
-            h.remove()
-        self._step_hooks = []
+        self._hook_steps([])
         _exit.unregister(self._exit_token)
         try:
             engine.close()
@@ -514,13 +512,18 @@ class GoCkptCallback(Callback):
         if not all(isinstance(o, optim.Optimizer) for o in now):
             return  # no engine can track those (as at the start): the one there goes on
         log.info("gockpt: the optimizers were replaced; the checkpoint engine is rebuilt over the new ones")
-        for h in self._step_hooks:
-            h.remove()
-        self._step_hooks = []
+        self._hook_steps([])
         assert engine is not None
         engine.close()  # the saves in flight end (their errors are raised here, as at a request)
         self.engine = self._build(trainer)
-        self._step_hooks = [opt.register_step_pre_hook(self._step_without_us) for opt in now]
+        self._hook_steps(now)
+
+    def _hook_steps(self, optimizers: list[Any]) -> None:
+        """The step pre-hooks (_step_without_us) on ``optimizers``, in place of those before."""
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks = [opt.register_step_pre_hook(self._step_without_us)
+                            for opt in optimizers if isinstance(opt, optim.Optimizer)]
 
     def _step_without_us(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         trainer = self._trainer
