@@ -1304,7 +1304,8 @@ def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_
     still holds the one host slot on slow storage). ModelCheckpoint counts it as written, so
     step 1's stays until a checkpoint of that path, or what replaces it, is durable; a later
     ``last.ckpt`` does not stand in for it. The folder keeps two complete top-k checkpoints,
-    as stock's does (it kept one from step 5 on)."""
+    as stock's does (it kept one from step 5 on). Ordered by events, not by storage speed:
+    step 2's write is held until step 3's request has been made."""
     import time
 
     import lightning.pytorch as pl
@@ -1316,18 +1317,27 @@ def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_
     d = tmp_path / "d"
     d.mkdir()
     counts = []
+    step_3_asked = threading.Event()
+
+    def settle():
+        deadline = time.monotonic() + 30
+        while not all(not n.startswith(".") and gockpt.is_complete(str(d / n)) for n in os.listdir(d)):
+            assert time.monotonic() < deadline, os.listdir(d)
+            time.sleep(0.01)
 
     class Pace(pl.Callback):  # before ModelCheckpoint's batch end (Lightning puts it last)
         def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step in (2, 4, 5):  # the saves before have time to finish
-                time.sleep(1.5)
+            if trainer.global_step in (2, 4, 5):  # the saves before are done first
+                settle()
 
         def on_train_batch_start(self, trainer, *args):
             counts.append(sum(1 for n in os.listdir(d) if n.startswith("step=") and gockpt.is_complete(str(d / n))))
+            if trainer.global_step == 3:  # step 3's saves were requested (and skipped)
+                step_3_asked.set()
 
     def slow(op, path):
-        if op == "open":
-            time.sleep(0.1)
+        if op == "open" and "/.step=2.ckpt." in path:
+            step_3_asked.wait(30)  # the one host slot stays taken through step 3's request
 
     FaultLocalFileSystem.fault = Fault(op_hook=slow)
     try:
@@ -1342,7 +1352,7 @@ def test_a_skipped_replacement_keeps_the_top_k_checkpoint_it_was_to_replace(tmp_
         FaultLocalFileSystem.fault = Fault()
     assert not gockpt.is_complete(str(d / "step=3.ckpt"))  # the skipped one
     # counts[k]: at the batch start after step k's saves were requested; from step 5 on every
-    # save before is done (Pace), the skipped one included.
+    # save before is done (settle), the skipped one included.
     assert counts[5:] == [2] * len(counts[5:]), counts
     left = sorted(n for n in os.listdir(d) if gockpt.is_complete(str(d / n)))
     assert left == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"], left
