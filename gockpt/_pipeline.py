@@ -367,6 +367,7 @@ class Pipeline:
             if s.overtaken:
                 # Never a torn checkpoint, never a failed run: the previous checkpoints stand.
                 log.warning("gockpt: %s", e)
+                s.handle._overtaken = True
             elif not isinstance(e, CheckpointCancelledError) or s.failed is not None:
                 # Told now; raised on the training thread at its next boundary (step_end, a
                 # request, wait, close), never inside an update.

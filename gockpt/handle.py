@@ -171,6 +171,7 @@ class SaveHandle:
         # The save's error was raised to the training thread by result(): the engine does not
         # raise it again at its next boundary.
         self._error_raised = False
+        self._overtaken = False
 
     @property
     def requested_step(self) -> int:
@@ -185,6 +186,15 @@ class SaveHandle:
     @property
     def skipped(self) -> bool:
         return self.metrics.skipped
+
+    @property
+    def overtaken(self) -> bool:
+        """Whether the save ended unwritten for a reason that is a warning, not an error of the
+        run: the live state moved on past any step it could hold (an update the engine did not
+        see, the run stopped inside an update), or the checkpoint before it held its host
+        memory too long. :meth:`result` raises its error (``CheckpointTornError``,
+        ``CheckpointTimeoutError``); the engine never does, and the checkpoints before it stand."""
+        return self._overtaken
 
     def done(self) -> bool:
         """Whether the checkpoint is durable, failed, cancelled or skipped."""

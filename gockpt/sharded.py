@@ -186,6 +186,12 @@ class ShardedHandle:
         return self.part.skipped
 
     @property
+    def overtaken(self) -> bool:
+        """This rank's part ended unwritten with a warning (:attr:`gockpt.SaveHandle.overtaken`);
+        the checkpoint is then not committed, and the ones before it stand."""
+        return self.part.overtaken
+
+    @property
     def requested_step(self) -> int:
         """Optimizer updates applied when the checkpoint was requested."""
         return self.part.requested_step
@@ -279,6 +285,16 @@ class ShardedEngine:
     def version(self) -> int:
         """Optimizer updates applied (the engine's step)."""
         return self.engine.version
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers the engine tracks (:attr:`gockpt.Engine.optimizers`)."""
+        return self.engine.optimizers
+
+    def abandon_uncaptured(self, reason: str) -> int:
+        """:meth:`gockpt.Engine.abandon_uncaptured` on this rank's parts (not collective: call on
+        every rank alike). A part failed so fails its checkpoint, which is not committed."""
+        return self.engine.abandon_uncaptured(reason)
 
     def step_end(self) -> None:
         """:meth:`gockpt.Engine.step_end`."""
@@ -437,7 +453,15 @@ class ShardedEngine:
         try:
             self.engine.wait(timeout_s)
             for h in self._handles:
-                out.append(h.result(timeout_s))
+                try:
+                    out.append(h.result(timeout_s))
+                except BaseException:
+                    # A part that ended unwritten with a warning fails its checkpoint, not the
+                    # run; rank 0's commit ends with the part's error.
+                    if not h.overtaken:
+                        raise
+                    if h._commit is not None:  # noqa: SLF001 - this module's handle
+                        h._commit.exception(timeout_s)  # noqa: SLF001
         except BaseException as e:  # noqa: BLE001 - raised on every rank, below
             error = e
         self._handles = [h for h in self._handles if not h.done()]

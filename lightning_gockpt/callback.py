@@ -207,7 +207,7 @@ class GoCkptCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
-            tracked = getattr(self.engine, "optimizers", None)  # single-writer engines only
+            tracked = getattr(self.engine, "optimizers", None)  # None: a staged engine (it tracks none)
             raw = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
             if tracked is not None and not any(raw is o for o in tracked):
                 # An optimizer the engine does not know (the loop replaced them since the last
@@ -501,16 +501,26 @@ class GoCkptCallback(Callback):
         """Rebuild the engine where the loop replaced its optimizers (``trainer.optimizers = [...]``
         mid-run): the engine counts the updates of the optimizers it was built over, and its
         manifests record Lightning's steps only while it sees every update. The old engine's
-        saves end first (a blocking wait, once per replacement)."""
+        saves end first (a blocking wait, once per replacement). An engine on every rank is
+        closed and built again on every rank (collective: the loop replaces the optimizers on
+        every rank at the same batch)."""
         engine = self.engine
         tracked = getattr(engine, "optimizers", None)
         if tracked is None or self._kind == "gathered":
-            return
+            return  # the staged engines take the state whole at the request, at its global step
         now = list(trainer.optimizers)
         if len(now) == len(tracked) and all(a is b for a, b in zip(now, tracked, strict=True)):
             return
         if not all(isinstance(o, optim.Optimizer) for o in now):
             return  # no engine can track those (as at the start): the one there goes on
+        if self._every_rank and self._kind == "replicated" and \
+                not sharded.shares_write(trainer, self.io.config.storage_options if self.io else None):
+            # The new optimizers share a parameter, or consolidate their state on one rank: no
+            # share of units fits them. The engine there goes on; a save still to be captured is
+            # not written at the new optimizers' first update (on_before_optimizer_step).
+            log.warning("gockpt: the replaced optimizers cannot be checkpointed with the ranks sharing "
+                        "the write; multi-step checkpoints are not written from here on")
+            return
         log.info("gockpt: the optimizers were replaced; the checkpoint engine is rebuilt over the new ones")
         self._hook_steps([])
         assert engine is not None

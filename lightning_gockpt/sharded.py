@@ -396,6 +396,15 @@ class ShardedAdapterEngine:
     def version(self) -> int:
         return self.sharded.version
 
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers the engine tracks: the callback rebuilds it (on every rank) where the
+        loop replaced them."""
+        return self.sharded.optimizers
+
+    def abandon_uncaptured(self, reason: str) -> int:
+        return self.sharded.abandon_uncaptured(reason)
+
     def before_update(self) -> None:
         self.sharded.before_update()
 

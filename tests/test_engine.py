@@ -1194,3 +1194,32 @@ def test_options_of_numeric_types_that_are_not_python_ints_are_accepted():
     assert config.host_buffer_bytes == 10**9 and type(config.host_buffer_bytes) is int
     assert config.verify_on_load is False and config.storage_options == {}
     assert config.storage_timeout_s is None  # inf: no bound
+
+
+def test_a_save_abandoned_before_its_captured_step_is_overtaken_not_an_error(tmp_path):
+    """``abandon_uncaptured`` (an update the engine cannot see is coming): the save still in its
+    windows ends unwritten, its handle ``overtaken`` with a ``CheckpointTornError``, which
+    neither ``step_end`` nor ``wait`` raises; a save already captured is written."""
+    model, opt, _, _ = make()
+    config = GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3, host_buffer_bytes=1 << 20)
+    x = torch.randn(16, 8)
+
+    def step():
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+
+    with Engine(model, opt, config) as eng:
+        step()
+        early = eng.save(str(tmp_path / "early"), mode="sync")
+        late = eng.save(str(tmp_path / "late"))
+        assert late.captured_step is None
+        assert eng.abandon_uncaptured("the test says so") == 1
+        step()
+        eng.wait()
+    assert early.result().captured_step == 1 and not early.overtaken
+    with pytest.raises(gockpt.CheckpointTornError, match="the test says so"):
+        late.result()
+    assert late.overtaken and not os.path.exists(tmp_path / "late")
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "early")

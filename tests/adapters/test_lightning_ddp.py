@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from _dist import end_rank
 from _lightning_train import assert_bitwise_equal, fit, results
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from test_lightning_fidelity import Net
 
 import gockpt
 from gockpt import cli, storage
@@ -273,6 +274,59 @@ def test_ddp_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, m
     assert ours["state_dict"]["rot"].dtype == torch.complex64
     for key in ("state_dict", "optimizer_states"):
         assert_bitwise_equal(ours[key], stock[key], key)
+
+
+@pytest.mark.parametrize("swap", [4, 6, 7])
+def test_ddp_optimizers_replaced_mid_run_are_followed(tmp_path, monkeypatch, swap):
+    """``trainer.optimizers = [SGD(...)]`` at the batch start of step ``swap`` under ``ddp_spawn``
+    with the ranks sharing the write: the engines of both ranks are rebuilt over the new
+    optimizer, so each checkpoint holds one step, recorded as Lightning's (the manifests' steps
+    froze at the swap), and equals stock DDP's file of that step. The saves are requested at
+    steps 5 and 10 (K = 3): the one at 10 is captured at 12 by the rebuilt engines; the one at 5,
+    captured at 7, is taken by the rebuilt engines (swap 4), is not written because the new
+    optimizer's update went past its step before it was captured (swap 6: it was torn), or
+    finishes its copies before the new optimizer's first update (swap 7)."""
+    import lightning.pytorch as pl
+
+    def run(root, io, every):
+        monkeypatch.setenv("MASTER_PORT", str(_port()))
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            default_root_dir=root, max_steps=14, accelerator="cpu", devices=2, strategy="ddp_spawn",
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=every)],
+            plugins=[io] if io is not None else None)
+        trainer.fit(_SwapNet(swap))
+
+    run(str(tmp_path / "g"), _io("gockpt_o"), 5)
+    run(str(tmp_path / "s"), None, 1)
+    names = sorted(os.listdir(tmp_path / "g"))
+    assert names == (["step=10.ckpt"] if swap == 6 else ["step=10.ckpt", "step=5.ckpt"])
+    for name in names:
+        path = str(tmp_path / "g" / name)
+        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
+        assert ours["global_step"] == int(name[5:-5]) + 2  # held K - 1 = 2 steps later
+        for r in range(2):
+            part = os.path.join(path, part_name(r))
+            meta = storage.read_manifest(gockpt.fsutil.url_to_fs(part, None)[0], part)["meta"]
+            assert meta["captured_step"] == ours["global_step"], (name, r)
+        stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
+        for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
+
+
+class _SwapNet(Net):
+    """test_lightning_fidelity's Net (BatchNorm, data resumable mid-epoch), its optimizers
+    replaced by SGD at the batch start of step ``swap`` (a class of this module: ``ddp_spawn``
+    pickles it by name)."""
+
+    def __init__(self, swap: int) -> None:
+        super().__init__("batch_norm")
+        self.swap = swap
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == self.swap and not isinstance(self.trainer.optimizers[0], torch.optim.SGD):
+            self.trainer.optimizers = [torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)]
 
 
 def _weights_only_worker(rank: int, port: int, root: str) -> None:

@@ -237,3 +237,51 @@ def test_every_lightning_strategy_that_bypasses_checkpoint_io_has_a_path():
     assert sharded.strategy_kind(deepspeed) == "deepspeed"  # a DDPStrategy subclass, yet not replicated
     assert sharded.strategy_kind(DDPStrategy()) == "replicated"
     assert sharded.strategy_kind(SingleDeviceStrategy("cpu")) is None
+
+
+class _Swap(Callback):
+    """Replaces the optimizers by SGD at the batch start of step ``swap`` (every rank)."""
+
+    def __init__(self, swap: int) -> None:
+        self.swap = swap
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.swap:
+            trainer.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.01, momentum=0.9)]
+
+
+def _swap_worker(rank: int, port: int, root: str, swap: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    record = _Record()
+    _trainer(f"{root}/ref", max_steps=12, callbacks=[_Swap(swap), record]).fit(Net())
+    pl.seed_everything(0, verbose=False)
+    mc = ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{step}", save_top_k=-1, every_n_train_steps=5)
+    _trainer(f"{root}/a", max_steps=12, callbacks=[_Swap(swap), mc], io=_io("gockpt_o")).fit(Net())
+    if rank == 0:
+        torch.save(record.states, f"{root}/ref.pt")
+    end_rank()
+
+
+@pytest.mark.parametrize("swap", [3, 6])
+def test_model_parallel_optimizers_replaced_mid_run_are_followed(tmp_path, swap):
+    """``trainer.optimizers = [SGD(...)]`` at the batch start of step ``swap`` under
+    ModelParallelStrategy: the engines of both ranks are rebuilt over the new optimizer, so
+    each checkpoint holds the gathered state of one step, recorded as Lightning's. Saves are
+    requested at steps 5 and 10 (K = 3, captured at 7 and 12): with the swap at 3 both are
+    taken by the rebuilt engines; with the swap at 6 the new optimizer's update runs past step 5's
+    save before its captured step, and it is not written (it was torn)."""
+    root = str(tmp_path)
+    mp.spawn(_swap_worker, args=(_port(), root, swap), nprocs=2)
+    ref = torch.load(f"{root}/ref.pt")
+    names = sorted(os.listdir(f"{root}/ckpt"))
+    assert names == (["step=10.ckpt", "step=5.ckpt"] if swap == 3 else ["step=10.ckpt"])
+    for name in names:
+        full = load_full(f"{root}/ckpt/{name}")
+        captured = int(name[5:-5]) + 2
+        assert full.captured_step == captured == full.extra["lightning"]["global_step"], name
+        flat = {f"model.{k}": v for k, v in full.model_state_dict.items()}
+        flat.update({f"optim.state.{p}.{k}": v for p, st in full.optimizer_state.items() for k, v in st.items()})
+        _equal(flat, ref[captured]["tensors"], name)
