@@ -54,6 +54,11 @@ def xxh3(data: bytes) -> str:
     return xxhash.xxh3_64(data).hexdigest()
 
 
+class PartOvertakenError(RuntimeError):
+    """A rank's part ended unwritten with a warning (:attr:`gockpt.SaveHandle.overtaken`): the
+    checkpoint is not committed, and that is a warning of the run, not an error."""
+
+
 def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
            config: GoCkptConfig, timeout_s: float, replicated: bool = False,
            framework_names: re.Pattern[str] | None = None,
@@ -81,17 +86,29 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         Rank 0's part metrics.
 
     Raises:
+        PartOvertakenError: another rank's part ended unwritten with a warning.
         RuntimeError: a part failed or holds another step; TimeoutError: a part did not arrive
-            within ``timeout_s`` (a crashed or stalled rank). The staging directory is removed
-            and the previous checkpoint stays the latest.
+            within ``timeout_s`` (a crashed or stalled rank). Rank 0's own part's error when it
+            failed. The staging directory is removed (once the other parts have ended, so that
+            none fails for a directory gone under it) and the previous checkpoint stays the
+            latest.
     """
     published = False
     try:
-        metrics = own.result()
+        try:
+            metrics = own.result()
+        except BaseException:
+            # The other ranks are still writing their parts into the stage.
+            settle_parts(stage, range(1, world), monotonic() + timeout_s, abandoned)
+            raise
         target = metrics.captured_step if metrics.captured_step is not None else target
         deadline = monotonic() + timeout_s
         for r in range(world):
-            await_part(stage, r, deadline, abandoned)
+            try:
+                await_part(stage, r, deadline, abandoned)
+            except BaseException:
+                settle_parts(stage, range(r + 1, world), deadline, abandoned)
+                raise
         fs, root = fsutil.url_to_fs(path, None)
         parts, files = [], {}
         for r in range(world):
@@ -138,8 +155,17 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             log.warning("gockpt: sharded checkpoint %s not committed", path)
 
 
+def settle_parts(stage: str, ranks: Any, deadline: float, abandoned: Callable[[], bool]) -> None:
+    """Wait, as :func:`await_part` does, for the parts of ``ranks`` to end, however they end: a
+    commit that fails removes the stage only once no rank writes into it any more."""
+    for r in ranks:
+        with contextlib.suppress(Exception):
+            await_part(stage, r, deadline, abandoned)
+
+
 def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
-    """Phase one's outcome for rank 0: ``rank-<r>.done`` or ``rank-<r>.failed`` (atomic).
+    """Phase one's outcome for rank 0: ``rank-<r>.done``, ``rank-<r>.failed``, or
+    ``rank-<r>.overtaken`` for a part that ended unwritten with a warning (atomic).
 
     ``handle``: the finished save of this rank's part (a handle or a future: its ``result(0)``).
     """
@@ -147,7 +173,7 @@ def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
         handle.result(0)
         kind = "done"
     except BaseException:  # noqa: BLE001 - the outcome is what the marker tells
-        kind = "failed"
+        kind = "overtaken" if getattr(handle, "overtaken", False) else "failed"
     if os.path.isdir(stage):
         _write_marker(stage, rank, kind, durable=True)
 
@@ -180,16 +206,21 @@ def await_part(stage: str, rank: int, deadline: float,
     :data:`ABANDON_IDLE_S` seconds.
 
     Raises:
+        PartOvertakenError: the part ended unwritten with a warning.
         RuntimeError: the part failed, or was abandoned; TimeoutError: no marker by ``deadline``.
     """
     done = os.path.join(stage, f"{part_name(rank)}.done")
     failed = os.path.join(stage, f"{part_name(rank)}.failed")
+    overtaken = os.path.join(stage, f"{part_name(rank)}.overtaken")
     captured = os.path.join(stage, f"{part_name(rank)}.captured")
     delay = 0.002
     progress, since = None, monotonic()
     while not os.path.exists(done):
         if os.path.exists(failed):
             raise RuntimeError(f"gockpt: rank {rank}'s part of the sharded checkpoint failed")
+        if os.path.exists(overtaken):
+            raise PartOvertakenError(f"gockpt: rank {rank}'s part of the sharded checkpoint was not "
+                                     "written (see that rank's warning)")
         now = monotonic()
         if now > deadline:
             raise TimeoutError(f"gockpt: rank {rank}'s part of the sharded checkpoint did not "

@@ -80,6 +80,12 @@ class Engine:
             optimizers' ``step`` state (0 when they have none). Checkpoints record steps from
             here, and the ``latest`` pointer only moves forward in steps.
 
+    Attributes:
+        version: optimizer updates applied: the step a checkpoint requested now records. It
+            counts the updates of ``optimizers``; an engine that tracks none (it copies the
+            state ``state_fn`` gives, at the request) never moves it, and its owner sets it to
+            its own step count before each save.
+
     Raises:
         TypeError: ``optimizers`` holds something that is not a ``torch.optim.Optimizer``.
     """

@@ -64,6 +64,7 @@ from torch.optim import Optimizer
 from . import fsutil, storage
 from ._sharded_commit import (
     INDEX_FILE,
+    PartOvertakenError,
     mark,
     mark_captured,
     part_name,
@@ -187,9 +188,13 @@ class ShardedHandle:
 
     @property
     def overtaken(self) -> bool:
-        """This rank's part ended unwritten with a warning (:attr:`gockpt.SaveHandle.overtaken`);
-        the checkpoint is then not committed, and the ones before it stand."""
-        return self.part.overtaken
+        """This rank's part, or on rank 0 another rank's, ended unwritten with a warning
+        (:attr:`gockpt.SaveHandle.overtaken`): the checkpoint is not committed, the ones before
+        it stand, and the run goes on."""
+        if self.part.overtaken:
+            return True
+        c = self._commit
+        return c is not None and c.done() and isinstance(c.exception(), PartOvertakenError)
 
     @property
     def requested_step(self) -> int:
@@ -458,10 +463,10 @@ class ShardedEngine:
                 except BaseException:
                     # A part that ended unwritten with a warning fails its checkpoint, not the
                     # run; rank 0's commit ends with the part's error.
+                    if h._commit is not None:  # noqa: SLF001 - this module's handle
+                        h._commit.exception(timeout_s)  # noqa: SLF001 - ended, whatever its outcome
                     if not h.overtaken:
                         raise
-                    if h._commit is not None:  # noqa: SLF001 - this module's handle
-                        h._commit.exception(timeout_s)  # noqa: SLF001
         except BaseException as e:  # noqa: BLE001 - raised on every rank, below
             error = e
         self._handles = [h for h in self._handles if not h.done()]

@@ -159,15 +159,17 @@ def is_complete(path: str, storage_options: Mapping[str, Any] | None = None,
     return complete_manifest(bounded_fs(fs, timeout_s), root) is not None
 
 
-def has_manifest(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+def has_manifest(path: str, storage_options: Mapping[str, Any] | None = None,
+                 timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S) -> bool:
     """Whether ``path`` holds an entry named ``manifest.json`` (locally of any kind, a symlink
     or FIFO included), complete or not: the manifest is written last, so a checkpoint that has
     one and is not complete (:func:`is_complete`) is damaged rather than cut short. Errors
-    reaching the storage count as none. Raises nothing."""
+    reaching the storage count as none, and so does a store that may hang (not local, not S3)
+    not answering within ``timeout_s`` seconds. Raises nothing."""
     try:
-        fs, root = url_to_fs(path, storage_options)
+        fs, root = url_to_fs(path, storage_options, timeout_s)
         target = join(root, MANIFEST_NAME)
-        return os.path.lexists(target) if is_local(fs) else bool(fs.exists(target))
+        return os.path.lexists(target) if is_local(fs) else bool(bounded_fs(fs, timeout_s).exists(target))
     except Exception:  # noqa: BLE001 - unreachable storage: no verdict of damage
         return False
 

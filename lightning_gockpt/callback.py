@@ -359,6 +359,10 @@ class GoCkptCallback(Callback):
         if self._zero:
             make_placeholder(path, self.io.config.storage_options)
         cap = 1 if exact_step or gathered else 1 + _updates_left(trainer, engine.config.max_overlap_steps)
+        if gathered:
+            # It tracks no optimizer: its manifests record Lightning's step as the others' do
+            # (they recorded 0, and an incomplete last.ckpt resolved to any checkpoint beside it).
+            engine.version = trainer.global_step
         options = self.io.config.storage_options
         mode = None
         if self._ended or (gathered and engine.config.mode != "sync"):
@@ -513,18 +517,21 @@ class GoCkptCallback(Callback):
             return
         if not all(isinstance(o, optim.Optimizer) for o in now):
             return  # no engine can track those (as at the start): the one there goes on
-        if self._every_rank and self._kind == "replicated" and \
-                not sharded.shares_write(trainer, self.io.config.storage_options if self.io else None):
-            # The new optimizers share a parameter, or consolidate their state on one rank: no
-            # share of units fits them. The engine there goes on; a save still to be captured is
-            # not written at the new optimizers' first update (on_before_optimizer_step).
-            log.warning("gockpt: the replaced optimizers cannot be checkpointed with the ranks sharing "
-                        "the write; multi-step checkpoints are not written from here on")
-            return
         log.info("gockpt: the optimizers were replaced; the checkpoint engine is rebuilt over the new ones")
         self._hook_steps([])
         assert engine is not None
         engine.close()  # the saves in flight end (their errors are raised here, as at a request)
+        if self._every_rank and self._kind == "replicated" and \
+                not sharded.shares_write(trainer, self.io.config.storage_options if self.io else None):
+            # The new optimizers share a parameter, or consolidate their state on one rank: no
+            # share of units fits them. Rank 0 writes from here on, as in a run that starts
+            # with them (on_train_start); every rank takes this branch alike.
+            log.info("gockpt: the new optimizers cannot share the write among the ranks; rank 0 writes "
+                     "the checkpoints from here on")
+            self._every_rank = False
+        if not (trainer.is_global_zero or self._every_rank):
+            self.engine = None
+            return
         self.engine = self._build(trainer)
         self._hook_steps(now)
 

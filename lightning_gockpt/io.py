@@ -247,10 +247,10 @@ class GoCkptIO(CheckpointIO):
             self._callback.close()
 
     def _resolve(self, path: str) -> str:
-        options = self.config.storage_options
-        if is_complete(path, options):
+        options, timeout_s = self.config.storage_options, self.config.storage_timeout_s
+        if is_complete(path, options, timeout_s):
             return path
-        if has_manifest(path, options):
+        if has_manifest(path, options, timeout_s):
             # Damaged, not incomplete (the manifest is written last): the load names the file
             # at fault and what is wrong with it, rather than "no manifest".
             return path
@@ -261,7 +261,7 @@ class GoCkptIO(CheckpointIO):
         last = ModelCheckpoint.CHECKPOINT_NAME_LAST
         if not (name.startswith(last) and name.endswith(ModelCheckpoint.FILE_EXTENSION)):
             raise FileNotFoundError(f"{path} is not a complete GoCkpt checkpoint (no manifest.json)")
-        newest = gockpt.latest_checkpoint(parent, options)
+        newest = gockpt.latest_checkpoint(parent, options, timeout_s)
         if newest is None:
             raise FileNotFoundError(
                 f"{path} is incomplete (the run stopped while it was being saved) and {parent!r} "

@@ -11,7 +11,7 @@ stall, with no patching of GoCkpt itself:
 
 Each class has a :class:`Fault` (class attribute ``fault``; swap it with ``monkeypatch.setattr``):
 ``hook(name, nbytes)`` runs before every write to a file whose name contains ``match``, and
-``op_hook(op, path)`` before ``pipe``/``rm``/``cat``/``ls`` operations.
+``op_hook(op, path)`` before ``pipe``/``rm``/``cat``/``ls``/``info`` operations.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Fault:
         match: substring of file names ``hook`` applies to.
         written: bytes written so far to matching files while armed.
         op_hook: None or ``op_hook(op, path)`` with op in ``"pipe"``, ``"rm"``, ``"cat"``,
-            ``"ls"``, ``"open"`` (any open for writing), run before the operation.
+            ``"ls"``, ``"info"`` (``exists``, ``isdir``, ``size`` ...), ``"open"`` (any open for
+            writing), run before the operation.
     """
 
     hook: Callable[[str, int], None] | None = None
@@ -70,7 +71,8 @@ class Fault:
     def hang(self, ops: Collection[str], until: threading.Event) -> None:
         """Arm: the calls in ``ops`` block until ``until`` is set (a hung connection with no
         timeout of its own). ``"write"`` is a write to a file whose name contains ``match``;
-        the others are ``op_hook`` operations (``"pipe"``, ``"rm"``, ``"cat"``, ``"open"``).
+        the others are ``op_hook`` operations (``"pipe"``, ``"rm"``, ``"cat"``, ``"ls"``,
+        ``"info"``, ``"open"``).
         Set ``until`` when the test ends: the blocked calls then return."""
         ops = set(ops)
 
@@ -138,6 +140,10 @@ class _FaultHooks:
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
         self.fault.before_op("ls", path)
         return super().ls(path, detail=detail, **kwargs)  # type: ignore[misc]
+
+    def info(self, path: str, **kwargs: Any) -> Any:
+        self.fault.before_op("info", path)
+        return super().info(path, **kwargs)  # type: ignore[misc]
 
 
 class FaultLocalFileSystem(_FaultHooks, LocalFileSystem):

@@ -28,7 +28,7 @@ import gockpt
 from gockpt.errors import CheckpointStorageError, CheckpointTimeoutError
 from gockpt.load import read_checkpoint
 from gockpt.persist import persist
-from gockpt.storage import claim_directory, is_complete, latest_checkpoint, url_to_fs
+from gockpt.storage import claim_directory, has_manifest, is_complete, latest_checkpoint, url_to_fs
 
 # Generous upper bound on any failing save below (the defaults would take minutes).
 BOUND_S = 30.0
@@ -419,6 +419,19 @@ def test_reading_from_a_hung_store_fails_within_the_storage_deadline(hung_store,
     release.set()
     fault.op_hook = None
     assert read_checkpoint(store.path("ckpt")).manifest["meta"]["captured_step"] == 1
+
+
+def test_asking_a_hung_store_whether_a_manifest_is_there_ends_within_the_bound(hung_store, make_request,
+                                                                               make_tensors):
+    """``has_manifest`` (a resume telling a damaged checkpoint from one cut short) on a store
+    that stopped answering says no within its bound, as ``is_complete`` does."""
+    store, fault, release = hung_store
+    persist(make_request(store.path("ckpt"), make_tensors(1), step=1))
+    assert has_manifest(store.path("ckpt"))
+    fault.hang({"info"}, release)
+    found, error, took = run_bounded(lambda: has_manifest(store.path("ckpt"), timeout_s=HUNG_TIMEOUT_S))
+    assert found is False and error is None
+    assert took < 2 * HUNG_TIMEOUT_S + 5
 
 
 def test_a_hung_manifest_put_fails_the_save_and_keeps_what_it_may_publish(

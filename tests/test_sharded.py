@@ -242,6 +242,46 @@ def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):
     assert not os.path.exists(f"{root}/ck-2")
 
 
+def _overtaken_worker(rank: int, world: int, port: int, root: str, victim: int) -> None:
+    _init(rank, world, port)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    config = gockpt.GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3)
+    eng = ShardedEngine(m, opt, config, commit_timeout_s=30)
+    _step(m, opt, 0)
+    eng.step_end()
+    eng.save(f"{root}/first", mode="sync")
+    _step(m, opt, 1)
+    eng.step_end()
+    h = eng.save(f"{root}/ck")
+    if rank == victim:  # an event of this rank alone (a slot wait timed out, an edit after capture)
+        assert eng.abandon_uncaptured("this rank's state moved on") == 1
+    for step in range(2, 6):
+        _step(m, opt, step)
+        eng.step_end()  # no rank raises: the other parts end in a stage still there
+    eng.wait()  # no rank raises either: a warning, not an error of the run
+    assert h.overtaken == (rank in (0, victim))  # rank 0 learns it from the commit
+    assert not os.path.exists(f"{root}/ck")
+    assert gockpt.latest_checkpoint(root) == f"{root}/first"
+    assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == [], (rank, os.listdir(root))
+    dist.barrier()  # both have looked before rank 0 stages the next save
+    eng.save(f"{root}/after")  # the engine goes on
+    eng.close()
+    assert gockpt.latest_checkpoint(root) == f"{root}/after"
+    end_rank()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_part_overtaken_on_one_rank_alone_is_not_committed_and_fails_no_rank(tmp_path, victim):
+    """A part that one rank alone ends unwritten with a warning (overtaken): the checkpoint is
+    not committed, the previous one stays the latest, and neither rank raises, at a step
+    boundary or at ``wait`` (rank 0's part overtaken: its commit removed the stage while rank 1
+    was still writing, a storage error on rank 1; rank 1's: every rank raised)."""
+    mp.spawn(_overtaken_worker, args=(2, _port(), str(tmp_path), victim), nprocs=2)
+    assert load_full(f"{tmp_path}/first").captured_step == 1
+    assert load_full(f"{tmp_path}/after").captured_step == 6
+
+
 def _abandon_worker(rank: int, world: int, port: int, root: str) -> None:
     import time
 

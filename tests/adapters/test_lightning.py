@@ -1272,6 +1272,36 @@ def test_optimizers_replaced_mid_run_are_followed(tmp_path, swap):
             assert_bitwise_equal(got[key], want[key], f"{name}.{key}")
 
 
+def test_checkpoints_taken_whole_at_the_request_record_lightning_steps(tmp_path):
+    """Two optimizers over the same parameters: the state is taken whole at each request (no
+    engine tracks the live tensors). Its manifests record Lightning's step, not 0, so a
+    ``last.ckpt`` cut short by a kill resolves to the newest checkpoint beside it."""
+    import json
+    import shutil
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_lightning_fidelity import Net
+
+    d = tmp_path / "ck"
+    pl.seed_everything(0, verbose=False)
+    pl.Trainer(default_root_dir=tmp_path, max_steps=12, accelerator="cpu", logger=False,
+               enable_progress_bar=False, enable_model_summary=False, plugins=[GoCkptIO(mode="gockpt_o")],
+               callbacks=[ModelCheckpoint(dirpath=d, filename="{step}", save_top_k=-1, every_n_train_steps=4,
+                                          save_last=True)]).fit(Net("shared"))
+    names = sorted(os.listdir(d))
+    assert names == ["last.ckpt", "step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    for name in names:
+        meta = json.loads((d / name / "manifest.json").read_text())["meta"]
+        assert meta["captured_step"] == GoCkptIO().load_checkpoint(str(d / name))["global_step"], name
+    shutil.rmtree(d / "last.ckpt")
+    (d / "last.ckpt").mkdir()  # the request-time placeholder a kill leaves
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert GoCkptIO().load_checkpoint(str(d / "last.ckpt"))["global_step"] == 12
+
+
 def _linear_module(samples: int, table: list[float] | None = None):
     """A linear regression LightningModule over ``samples`` random rows (batches of 8); with
     ``table`` it logs ``m = table[global_step]`` for a monitored ModelCheckpoint."""

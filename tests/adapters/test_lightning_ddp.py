@@ -329,6 +329,60 @@ class _SwapNet(Net):
             self.trainer.optimizers = [torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)]
 
 
+class _SwapToSharedNet(Net):
+    """Manual optimization, one AdamW until the batch start of step ``swap``, then two SGDs
+    over the same parameters, each stepping every batch (a class of this module: ``ddp_spawn``
+    pickles it by name)."""
+
+    def __init__(self, swap: int) -> None:
+        super().__init__("manual")
+        self.swap = swap
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == self.swap and len(self.trainer.optimizers) == 1:
+            self.trainer.optimizers = [torch.optim.SGD(self.parameters(), lr=0.01),
+                                       torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)]
+
+    def training_step(self, batch, batch_idx):
+        x, t = batch
+        opts = self.optimizers()
+        for opt in opts if isinstance(opts, list) else [opts]:
+            opt.zero_grad()
+            self.manual_backward((self(x) - t).pow(2).mean())
+            opt.step()
+
+
+def test_ddp_optimizers_replaced_by_ones_sharing_a_parameter_are_written_by_rank_0(tmp_path, monkeypatch):
+    """Under ``ddp_spawn`` with the ranks sharing the write, the optimizers are replaced mid-run
+    by two that update the same parameters: no share of units fits them, so rank 0 writes from
+    then on, as in a run that starts with them. Every checkpoint records the step it holds
+    (they froze at the replacement) and equals stock DDP's file of that step."""
+    import lightning.pytorch as pl
+
+    def run(root, io):
+        monkeypatch.setenv("MASTER_PORT", str(_port()))
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            default_root_dir=root, max_steps=11, accelerator="cpu", devices=2, strategy="ddp_spawn",
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=1)],
+            plugins=[io] if io is not None else None)
+        trainer.fit(_SwapToSharedNet(3))
+
+    run(str(tmp_path / "g"), _io("gockpt_o"))
+    run(str(tmp_path / "s"), None)
+    names = sorted(os.listdir(tmp_path / "g"), key=lambda n: int(n[5:-5]))
+    assert names == [f"step={s}.ckpt" for s in (1, 2, 3, 5, 7, 9, 11)]
+    for name in names:
+        path = str(tmp_path / "g" / name)
+        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
+        meta = json.loads(open(os.path.join(path, "manifest.json")).read())["meta"]
+        assert meta["captured_step"] == ours["global_step"] == int(name[5:-5]), name
+        stock = torch.load(tmp_path / "s" / name, weights_only=False)
+        for key in ("state_dict", "optimizer_states"):
+            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
+
+
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
                       NODE_RANK="0", WORLD_SIZE="2")
