@@ -133,6 +133,11 @@ class Planner:
         gaps = [b - a for a, b in zip(steps, steps[1:])]
         return statistics.median_low(gaps) if gaps else None
 
+    @property
+    def layout(self) -> StateLayout | None:
+        """The layout :meth:`current_layout` gave last (None before, or once forgotten)."""
+        return self._layout
+
     def forget_layout(self) -> None:
         """Rebuild the layout at the next save (the live tensors were replaced)."""
         self._layout = None

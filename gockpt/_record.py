@@ -404,6 +404,23 @@ def find_leader(records: list[SaveRecord], *, version: int, layout: StateLayout,
     return None
 
 
+def moved_since_pinned(records: list[SaveRecord], version: int, layout: StateLayout | None) -> bool:
+    """Whether a save not yet captured leads a snapshot pinned to step ``version`` while the
+    state has moved on since (another layout, other tensor versions or sampled contents: a
+    forward's batch-norm statistics inside a gradient accumulation): a request now cannot share
+    it (:func:`find_leader`), and with no free slot finishes it at this step. A sharded engine's
+    ranks agree on it (each sees only its own part of the state)."""
+    pinned = [x for x in records if x.share.leader is x and not x.captured and x.pinned[0] == version
+              and x.failed is None and not x.handle.done()]
+    if not pinned:
+        return False
+    if layout is None or any(x.layout is not layout for x in pinned):
+        return True
+    versions, sample = state_versions(layout), state_sample(layout)
+    return any(x.pinned[1] != versions or (x.pinned_sample is not None and not same_sample(sample, x.pinned_sample))
+               for x in pinned)
+
+
 def join_record(seq: int, path: str, handle: SaveHandle, leader: SaveRecord,
                 slot_layout: SlotLayout, state_fn: Callable[[], Any] | None, *, version: int,
                 t_request: float, writer: CheckpointWriter | None = None,

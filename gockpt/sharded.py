@@ -76,6 +76,7 @@ from ._sharded_commit import (
     commit as commit_parts,
 )
 from .config import GoCkptConfig
+from ._record import moved_since_pinned
 from .engine import Engine
 from .format import plan_shards
 from .handle import CheckpointMetrics, SaveHandle
@@ -537,18 +538,26 @@ class ShardedEngine:
             RuntimeError: replicated, and the ranks partitioned different states (every rank
                 raises: the partition would not cover each tensor once).
         """
+        eng = self.engine
+        moved = moved_since_pinned(eng._all, eng.version, eng._planner.layout)  # noqa: SLF001
         views: list[Any] = [None] * self.world
-        dist.all_gather_object(views, (plan.mode, plan.num_overlap_steps, self._layout_digest),
+        dist.all_gather_object(views, (plan.mode, plan.num_overlap_steps, self._layout_digest, moved),
                                group=self._group)
-        if len({d for _, _, d in views}) > 1:
+        if len({v[2] for v in views}) > 1:
             raise RuntimeError("gockpt: replicated=True needs the same parameters and optimizer "
                                "state on every rank; the ranks hold different tensors")
-        modes = [m for m, _, _ in views]
+        if any(v[3] for v in views):
+            # A save in flight pinned to this step no longer matches the state on some rank
+            # (a rank sees only its own part: the buffers are rank 0's): that rank would
+            # finish it now rather than share it, so every rank does, and all capture it at
+            # the same step.
+            eng._flush_windows()  # noqa: SLF001
+        modes = [v[0] for v in views]
         if any(m in ("sync", "async") for m in modes):
             mode, k = ("sync" if "sync" in modes else "async"), 1
         elif "lazy" in modes:
             mode, k = "lazy", 1
         else:
             # A rank whose gradient copies were torn behind its loop plans gockpt: all do.
-            mode, k = ("gockpt" if "gockpt" in modes else modes[0]), min(k for _, k, _ in views)
+            mode, k = ("gockpt" if "gockpt" in modes else modes[0]), min(v[1] for v in views)
         return mode, k

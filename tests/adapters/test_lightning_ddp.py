@@ -383,6 +383,48 @@ def test_ddp_optimizers_replaced_by_ones_sharing_a_parameter_are_written_by_rank
             assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
 
 
+class _MidSave(Callback):
+    """``trainer.save_checkpoint`` at the ends of batches 1 and 2 of the first epoch: with
+    ``accumulate_grad_batches=2`` the second is inside an accumulation, at the same optimizer
+    step as the first, after a forward that moved the batch-norm statistics."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx in (1, 2):
+            trainer.save_checkpoint(f"{trainer.default_root_dir}/mid-b{batch_idx}.ckpt")
+
+
+def test_ddp_saves_inside_a_gradient_accumulation_hold_one_step_on_every_rank(tmp_path, monkeypatch):
+    """``accumulate_grad_batches=2`` under ``ddp_spawn`` with the ranks sharing the write, a
+    second save requested at the step of one in flight after the state moved (batch-norm
+    statistics, which only rank 0's part holds): rank 0 finished the first save at once while
+    rank 1 kept it to its planned step, so the parts disagreed and it was not committed (and a
+    longer run failed at its end). Every rank now decides alike: each file is written and
+    equals stock DDP's file of the step it holds."""
+    import lightning.pytorch as pl
+
+    def run(root, io, every):
+        monkeypatch.setenv("MASTER_PORT", str(_port()))
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            default_root_dir=root, max_steps=8, accelerator="cpu", devices=2, strategy="ddp_spawn",
+            logger=False, enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+            callbacks=[_MidSave(), ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1,
+                                                   every_n_train_steps=every)],
+            plugins=[io] if io is not None else None)
+        trainer.fit(Net("batch_norm"))
+
+    run(str(tmp_path / "g"), _io("gockpt_o"), 3)
+    run(str(tmp_path / "s"), None, 1)
+    names = sorted(n for n in os.listdir(tmp_path / "g") if n.endswith(".ckpt"))
+    assert names == ["mid-b1.ckpt", "mid-b2.ckpt", "step=3.ckpt", "step=6.ckpt"]
+    for name in names:
+        path = str(tmp_path / "g" / name)
+        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
+        stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
+        for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops"):
+            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
+
+
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
                       NODE_RANK="0", WORLD_SIZE="2")
