@@ -10,7 +10,8 @@ shard makes the save ``lazy``, with a warning.
 Under DDP (``replicated=True``: plain tensors, the same on every rank) the ranks share the
 write instead: each rank's engine tracks a distinct share of the units, balanced by bytes
 (:mod:`gockpt.partition`), and stores it whole (offsets 0); rank 0 also stores the buffers.
-The parts are committed exactly as below.
+The parts are committed exactly as below. That holds only while the replicas are the same: a
+save is refused on every rank (:class:`ReplicasDifferError`) when they may differ.
 
 Layout of a sharded checkpoint ``<path>``::
 
@@ -85,7 +86,17 @@ from .partition import Partition, partition_layout
 from .plan import CopyPlan
 from .writer import CheckpointWriter, Snapshot, TensorFile
 
-__all__ = ["ShardedEngine", "ShardedHandle", "INDEX_FILE", "part_name", "sharding_name"]
+__all__ = ["INDEX_FILE", "ReplicasDifferError", "ShardedEngine", "ShardedHandle", "part_name", "sharding_name"]
+
+
+class ReplicasDifferError(RuntimeError):
+    """``replicated=True``: the ranks' copies of the state may differ, so shares taken from
+    them would not make one state. Raised by :meth:`ShardedEngine.save` on every rank, before
+    anything is written, when a parameter that did not require gradients when the engine was
+    built does now (DDP, wrapped before, does not average its gradients: an unfreeze, a
+    parameter group added), or the optimizers' hyperparameters differ between ranks (a
+    schedule stepped on a metric of each rank's own). A framework then writes from one rank,
+    as stock DDP writes rank 0's copy."""
 
 log = logging.getLogger("gockpt")
 
@@ -278,6 +289,8 @@ class ShardedEngine:
         self.engine._planner.agree = self._agree
         self.replicated = replicated
         self._layout_digest: str | None = None  # replicated: what each rank partitions
+        # Replicated: the parameters DDP (wrapped before this engine) averages the gradients of.
+        self._synced = {id(p) for p in model.parameters() if p.requires_grad} if replicated else set()
         if replicated:
             self.engine._planner.select = self._partition
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if self.rank == 0 else None
@@ -384,15 +397,20 @@ class ShardedEngine:
         except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
             problem = e
         ready: list[Any] = [None] * self.world
-        dist.all_gather_object(ready, (stage, None if problem is None else f"{type(problem).__name__}: {problem}"),
-                               group=self._group)
-        if any(err is not None for _, err in ready):
+        dist.all_gather_object(ready, (stage, None if problem is None else f"{type(problem).__name__}: {problem}",
+                                       self._replica_view()), group=self._group)
+        if any(err is not None for _, err, _ in ready):
             if stage is not None:
                 fsutil.remove_local(stage)
             if problem is not None:
                 raise problem
             raise RuntimeError("gockpt: sharded checkpoint not taken: " + "; ".join(
-                f"rank {r}: {err}" for r, (_, err) in enumerate(ready) if err is not None))
+                f"rank {r}: {err}" for r, (_, err, _) in enumerate(ready) if err is not None))
+        differ = self._replicas_differ([view for _, _, view in ready])
+        if differ is not None:
+            if stage is not None:
+                fsutil.remove_local(stage)
+            raise ReplicasDifferError(f"gockpt: sharded checkpoint {path} not taken: {differ}")
         stage = ready[0][0]
         part_path = os.path.join(stage, part_name(self.rank))
         handle, error = None, None
@@ -522,6 +540,30 @@ class ShardedEngine:
             pass  # already destroyed by the caller
 
     # ------------------------------------------------------------------ agreement and commit
+
+    def _replica_view(self) -> tuple[list[str], str] | None:
+        """Replicated: (names of the parameters requiring gradients that did not when the engine
+        was built, a digest of the optimizers' hyperparameters); None otherwise."""
+        if not self.replicated:
+            return None
+        eng = self.engine
+        unsynced = [n for n, p in eng.model.named_parameters() if p.requires_grad and id(p) not in self._synced]
+        hyper = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in eng.optimizers]
+        return unsynced, xxh3(repr(hyper).encode())
+
+    @staticmethod
+    def _replicas_differ(views: list[Any]) -> str | None:
+        """Why the ranks' replicas may differ (every rank's :meth:`_replica_view`), or None."""
+        if views[0] is None:
+            return None
+        unsynced = sorted({n for names, _ in views for n in names})
+        if unsynced:
+            return (f"{', '.join(unsynced[:3])}{' ...' if len(unsynced) > 3 else ''} requires gradients now "
+                    "but did not when the engine was built: DDP does not average its gradients, so "
+                    "each rank trains its own copy")
+        if len({digest for _, digest in views}) > 1:
+            return "the optimizers' hyperparameters (learning rates ...) differ between the ranks"
+        return None
 
     def _partition(self, layout: StateLayout) -> StateLayout:
         """This rank's share of the replicated ``layout`` (training thread, at a save)."""

@@ -18,7 +18,7 @@ from gockpt import Engine, SaveHandle, _exit
 from gockpt.layout import shared_parameters
 from gockpt.plan import MULTI_STEP_MODES
 from gockpt.fsutil import path_key
-from gockpt.sharded import ShardedHandle
+from gockpt.sharded import ReplicasDifferError, ShardedHandle
 from gockpt.storage import cleanup_staging
 
 from . import deepspeed, fsdp, sharded
@@ -303,12 +303,16 @@ class GoCkptCallback(Callback):
             for cb in self._trainer.checkpoint_callbacks)
 
     def request(self, checkpoint: dict[str, Any], path: str, *,
-                exact_step: bool) -> _Handle:
+                exact_step: bool) -> _Handle | None:
         """Request a checkpoint of Lightning's ``checkpoint`` dict at ``path`` (training thread).
 
         The dict is the source of truth: its tensors that are the live parameters and optimizer
         state take the engine's overlapped path, any other tensor is copied when the dict is
         taken (:mod:`gockpt.snapshot`).
+
+        Returns:
+            The save's handle; None on a DDP rank that stopped writing at this request (the
+            replicas may differ: rank 0 writes from here on, :class:`gockpt.sharded.ReplicasDifferError`).
         """
         trainer = self._trainer
         assert self.io is not None and trainer is not None and self.engine is not None
@@ -372,6 +376,17 @@ class GoCkptCallback(Callback):
         try:
             handle = engine.save(path, state_fn=take_gathered if gathered else state_fn, max_overlap_steps=cap,
                                  mode=mode, **only)
+        except ReplicasDifferError as e:  # on every rank alike; nothing was written
+            if self._zero:
+                remove_placeholder(path, options)
+            self._to_rank0_writer(trainer, str(e))
+            if not trainer.is_global_zero:
+                return None
+            # Stock's dict now that the strategy's own methods give it (the one passed in held
+            # the live state keyed for the ranks' shares), and rank 0's request of it.
+            ck = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+            self._full_dump = None if weights_only else ck
+            return self.request(ck, path, exact_step=exact_step)
         except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
             if self._zero:
                 remove_placeholder(path, options)
@@ -529,11 +544,27 @@ class GoCkptCallback(Callback):
             log.info("gockpt: the new optimizers cannot share the write among the ranks; rank 0 writes "
                      "the checkpoints from here on")
             self._every_rank = False
+        self._rebuild_after_close(trainer)
+
+    def _rebuild_after_close(self, trainer: Trainer) -> None:
+        """A new engine where the run has one (rank 0, or every rank while they share the write),
+        the old one closed; the step pre-hooks on the loop's optimizers."""
         if not (trainer.is_global_zero or self._every_rank):
             self.engine = None
             return
         self.engine = self._build(trainer)
-        self._hook_steps(now)
+        self._hook_steps(list(trainer.optimizers))
+
+    def _to_rank0_writer(self, trainer: Trainer, why: str) -> None:
+        """DDP with the ranks sharing the write: from here on rank 0 writes each checkpoint whole,
+        as stock DDP does (collective: every rank closes its engine)."""
+        log.warning("gockpt: %s; rank 0 writes the checkpoints from here on, from its own copy "
+                    "of the state (as stock DDP does)", why.removeprefix("gockpt: "))
+        self._hook_steps([])
+        assert self.engine is not None
+        self.engine.close()
+        self._every_rank = False
+        self._rebuild_after_close(trainer)
 
     def _hook_steps(self, optimizers: list[Any]) -> None:
         """The step pre-hooks (_step_without_us) on ``optimizers``, in place of those before."""

@@ -24,7 +24,7 @@ from gockpt import storage
 from gockpt.dcp import load_full, load_sharded
 from gockpt.layout import build_layout
 from gockpt.partition import balance, partition_layout, prune_model, prune_optimizer
-from gockpt.sharded import ShardedEngine, part_name, sharding_name
+from gockpt.sharded import ReplicasDifferError, ShardedEngine, part_name, sharding_name
 
 STEPS = 9
 BUFFERS = {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"}
@@ -189,9 +189,30 @@ def _mismatch_worker(rank: int, world: int, port: int, root: str) -> None:
         eng.save(f"{root}/ck")
     assert not os.path.exists(f"{root}/ck")
     eng.close()
+    # Replicas that may have drifted apart: shares of them would make no one state.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    m[1].requires_grad_(False)  # frozen when DDP wraps it: DDP will not average its gradients
+    ddp = DDP(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eng = ShardedEngine(ddp, opt, gockpt.GoCkptConfig(mode="lazy"), commit_timeout_s=30, replicated=True)
+    eng.save(f"{root}/same")
+    m[1].requires_grad_(True)
+    with pytest.raises(ReplicasDifferError, match="1.bias, 1.weight requires gradients now"):
+        eng.save(f"{root}/unfrozen")
+    m[1].requires_grad_(False)
+    opt.param_groups[0]["lr"] = 0.1 if rank == 0 else 0.05  # a schedule stepped on each rank's metric
+    with pytest.raises(ReplicasDifferError, match="hyperparameters"):
+        eng.save(f"{root}/lr")
+    opt.param_groups[0]["lr"] = 0.1
+    eng.save(f"{root}/same-again")
+    eng.close()
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["latest", "same", "same-again"]
     end_rank()
 
 
 def test_replicated_ranks_with_different_states_refuse_to_save(tmp_path):
-    """Ranks whose states differ would not partition alike: every rank raises, nothing is written."""
+    """Ranks whose states differ would not partition alike: every rank raises, nothing is
+    written. So do ranks whose replicas may differ (a layer DDP does not average now trains,
+    the learning rates differ): each rank's share would come from another copy."""
     mp.spawn(_mismatch_worker, args=(2, _port(), str(tmp_path)), nprocs=2)

@@ -425,6 +425,52 @@ def test_ddp_saves_inside_a_gradient_accumulation_hold_one_step_on_every_rank(tm
             assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
 
 
+def test_ddp_replicas_that_differ_are_written_from_rank_0(tmp_path, monkeypatch):
+    """A layer frozen when DDP wrapped the model is unfrozen at step 5 (what BackboneFinetuning
+    does): DDP never averages its gradients, so each rank trains its own copy of it. The ranks
+    sharing the write stored each one's share from its own copy, a state no rank had; now a
+    save finds the replicas may differ and rank 0 writes from then on, as stock DDP does. Every
+    checkpoint equals stock DDP's file of the step it holds."""
+    import lightning.pytorch as pl
+
+    def run(root, io, every):
+        monkeypatch.setenv("MASTER_PORT", str(_port()))
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            default_root_dir=root, max_steps=12, accelerator="cpu", devices=2, strategy="ddp_spawn",
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=every)],
+            plugins=[io] if io is not None else None)
+        trainer.fit(_RankDataNet("unfreeze"))
+
+    run(str(tmp_path / "g"), _io("gockpt_o"), 3)
+    run(str(tmp_path / "s"), None, 1)
+    names = sorted(os.listdir(tmp_path / "g"), key=lambda n: int(n[5:-5]))
+    assert names == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt", "step=12.ckpt"]
+    held = []
+    for name in names:
+        ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / name), weights_only=False)
+        held.append(ours["global_step"])
+        stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
+        for key in ("state_dict", "optimizer_states"):
+            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
+    assert held[0] == 5  # a multi-step save of the shares, before the unfreeze
+    assert os.path.isdir(tmp_path / "g" / "step=3.ckpt" / part_name(1))
+    assert not os.path.isdir(tmp_path / "g" / "step=9.ckpt" / part_name(1))  # rank 0's whole file
+
+
+class _RankDataNet(Net):
+    """test_lightning_fidelity's Net with data of each rank's own (DDP's sampler does not split
+    an iterable), so that the ranks' copies of a layer DDP does not average drift apart."""
+
+    def train_dataloader(self):
+        from test_lightning_fidelity import BATCHES, _Resumable
+
+        g = torch.Generator().manual_seed(7 + self.global_rank)
+        x = torch.randn(BATCHES * 4, 8, generator=g)
+        return _Resumable(x)
+
+
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
                       NODE_RANK="0", WORLD_SIZE="2")
