@@ -276,49 +276,9 @@ def test_ddp_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, m
         assert_bitwise_equal(ours[key], stock[key], key)
 
 
-@pytest.mark.parametrize("swap", [4, 6, 7])
-def test_ddp_optimizers_replaced_mid_run_are_followed(tmp_path, monkeypatch, swap):
-    """``trainer.optimizers = [SGD(...)]`` at the batch start of step ``swap`` under ``ddp_spawn``
-    with the ranks sharing the write: the engines of both ranks are rebuilt over the new
-    optimizer, so each checkpoint holds one step, recorded as Lightning's (the manifests' steps
-    froze at the swap), and equals stock DDP's file of that step. The saves are requested at
-    steps 5 and 10 (K = 3): the one at 10 is captured at 12 by the rebuilt engines; the one at 5,
-    captured at 7, is taken by the rebuilt engines (swap 4), is not written because the new
-    optimizer's update went past its step before it was captured (swap 6: it was torn), or
-    finishes its copies before the new optimizer's first update (swap 7)."""
-    import lightning.pytorch as pl
-
-    def run(root, io, every):
-        monkeypatch.setenv("MASTER_PORT", str(_port()))
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(
-            default_root_dir=root, max_steps=14, accelerator="cpu", devices=2, strategy="ddp_spawn",
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=every)],
-            plugins=[io] if io is not None else None)
-        trainer.fit(_SwapNet(swap))
-
-    run(str(tmp_path / "g"), _io("gockpt_o"), 5)
-    run(str(tmp_path / "s"), None, 1)
-    names = sorted(os.listdir(tmp_path / "g"))
-    assert names == (["step=10.ckpt"] if swap == 6 else ["step=10.ckpt", "step=5.ckpt"])
-    for name in names:
-        path = str(tmp_path / "g" / name)
-        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
-        assert ours["global_step"] == int(name[5:-5]) + 2  # held K - 1 = 2 steps later
-        for r in range(2):
-            part = os.path.join(path, part_name(r))
-            meta = storage.read_manifest(gockpt.fsutil.url_to_fs(part, None)[0], part)["meta"]
-            assert meta["captured_step"] == ours["global_step"], (name, r)
-        stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
-        for key in ("state_dict", "optimizer_states", "lr_schedulers"):
-            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
-
-
 class _SwapNet(Net):
     """test_lightning_fidelity's Net (BatchNorm, data resumable mid-epoch), its optimizers
-    replaced by SGD at the batch start of step ``swap`` (a class of this module: ``ddp_spawn``
-    pickles it by name)."""
+    replaced by SGD at the batch start of step ``swap``."""
 
     def __init__(self, swap: int) -> None:
         super().__init__("batch_norm")
@@ -331,8 +291,7 @@ class _SwapNet(Net):
 
 class _SwapToSharedNet(Net):
     """Manual optimization, one AdamW until the batch start of step ``swap``, then two SGDs
-    over the same parameters, each stepping every batch (a class of this module: ``ddp_spawn``
-    pickles it by name)."""
+    over the same parameters, each stepping every batch."""
 
     def __init__(self, swap: int) -> None:
         super().__init__("manual")
@@ -352,37 +311,6 @@ class _SwapToSharedNet(Net):
             opt.step()
 
 
-def test_ddp_optimizers_replaced_by_ones_sharing_a_parameter_are_written_by_rank_0(tmp_path, monkeypatch):
-    """Under ``ddp_spawn`` with the ranks sharing the write, the optimizers are replaced mid-run
-    by two that update the same parameters: no share of units fits them, so rank 0 writes from
-    then on, as in a run that starts with them. Every checkpoint records the step it holds
-    (they froze at the replacement) and equals stock DDP's file of that step."""
-    import lightning.pytorch as pl
-
-    def run(root, io):
-        monkeypatch.setenv("MASTER_PORT", str(_port()))
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(
-            default_root_dir=root, max_steps=11, accelerator="cpu", devices=2, strategy="ddp_spawn",
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=1)],
-            plugins=[io] if io is not None else None)
-        trainer.fit(_SwapToSharedNet(3))
-
-    run(str(tmp_path / "g"), _io("gockpt_o"))
-    run(str(tmp_path / "s"), None)
-    names = sorted(os.listdir(tmp_path / "g"), key=lambda n: int(n[5:-5]))
-    assert names == [f"step={s}.ckpt" for s in (1, 2, 3, 5, 7, 9, 11)]
-    for name in names:
-        path = str(tmp_path / "g" / name)
-        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
-        meta = json.loads(open(os.path.join(path, "manifest.json")).read())["meta"]
-        assert meta["captured_step"] == ours["global_step"] == int(name[5:-5]), name
-        stock = torch.load(tmp_path / "s" / name, weights_only=False)
-        for key in ("state_dict", "optimizer_states"):
-            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
-
-
 class _MidSave(Callback):
     """``trainer.save_checkpoint`` at the ends of batches 1 and 2 of the first epoch: with
     ``accumulate_grad_batches=2`` the second is inside an accumulation, at the same optimizer
@@ -393,72 +321,6 @@ class _MidSave(Callback):
             trainer.save_checkpoint(f"{trainer.default_root_dir}/mid-b{batch_idx}.ckpt")
 
 
-def test_ddp_saves_inside_a_gradient_accumulation_hold_one_step_on_every_rank(tmp_path, monkeypatch):
-    """``accumulate_grad_batches=2`` under ``ddp_spawn`` with the ranks sharing the write, a
-    second save requested at the step of one in flight after the state moved (batch-norm
-    statistics, which only rank 0's part holds): rank 0 finished the first save at once while
-    rank 1 kept it to its planned step, so the parts disagreed and it was not committed (and a
-    longer run failed at its end). Every rank now decides alike: each file is written and
-    equals stock DDP's file of the step it holds."""
-    import lightning.pytorch as pl
-
-    def run(root, io, every):
-        monkeypatch.setenv("MASTER_PORT", str(_port()))
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(
-            default_root_dir=root, max_steps=8, accelerator="cpu", devices=2, strategy="ddp_spawn",
-            logger=False, enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
-            callbacks=[_MidSave(), ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1,
-                                                   every_n_train_steps=every)],
-            plugins=[io] if io is not None else None)
-        trainer.fit(Net("batch_norm"))
-
-    run(str(tmp_path / "g"), _io("gockpt_o"), 3)
-    run(str(tmp_path / "s"), None, 1)
-    names = sorted(n for n in os.listdir(tmp_path / "g") if n.endswith(".ckpt"))
-    assert names == ["mid-b1.ckpt", "mid-b2.ckpt", "step=3.ckpt", "step=6.ckpt"]
-    for name in names:
-        path = str(tmp_path / "g" / name)
-        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
-        stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
-        for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops"):
-            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
-
-
-def test_ddp_replicas_that_differ_are_written_from_rank_0(tmp_path, monkeypatch):
-    """A layer frozen when DDP wrapped the model is unfrozen at step 5 (what BackboneFinetuning
-    does): DDP never averages its gradients, so each rank trains its own copy of it. The ranks
-    sharing the write stored each one's share from its own copy, a state no rank had; now a
-    save finds the replicas may differ and rank 0 writes from then on, as stock DDP does. Every
-    checkpoint equals stock DDP's file of the step it holds."""
-    import lightning.pytorch as pl
-
-    def run(root, io, every):
-        monkeypatch.setenv("MASTER_PORT", str(_port()))
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(
-            default_root_dir=root, max_steps=12, accelerator="cpu", devices=2, strategy="ddp_spawn",
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=every)],
-            plugins=[io] if io is not None else None)
-        trainer.fit(_RankDataNet("unfreeze"))
-
-    run(str(tmp_path / "g"), _io("gockpt_o"), 3)
-    run(str(tmp_path / "s"), None, 1)
-    names = sorted(os.listdir(tmp_path / "g"), key=lambda n: int(n[5:-5]))
-    assert names == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt", "step=12.ckpt"]
-    held = []
-    for name in names:
-        ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / name), weights_only=False)
-        held.append(ours["global_step"])
-        stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
-        for key in ("state_dict", "optimizer_states"):
-            assert_bitwise_equal(ours[key], stock[key], f"{name}.{key}")
-    assert held[0] == 5  # a multi-step save of the shares, before the unfreeze
-    assert os.path.isdir(tmp_path / "g" / "step=3.ckpt" / part_name(1))
-    assert not os.path.isdir(tmp_path / "g" / "step=9.ckpt" / part_name(1))  # rank 0's whole file
-
-
 class _RankDataNet(Net):
     """test_lightning_fidelity's Net with data of each rank's own (DDP's sampler does not split
     an iterable), so that the ranks' copies of a layer DDP does not average drift apart."""
@@ -467,8 +329,116 @@ class _RankDataNet(Net):
         from test_lightning_fidelity import BATCHES, _Resumable
 
         g = torch.Generator().manual_seed(7 + self.global_rank)
-        x = torch.randn(BATCHES * 4, 8, generator=g)
-        return _Resumable(x)
+        return _Resumable(torch.randn(BATCHES * 4, 8, generator=g))
+
+
+#: Runs whose state changes mid-run (test_ddp_mid_run_*): module, max_steps, GoCkpt's
+#: every_n_train_steps, extra Trainer arguments. Stock saves at every step.
+_CHANGES = {
+    "swap": (lambda: _SwapNet(6), 14, 5, {}),
+    "swap_to_shared": (lambda: _SwapToSharedNet(3), 11, 1, {}),
+    "accumulation": (lambda: Net("batch_norm"), 8, 3, {"accumulate_grad_batches": 2, "callbacks": [_MidSave()]}),
+    "replicas_differ": (lambda: _RankDataNet("unfreeze"), 12, 3, {}),
+}
+
+
+def _changes_worker(rank: int, port: int, root: str) -> None:
+    import lightning.pytorch as pl
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    for case, (module, max_steps, every, extra) in _CHANGES.items():
+        for run, io, each in (("g", _io("gockpt_o"), every), ("s", None, 1)):
+            d = f"{root}/{case}/{run}"
+            kwargs = dict(extra)
+            callbacks = [*kwargs.pop("callbacks", []),
+                         ModelCheckpoint(dirpath=d, filename="{step}", save_top_k=-1, every_n_train_steps=each)]
+            pl.seed_everything(0, verbose=False)
+            pl.Trainer(default_root_dir=d, max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp",
+                       logger=False, enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=callbacks, plugins=[io] if io is not None else None, **kwargs).fit(module())
+    end_rank()
+
+
+@pytest.fixture(scope="module")
+def mid_run_changes(tmp_path_factory) -> str:
+    """The runs of :data:`_CHANGES` under 2-rank DDP with the ranks sharing the write, GoCkptIO
+    (gockpt_o, K=3) and stock, in one spawn (each spawn costs seconds of imports)."""
+    root = str(tmp_path_factory.mktemp("changes"))
+    mp.spawn(_changes_worker, args=(_port(), root), nprocs=2)
+    return root
+
+
+def _equal_to_stock(root: str, case: str, keys=("state_dict", "optimizer_states", "lr_schedulers")) -> list[int]:
+    """Check that each GoCkpt checkpoint of ``case`` equals stock's file of the step it holds and
+    records that step in every manifest; returns those steps, in the order of the names."""
+    held = []
+    for name in _ckpt_names(f"{root}/{case}/g"):
+        path = f"{root}/{case}/g/{name}"
+        ours = GoCkptIO().load_checkpoint(path, weights_only=False)
+        held.append(ours["global_step"])
+        parts = [os.path.join(path, part_name(r)) for r in range(2)] if os.path.isdir(
+            os.path.join(path, part_name(0))) else [path]
+        for part in parts:
+            meta = storage.read_manifest(gockpt.fsutil.url_to_fs(part, None)[0], part)["meta"]
+            assert meta["captured_step"] == ours["global_step"], (case, name, part)
+        stock = torch.load(f"{root}/{case}/s/step={ours['global_step']}.ckpt", weights_only=False)
+        for key in keys:
+            assert_bitwise_equal(ours[key], stock[key], f"{case}/{name}.{key}")
+    return held
+
+
+def _ckpt_names(folder: str) -> list[str]:
+    def order(n: str) -> tuple:
+        return (0, int(n[5:-5])) if n.startswith("step=") else (-1, n)
+    return sorted((n for n in os.listdir(folder) if n.endswith(".ckpt")), key=order)
+
+
+def test_ddp_mid_run_optimizers_replaced_are_followed(mid_run_changes):
+    """``trainer.optimizers = [SGD(...)]`` at the batch start of step 6, with the ranks sharing
+    the write: the engines of both ranks are rebuilt over the new optimizer, so each checkpoint
+    holds one step, recorded as Lightning's (the manifests' steps froze at the swap), and equals
+    stock DDP's file of that step. The save requested at step 5 (K = 3, captured at 7) is not
+    written, never torn: the new optimizer's update went past its step before it was captured.
+    The one requested at step 10 is captured at 12 by the rebuilt engines."""
+    assert _ckpt_names(f"{mid_run_changes}/swap/g") == ["step=10.ckpt"]
+    assert _equal_to_stock(mid_run_changes, "swap") == [12]
+
+
+def test_ddp_mid_run_optimizers_replaced_by_ones_sharing_a_parameter(mid_run_changes):
+    """The optimizers are replaced at step 3 by two that update the same parameters: no share
+    of units fits them, so rank 0 writes from then on, as in a run that starts with them. Every
+    checkpoint records the step it holds (they froze at the replacement) and equals stock
+    DDP's file of that step."""
+    root = mid_run_changes
+    assert _ckpt_names(f"{root}/swap_to_shared/g") == [f"step={s}.ckpt" for s in (1, 2, 3, 5, 7, 9, 11)]
+    assert _equal_to_stock(root, "swap_to_shared", ("state_dict", "optimizer_states")) == [1, 2, 3, 5, 7, 9, 11]
+
+
+def test_ddp_mid_run_saves_inside_a_gradient_accumulation_hold_one_step_on_every_rank(mid_run_changes):
+    """``accumulate_grad_batches=2``, a second save requested at the step of one in flight after
+    the state moved (batch-norm statistics, which only rank 0's part holds): rank 0 finished the
+    first save at once while rank 1 kept it to its planned step, so the parts disagreed and it
+    was not committed (and a longer run failed at its end). Every rank now decides alike: each
+    file is written and equals stock DDP's file of the step it holds."""
+    assert _ckpt_names(f"{mid_run_changes}/accumulation/g") == [
+        "mid-b1.ckpt", "mid-b2.ckpt", "step=3.ckpt", "step=6.ckpt"]
+    _equal_to_stock(mid_run_changes, "accumulation", ("state_dict", "optimizer_states", "lr_schedulers", "loops"))
+
+
+def test_ddp_mid_run_replicas_that_differ_are_written_from_rank_0(mid_run_changes):
+    """A layer frozen when DDP wrapped the model is unfrozen at step 5 (what BackboneFinetuning
+    does): DDP never averages its gradients, so each rank trains its own copy of it. The ranks
+    sharing the write stored each one's share from its own copy, a state no rank had; now a
+    save finds the replicas may differ and rank 0 writes from then on, as stock DDP does. Every
+    checkpoint equals stock DDP's file of the step it holds."""
+    root = f"{mid_run_changes}/replicas_differ/g"
+    assert _ckpt_names(root) == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt", "step=12.ckpt"]
+    held = _equal_to_stock(mid_run_changes, "replicas_differ", ("state_dict", "optimizer_states"))
+    assert held[0] == 5  # a multi-step save of the shares, before the unfreeze
+    assert os.path.isdir(f"{root}/step=3.ckpt/{part_name(1)}")
+    assert not os.path.isdir(f"{root}/step=9.ckpt/{part_name(1)}")  # rank 0's whole file
 
 
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
