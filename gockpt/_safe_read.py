@@ -122,7 +122,7 @@ def open_local_regular(path: str, expected_bytes: int | None = None) -> tuple[in
 def read_bounded(
     fs: AbstractFileSystem, path: str, *, max_bytes: int, exact_bytes: int | None = None,
     timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
-) -> bytes | bytearray:
+) -> bytes:
     """Read a whole file of an untrusted directory with its size bounded before reading.
 
     Locally only a regular file that is not a symlink is opened (no device, FIFO or link out
@@ -139,7 +139,7 @@ def read_bounded(
         timeout_s: bound on one read call into a store that may hang, in seconds (None: none).
 
     Returns:
-        The file's bytes (a ``bytearray`` for a remote file of more than one piece).
+        The file's bytes.
 
     Raises:
         FileNotFoundError: no such file.
@@ -156,34 +156,20 @@ def read_bounded(
         if bound is None:
             data = fs.cat_file(path, start=0, end=limit + 1)
         else:
-            data = _read_pieces(fs, path, limit + 1, bound)
+            pieces, got = [], 0
+            while got < limit + 1:
+                start, end = got, min(limit + 1, got + READ_PIECE_BYTES)
+                piece = bounded_call(lambda: fs.cat_file(path, start=start, end=end), bound,  # noqa: B023
+                                     f"read of {path}")
+                pieces.append(piece)
+                got += len(piece)
+                if len(piece) < end - start:  # the end of the file
+                    break
+            # One piece (a file under 64 MiB) as it came; more are joined (twice a file's
+            # size at the join, where the one call held it once).
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     _check_read_size(path, len(data), max_bytes, exact_bytes)
     return data
-
-
-def _read_pieces(fs: AbstractFileSystem, path: str, most: int, bound: float) -> bytes | bytearray:
-    """At most ``most`` bytes from the start of ``path``, in calls of :data:`READ_PIECE_BYTES`
-    each bounded by ``bound`` seconds. A file of one piece comes as the call returned it; a
-    larger one is appended piece by piece to one buffer (grown in place as the bytes arrive,
-    never sized by what a manifest claims), so it is held about once plus a piece, not twice as
-    a join of the pieces would."""
-    def piece(start: int) -> bytes:
-        end = min(most, start + READ_PIECE_BYTES)
-        got = bounded_call(lambda: fs.cat_file(path, start=start, end=end), bound, f"read of {path}")
-        return got[:end - start]  # a store returning more than asked is cut, not trusted
-
-    first = piece(0)
-    if most <= READ_PIECE_BYTES or len(first) < READ_PIECE_BYTES:
-        return first  # all that was asked for, or the whole file
-    buf = bytearray(first)
-    del first
-    while len(buf) < most:
-        want = min(READ_PIECE_BYTES, most - len(buf))
-        more = piece(len(buf))
-        buf += more
-        if len(more) < want:  # the end of the file
-            break
-    return buf
 
 
 def _check_read_size(path: str, size: int, max_bytes: int, exact_bytes: int | None) -> None:

@@ -54,6 +54,23 @@ def xxh3(data: bytes) -> str:
     return xxhash.xxh3_64(data).hexdigest()
 
 
+def replicas_differ(views: list[Any]) -> str | None:
+    """Why the ranks' replicas may differ, from every rank's view ``[names, digest]``: the
+    parameters requiring gradients that did not when its engine was built (DDP, wrapped before,
+    does not average their gradients) and a digest of its optimizers' hyperparameters. None
+    when they may not (or no view was taken)."""
+    if not views or any(v is None for v in views):
+        return None
+    unsynced = sorted({n for names, _ in views for n in names})
+    if unsynced:
+        return (f"{', '.join(unsynced[:3])}{' ...' if len(unsynced) > 3 else ''} requires gradients now "
+                "but did not when the engine was built: DDP does not average its gradients, so "
+                "each rank trains its own copy")
+    if len({digest for _, digest in views}) > 1:
+        return "the optimizers' hyperparameters (learning rates ...) differ between the ranks"
+    return None
+
+
 class PartOvertakenError(RuntimeError):
     """A rank's part ended unwritten with a warning (:attr:`gockpt.SaveHandle.overtaken`): the
     checkpoint is not committed, and that is a warning of the run, not an error."""
@@ -111,6 +128,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
                 raise
         fs, root = fsutil.url_to_fs(path, None)
         parts, files = [], {}
+        views = []
         for r in range(world):
             part = os.path.join(stage, part_name(r))
             manifest = storage.read_manifest(fs, part)
@@ -122,11 +140,19 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             parts.append({"name": part_name(r), "manifest_bytes": len(raw), "manifest_xxh3_64": xxh3(raw)})
             os.unlink(os.path.join(stage, f"{part_name(r)}.done"))
             # Written before .done, read by this thread alone: a checkpoint keeps no marker.
+            views.append(_replica_view(os.path.join(stage, f"{part_name(r)}.captured")))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(stage, f"{part_name(r)}.captured"))
             with open(os.path.join(stage, sharding_name(r)), "rb") as f:
                 raw = f.read()
             files[sharding_name(r)] = {"bytes": len(raw), "xxh3_64": xxh3(raw)}
+        if replicated:
+            differ = replicas_differ(views)
+            if differ is not None:
+                # Shares of copies that drifted apart inside the copy windows: no one state.
+                why = f"gockpt: sharded checkpoint {path}: the replicas differ at its captured step ({differ})"
+                log.warning("%s", why)
+                raise PartOvertakenError(why)
         index = json.dumps({"format": "gockpt-sharded", "world_size": world, "replicated": replicated,
                             "captured_step": target, "parts": parts}, sort_keys=True).encode()
         target_dir = LocalTarget(fs, root, staging=stage, framework_names=framework_names)
@@ -155,6 +181,16 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             log.warning("gockpt: sharded checkpoint %s not committed", path)
 
 
+def _replica_view(marker: str) -> Any:
+    """The replica view a ``rank-<r>.captured`` marker records (None: none, or unreadable)."""
+    try:
+        with open(marker, "rb") as f:
+            raw = f.read(1 << 20)
+        return json.loads(raw) if raw else None
+    except (OSError, ValueError):
+        return None
+
+
 def settle_parts(stage: str, ranks: Any, deadline: float, abandoned: Callable[[], bool]) -> None:
     """Wait, as :func:`await_part` does, for the parts of ``ranks`` to end, however they end: a
     commit that fails removes the stage only once no rank writes into it any more."""
@@ -178,15 +214,21 @@ def mark(stage: str, rank: int, handle: SaveHandle | Future[Any]) -> None:
         _write_marker(stage, rank, kind, durable=True)
 
 
-def _write_marker(stage: str, rank: int, kind: str, *, durable: bool) -> None:
-    """``rank-<r>.<kind>`` in ``stage`` (``durable``: written atomically and fsynced; else an
-    empty file, a signal to the living commit thread only). Best effort."""
+def _write_marker(stage: str, rank: int, kind: str, *, durable: bool, data: bytes = b"") -> None:
+    """``rank-<r>.<kind>`` in ``stage`` holding ``data`` (``durable``: written atomically and
+    fsynced; else a signal to the living commit thread only, written in place of the file's
+    name so that no reader sees it half written). Best effort."""
     path = os.path.join(stage, f"{part_name(rank)}.{kind}")
     try:
         if durable:
-            write_atomic(path, b"")
-        else:
+            write_atomic(path, data)
+        elif not data:
             open(path, "wb").close()  # noqa: SIM115 - an empty file
+        else:
+            tmp = os.path.join(stage, f".{part_name(rank)}.{kind}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, path)
     except OSError as e:  # the staging directory was removed by an abort
         log.info("gockpt: could not mark part %d of %s %s: %s", rank, stage, kind, e)
 
@@ -253,9 +295,11 @@ def _part_progress(stage: str, part: str) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(out))
 
 
-def mark_captured(stage: str, rank: int) -> None:
+def mark_captured(stage: str, rank: int, view: Any = None) -> None:
     """``rank-<r>.captured``: rank ``r``'s part has taken its state; what is left (replay,
     persist) needs no other rank (see :data:`ABANDON_IDLE_S`). Written on the training thread
-    at a step boundary: an empty file, not fsynced (only the living commit thread reads it).
-    Best effort."""
-    _write_marker(stage, rank, "captured", durable=False)
+    at a step boundary, not fsynced (only the living commit thread reads it). It holds the
+    rank's replica view at the captured step (JSON; ``view``, replicated states), which the
+    commit compares (:func:`replicas_differ`); else empty. Best effort."""
+    _write_marker(stage, rank, "captured", durable=False,
+                  data=b"" if view is None else json.dumps(view).encode())

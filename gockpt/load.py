@@ -7,8 +7,8 @@ file); JSON is decoded strictly (no duplicate keys, bounded depth). Every file i
 and, with ``verify``, checksummed in the same pass that brings it into memory. Local shards are
 memory-mapped copy-on-write from the descriptor that was checked, so tensors share pages with
 the page cache and writing to them never changes the file (tensors under 64 KiB are copied into
-storage of their own); remote shards are fetched whole into one buffer, and their tensors are
-views into it in the same way (a shard held once, not twice).
+storage of their own); remote shards are fetched whole and
+decoded by the official ``safetensors`` reader.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import safetensors.torch
 import torch
 import xxhash
 from fsspec import AbstractFileSystem
@@ -168,7 +169,7 @@ def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
 
 def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool, *,
                 max_bytes: int | None = None,
-                timeout_s: float | None = storage.DEFAULT_STORAGE_TIMEOUT_S) -> bytes | bytearray:
+                timeout_s: float | None = storage.DEFAULT_STORAGE_TIMEOUT_S) -> bytes:
     """The bytes of ``file_path``, which a manifest lists as ``entry`` (``bytes``, ``xxh3_64``):
     read as untrusted (a regular file, no symlink, FIFO or device; exactly the recorded size,
     at most ``max_bytes``), the checksum checked with ``verify``.
@@ -190,14 +191,14 @@ def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: boo
     return data
 
 
-def _decode(file_path: str, data: memoryview | bytes | bytearray, index: dict[str, dict]) -> int:
+def _decode(file_path: str, data: memoryview | bytes, index: dict[str, dict]) -> int:
     """Decode the header of a whole shard's bytes and check it against the manifest's index
     (:func:`check_shard_header`). Returns the offset of the data section in bytes."""
     # Bounded by the file itself (already size-checked against the manifest).
     return check_shard_header(file_path, read_shard_header(data, len(data)), len(data), index)
 
 
-def read_shard_header(src: int | BinaryIO | bytes | bytearray | memoryview, size: int) -> bytes:
+def read_shard_header(src: int | BinaryIO | bytes | memoryview, size: int) -> bytes:
     """The first bytes of a shard of ``size`` bytes: its 8-byte length and its header, at most
     :data:`gockpt.format.MAX_HEADER_BYTES` of it and never past ``size`` (two reads from the
     start).
@@ -210,7 +211,7 @@ def read_shard_header(src: int | BinaryIO | bytes | bytearray | memoryview, size
     def read(n: int) -> bytes:
         if isinstance(src, int):
             return os.pread(src, n, 0)
-        if isinstance(src, (bytes, bytearray, memoryview)):
+        if isinstance(src, (bytes, memoryview)):
             return bytes(src[:n])
         src.seek(0)
         return src.read(n)
@@ -279,13 +280,6 @@ def _load_local_shard(
             buf = torch.empty(0, dtype=torch.uint8)
     finally:
         os.close(fd)
-    return _tensors(file_path, buf, entry, index, verify)
-
-
-def _tensors(file_path: str, buf: torch.Tensor, entry: dict, index: dict[str, dict],
-             verify: bool) -> dict[str, torch.Tensor]:
-    """The tensors of a whole shard's bytes ``buf`` (uint8, 1-D), views into it, after its
-    checksum (``verify``) and its header against the manifest's ``index``."""
     view = buf.numpy().data
     _check_digest(file_path, view, entry, verify)
     data_start = _decode(file_path, view, index)
@@ -311,10 +305,10 @@ def _load_remote_shard(
     fs: AbstractFileSystem, file_path: str, entry: dict, index: dict[str, dict], verify: bool,
     timeout_s: float | None,
 ) -> dict[str, torch.Tensor]:
-    data = read_listed(fs, file_path, entry, verify=False, timeout_s=timeout_s)
-    if not data:
-        return _tensors(file_path, torch.empty(0, dtype=torch.uint8), entry, index, verify)
-    # The tensors are views into the bytes read (as into the local map), not copies of them: a
-    # large shard is held once. A read of one piece comes as immutable bytes, copied here once.
-    buf = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
-    return _tensors(file_path, buf, entry, index, verify)
+    data = read_listed(fs, file_path, entry, verify, timeout_s=timeout_s)
+    _decode(file_path, data, index)
+    try:
+        loaded = safetensors.torch.load(data)
+    except Exception as e:
+        raise CheckpointCorruptError(f"{file_path}: safetensors cannot decode it: {e}") from e
+    return {key: loaded[key] for key in index}

@@ -53,11 +53,12 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -69,6 +70,7 @@ from ._sharded_commit import (
     mark,
     mark_captured,
     part_name,
+    replicas_differ,
     sharding_name,
     write_atomic,
     xxh3,
@@ -87,6 +89,21 @@ from .plan import CopyPlan
 from .writer import CheckpointWriter, Snapshot, TensorFile
 
 __all__ = ["INDEX_FILE", "ReplicasDifferError", "ShardedEngine", "ShardedHandle", "part_name", "sharding_name"]
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as values every rank can compare exactly: a tensor by dtype, shape and
+    elements (not its device, nor its printed digits), numbers by ``repr`` (exact for floats),
+    containers item by item, any other object by its type alone."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.detach().cpu().reshape(-1).tolist())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
+    return type(value).__qualname__
 
 
 class ReplicasDifferError(RuntimeError):
@@ -265,6 +282,10 @@ class ShardedEngine:
             ``DistributedDataParallel`` wrapper is unwrapped (its ``module`` is checkpointed,
             under the keys DCP uses). A save of a model holding ``DTensor`` shards raises
             ValueError.
+        synced: replicated: the parameters whose gradients are averaged across the ranks (DDP's:
+            those requiring gradients when it wrapped the model); None: those requiring them
+            when the engine is built. A save while another one requires gradients raises
+            :class:`ReplicasDifferError`.
         **engine_kwargs: passed to :class:`gockpt.Engine` (``start_step``, ...).
 
     Raises:
@@ -274,7 +295,7 @@ class ShardedEngine:
     def __init__(self, model: nn.Module, optimizers: Optimizer | Sequence[Optimizer],
                  config: GoCkptConfig | None = None, *, group: Any = None,
                  commit_timeout_s: float = 300.0, replicated: bool = False,
-                 **engine_kwargs: Any) -> None:
+                 synced: Iterable[nn.Parameter] | None = None, **engine_kwargs: Any) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ShardedEngine needs torch.distributed initialized (init_process_group)")
         if replicated and isinstance(model, nn.parallel.DistributedDataParallel):
@@ -290,7 +311,9 @@ class ShardedEngine:
         self.replicated = replicated
         self._layout_digest: str | None = None  # replicated: what each rank partitions
         # Replicated: the parameters DDP (wrapped before this engine) averages the gradients of.
-        self._synced = {id(p) for p in model.parameters() if p.requires_grad} if replicated else set()
+        if synced is None:
+            synced = [p for p in model.parameters() if p.requires_grad] if replicated else []
+        self._synced = {id(p) for p in synced}
         if replicated:
             self.engine._planner.select = self._partition
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="gockpt-commit") if self.rank == 0 else None
@@ -331,10 +354,14 @@ class ShardedEngine:
         self._note_captured()
 
     def _note_captured(self) -> None:
-        """Mark the parts captured since the last call (:func:`gockpt._sharded_commit.mark_captured`)."""
+        """Mark the parts captured since the last call (:func:`gockpt._sharded_commit.mark_captured`),
+        with this rank's replica view (replicated: no update ran since their capture)."""
+        view = None
         for h in self._handles:
             if h._stage is not None and h.part.captured_step is not None:
-                mark_captured(h._stage, self.rank)
+                if view is None:
+                    view = self._replica_view()
+                mark_captured(h._stage, self.rank, view)
                 h._stage = None
 
     def _flush_and_note(self) -> None:
@@ -385,10 +412,11 @@ class ShardedEngine:
         if not fsutil.is_local(fs):
             raise ValueError(f"sharded checkpoints are written to local paths only, got {path}")
         framework_names = getattr(writer, "framework_names", None)
-        stage, problem = None, None
+        stage, problem, view = None, None, None
         try:
             # A background error of an earlier save is raised here, on every rank alike.
             self.engine._pipeline.raise_errors()  # noqa: SLF001
+            view = self._replica_view()
             if self.rank == 0:
                 # At the request, on every rank alike: never replace someone's directory.
                 storage.check_save_path(fsutil.path_key(root), update_latest=self.config.update_latest,
@@ -398,7 +426,7 @@ class ShardedEngine:
             problem = e
         ready: list[Any] = [None] * self.world
         dist.all_gather_object(ready, (stage, None if problem is None else f"{type(problem).__name__}: {problem}",
-                                       self._replica_view()), group=self._group)
+                                       view), group=self._group)
         if any(err is not None for _, err, _ in ready):
             if stage is not None:
                 fsutil.remove_local(stage)
@@ -406,7 +434,7 @@ class ShardedEngine:
                 raise problem
             raise RuntimeError("gockpt: sharded checkpoint not taken: " + "; ".join(
                 f"rank {r}: {err}" for r, (_, err, _) in enumerate(ready) if err is not None))
-        differ = self._replicas_differ([view for _, _, view in ready])
+        differ = replicas_differ([view for _, _, view in ready])
         if differ is not None:
             if stage is not None:
                 fsutil.remove_local(stage)
@@ -548,22 +576,9 @@ class ShardedEngine:
             return None
         eng = self.engine
         unsynced = [n for n, p in eng.model.named_parameters() if p.requires_grad and id(p) not in self._synced]
-        hyper = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in eng.optimizers]
+        hyper = [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
+                 for o in eng.optimizers]
         return unsynced, xxh3(repr(hyper).encode())
-
-    @staticmethod
-    def _replicas_differ(views: list[Any]) -> str | None:
-        """Why the ranks' replicas may differ (every rank's :meth:`_replica_view`), or None."""
-        if views[0] is None:
-            return None
-        unsynced = sorted({n for names, _ in views for n in names})
-        if unsynced:
-            return (f"{', '.join(unsynced[:3])}{' ...' if len(unsynced) > 3 else ''} requires gradients now "
-                    "but did not when the engine was built: DDP does not average its gradients, so "
-                    "each rank trains its own copy")
-        if len({digest for _, digest in views}) > 1:
-            return "the optimizers' hyperparameters (learning rates ...) differ between the ranks"
-        return None
 
     def _partition(self, layout: StateLayout) -> StateLayout:
         """This rank's share of the replicated ``layout`` (training thread, at a save)."""

@@ -91,6 +91,7 @@ class GoCkptCallback(Callback):
         # "fsdp_sharded" (FSDPStrategy, sharded), "deepspeed", None (one device)
         self._kind: str | None = None
         self._every_rank = False  # an engine on every rank (lightning_gockpt.sharded)
+        self._synced: list[Any] | None = None  # DDP: the parameters DDP averages (on_fit_start)
         self._zero = True  # global rank 0
         self._trainer: Trainer | None = None
         self._finished: list[_Handle] = []
@@ -180,6 +181,12 @@ class GoCkptCallback(Callback):
         cbs[:] = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
         first_ckpt = next((i for i, cb in enumerate(cbs) if isinstance(cb, Checkpoint)), len(cbs))
         cbs.insert(first_ckpt, _BatchEnd(self))
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Right after the strategy wrapped the model (this callback runs first): under DDP, the
+        # parameters whose gradients DDP averages are those requiring them now. A later unfreeze
+        # trains one copy per rank (gockpt.sharded.ReplicasDifferError), engine rebuilds or not.
+        self._synced = [p for p in pl_module.parameters() if p.requires_grad]
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ended = self._failed = False
@@ -317,6 +324,8 @@ class GoCkptCallback(Callback):
         trainer = self._trainer
         assert self.io is not None and trainer is not None and self.engine is not None
         self._follow_optimizers(trainer)
+        if self.engine is None:
+            return None  # the optimizers were replaced by ones the ranks cannot share: rank 0 writes
         engine = self.engine
         # A weights-only save (save_weights_only, Trainer.save_checkpoint(weights_only=True)) is
         # told by the hook that runs for full dumps only, not by the dict's keys: a module hook
@@ -382,11 +391,10 @@ class GoCkptCallback(Callback):
             self._to_rank0_writer(trainer, str(e))
             if not trainer.is_global_zero:
                 return None
-            # Stock's dict now that the strategy's own methods give it (the one passed in held
-            # the live state keyed for the ranks' shares), and rank 0's request of it.
-            ck = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-            self._full_dump = None if weights_only else ck
-            return self.request(ck, path, exact_step=exact_step)
+            # The dict is stock's (under DDP the strategy changes only where it is saved): rank
+            # 0's request of it.
+            self._full_dump = checkpoint if full else None
+            return self.request(checkpoint, path, exact_step=exact_step)
         except BaseException:  # Ctrl-C inside a blocking save, a storage error: no placeholder
             if self._zero:
                 remove_placeholder(path, options)

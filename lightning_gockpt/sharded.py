@@ -375,6 +375,7 @@ class ShardedAdapterEngine:
             closes are then local, never a collective another rank may not reach).
         replicated: DDP: the ranks share the write of the replicated state
             (:mod:`lightning_gockpt.replicated`); else FSDP2 shards.
+        synced: DDP: the parameters DDP averages the gradients of (:class:`gockpt.sharded.ShardedEngine`).
         **engine_kwargs: passed to :class:`gockpt.Engine` (``explicit_before_update``, ``start_step``).
 
     Raises:
@@ -383,8 +384,9 @@ class ShardedAdapterEngine:
 
     def __init__(self, model: nn.Module, optimizers: Sequence[Optimizer], config: GoCkptConfig, *,
                  rank: int, collective: Callable[[], bool], replicated: bool = False,
-                 **engine_kwargs: Any) -> None:
-        self.sharded = ShardedEngine(model, list(optimizers), config, replicated=replicated, **engine_kwargs)
+                 synced: Sequence[Any] | None = None, **engine_kwargs: Any) -> None:
+        self.sharded = ShardedEngine(model, list(optimizers), config, replicated=replicated, synced=synced,
+                                     **engine_kwargs)
         self.replicated = replicated
         self.config = self.sharded.config
         self.rank = rank
@@ -476,7 +478,8 @@ def build_engine(callback: GoCkptCallback, trainer: Any, start_step: int | None,
     assert callback.io is not None
     return ShardedAdapterEngine(trainer.lightning_module, list(trainer.optimizers), callback.io.config,
                                 rank=trainer.global_rank, collective=lambda: not callback._failed,  # noqa: SLF001
-                                replicated=replicated, explicit_before_update=True, start_step=start_step)
+                                replicated=replicated, synced=getattr(callback, "_synced", None) if replicated else None,
+                                explicit_before_update=True, start_step=start_step)
 
 
 __all__ = ["DEEPSPEED_STRATEGIES", "GATHERED_STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES",

@@ -286,37 +286,3 @@ def test_a_loaded_rng_state_restores_the_generator(store, make_request):
     torch.set_rng_state(loaded["rng"])
     assert torch.equal(torch.rand(4), want)
 
-
-def test_a_remote_shard_of_many_pieces_is_held_once(make_request, monkeypatch):
-    """A shard read in many bounded pieces (a store that may hang: one call per piece) is
-    appended to one buffer, and its tensors are views into it: the load holds the file about
-    once, not the pieces and their join and then copies of the tensors as well."""
-    import tracemalloc
-    import uuid
-
-    import fsspec
-
-    import gockpt._safe_read
-
-    monkeypatch.setattr(gockpt._safe_read, "READ_PIECE_BYTES", 1 << 20)
-    tensors = {"big": torch.randn(2 << 20), "other": torch.randn(1 << 20), "small": torch.arange(10)}
-    shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())  # 12 MiB
-    root = f"memory://gockpt-test-{uuid.uuid4().hex}"
-    try:
-        persist(make_request(f"{root}/ckpt", tensors, max_shard_bytes=64 << 20, chunk_bytes=1 << 20,
-                             update_latest=False))
-        tracemalloc.start()
-        try:
-            loaded = read_checkpoint(f"{root}/ckpt").tensors
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        for key, want in tensors.items():
-            assert torch.equal(loaded[key], want), key
-        # One buffer behind the large tensors (the small one has storage of its own).
-        assert loaded["big"].untyped_storage().data_ptr() == loaded["other"].untyped_storage().data_ptr()
-        assert peak < 1.5 * shard_bytes, (peak, shard_bytes)
-    finally:
-        fs = fsspec.filesystem("memory")
-        if fs.exists(root):
-            fs.rm(root, recursive=True)

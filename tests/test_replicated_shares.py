@@ -204,7 +204,14 @@ def _mismatch_worker(rank: int, world: int, port: int, root: str) -> None:
     opt.param_groups[0]["lr"] = 0.1 if rank == 0 else 0.05  # a schedule stepped on each rank's metric
     with pytest.raises(ReplicasDifferError, match="hyperparameters"):
         eng.save(f"{root}/lr")
-    opt.param_groups[0]["lr"] = 0.1
+    # Compared by value, not by how they print: two tensors printed alike (4 digits) differ...
+    opt.param_groups[0]["lr"] = torch.tensor(0.001 if rank == 0 else 0.0010004)
+    with pytest.raises(ReplicasDifferError, match="hyperparameters"):
+        eng.save(f"{root}/tensor-lr")
+    # ... while equal values, and objects of one class (their repr shows each one's address),
+    # do not.
+    opt.param_groups[0]["lr"] = torch.tensor(0.1)
+    opt.param_groups[0]["note"] = object()
     eng.save(f"{root}/same-again")
     eng.close()
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["latest", "same", "same-again"]

@@ -301,6 +301,9 @@ class _SwapToSharedNet(Net):
         if self.trainer.global_step == self.swap and len(self.trainer.optimizers) == 1:
             self.trainer.optimizers = [torch.optim.SGD(self.parameters(), lr=0.01),
                                        torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)]
+            # A save before the callback's batch end saw the replacement: ranks other than 0
+            # stop writing inside it (they raised, and rank 0 waited for them in a barrier).
+            self.trainer.save_checkpoint(f"{self.trainer.default_root_dir}/after-swap.ckpt")
 
     def training_step(self, batch, batch_idx):
         x, t = batch
@@ -332,6 +335,33 @@ class _RankDataNet(Net):
         return _Resumable(torch.randn(BATCHES * 4, 8, generator=g))
 
 
+class _RankLrNet(Net):
+    """Rank 1 alone halves its learning rate at the batch start of step 5 (a schedule stepped on
+    a metric of its own): from that update on, the ranks' copies differ."""
+
+    def __init__(self) -> None:
+        super().__init__("batch_norm")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 5 and self.global_rank == 1:
+            for g in self.trainer.optimizers[0].param_groups:
+                g["lr"] = g["lr"] / 2
+
+
+class _UnfreezeSwapNet(_RankDataNet):
+    """As _RankDataNet("unfreeze"), and the optimizers replaced when the layer is unfrozen (at
+    the batch start of step 5): the engines are rebuilt then, with the layer requiring grads."""
+
+    def __init__(self) -> None:
+        super().__init__("unfreeze")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        frozen = not self.extra.weight.requires_grad
+        super().on_train_batch_start(batch, batch_idx)
+        if frozen and self.extra.weight.requires_grad:
+            self.trainer.optimizers = [torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)]
+
+
 #: Runs whose state changes mid-run (test_ddp_mid_run_*): module, max_steps, GoCkpt's
 #: every_n_train_steps, extra Trainer arguments. Stock saves at every step.
 _CHANGES = {
@@ -339,6 +369,8 @@ _CHANGES = {
     "swap_to_shared": (lambda: _SwapToSharedNet(3), 11, 1, {}),
     "accumulation": (lambda: Net("batch_norm"), 8, 3, {"accumulate_grad_batches": 2, "callbacks": [_MidSave()]}),
     "replicas_differ": (lambda: _RankDataNet("unfreeze"), 12, 3, {}),
+    "replicas_differ_in_window": (_RankLrNet, 10, 4, {}),
+    "replicas_differ_after_rebuild": (_UnfreezeSwapNet, 12, 3, {}),
 }
 
 
@@ -370,9 +402,11 @@ def mid_run_changes(tmp_path_factory) -> str:
     return root
 
 
-def _equal_to_stock(root: str, case: str, keys=("state_dict", "optimizer_states", "lr_schedulers")) -> list[int]:
-    """Check that each GoCkpt checkpoint of ``case`` equals stock's file of the step it holds and
-    records that step in every manifest; returns those steps, in the order of the names."""
+def _equal_to_stock(root: str, case: str, keys=("state_dict", "optimizer_states", "lr_schedulers"),
+                    same_name: tuple[str, ...] = ()) -> list[int]:
+    """Check that each GoCkpt checkpoint of ``case`` equals stock's file of the step it holds
+    (``same_name``: stock's file of that name) and records that step in every manifest; returns
+    those steps, in the order of the names."""
     held = []
     for name in _ckpt_names(f"{root}/{case}/g"):
         path = f"{root}/{case}/g/{name}"
@@ -383,7 +417,8 @@ def _equal_to_stock(root: str, case: str, keys=("state_dict", "optimizer_states"
         for part in parts:
             meta = storage.read_manifest(gockpt.fsutil.url_to_fs(part, None)[0], part)["meta"]
             assert meta["captured_step"] == ours["global_step"], (case, name, part)
-        stock = torch.load(f"{root}/{case}/s/step={ours['global_step']}.ckpt", weights_only=False)
+        want = name if name in same_name else f"step={ours['global_step']}.ckpt"
+        stock = torch.load(f"{root}/{case}/s/{want}", weights_only=False)
         for key in keys:
             assert_bitwise_equal(ours[key], stock[key], f"{case}/{name}.{key}")
     return held
@@ -408,12 +443,14 @@ def test_ddp_mid_run_optimizers_replaced_are_followed(mid_run_changes):
 
 def test_ddp_mid_run_optimizers_replaced_by_ones_sharing_a_parameter(mid_run_changes):
     """The optimizers are replaced at step 3 by two that update the same parameters: no share
-    of units fits them, so rank 0 writes from then on, as in a run that starts with them. Every
-    checkpoint records the step it holds (they froze at the replacement) and equals stock
-    DDP's file of that step."""
+    of units fits them, so rank 0 writes from then on, as in a run that starts with them (a
+    save right after the replacement included). Every checkpoint records the step it holds
+    (they froze at the replacement) and equals stock DDP's file of that step."""
     root = mid_run_changes
-    assert _ckpt_names(f"{root}/swap_to_shared/g") == [f"step={s}.ckpt" for s in (1, 2, 3, 5, 7, 9, 11)]
-    assert _equal_to_stock(root, "swap_to_shared", ("state_dict", "optimizer_states")) == [1, 2, 3, 5, 7, 9, 11]
+    want = ["after-swap.ckpt", *(f"step={s}.ckpt" for s in (1, 2, 3, 5, 7, 9, 11))]
+    assert _ckpt_names(f"{root}/swap_to_shared/g") == want
+    assert _equal_to_stock(root, "swap_to_shared", ("state_dict", "optimizer_states"),
+                           same_name=("after-swap.ckpt",)) == [3, 1, 2, 3, 5, 7, 9, 11]
 
 
 def test_ddp_mid_run_saves_inside_a_gradient_accumulation_hold_one_step_on_every_rank(mid_run_changes):
@@ -439,6 +476,29 @@ def test_ddp_mid_run_replicas_that_differ_are_written_from_rank_0(mid_run_change
     assert held[0] == 5  # a multi-step save of the shares, before the unfreeze
     assert os.path.isdir(f"{root}/step=3.ckpt/{part_name(1)}")
     assert not os.path.isdir(f"{root}/step=9.ckpt/{part_name(1)}")  # rank 0's whole file
+
+
+def test_ddp_mid_run_replicas_that_differ_inside_the_copy_windows_are_not_committed(mid_run_changes):
+    """Rank 1 alone changes its learning rate at step 5, inside the copy windows of the save
+    requested at step 4 (K = 3, captured at 6): each part recorded its rank's copy at 6, rank
+    1's share trained at another rate, a state no rank had. The commit now finds the replicas
+    differed at the captured step and does not commit it (a warning); the next save finds them
+    differing at its request, and rank 0 writes it, equal to stock DDP's file."""
+    root = f"{mid_run_changes}/replicas_differ_in_window/g"
+    assert _ckpt_names(root) == ["step=8.ckpt"]
+    _equal_to_stock(mid_run_changes, "replicas_differ_in_window", ("state_dict", "optimizer_states"))
+    assert not os.path.isdir(f"{root}/step=8.ckpt/{part_name(1)}")
+
+
+def test_ddp_mid_run_replicas_that_differ_are_told_after_an_engine_rebuild(mid_run_changes):
+    """The layer is unfrozen and the optimizers replaced at once: the engines are rebuilt with
+    the layer requiring gradients, yet DDP still does not average them. The parameters DDP
+    averages are those of when it wrapped the model, not of the rebuild: rank 0 writes from
+    then on, each checkpoint equal to stock DDP's file of its step."""
+    root = f"{mid_run_changes}/replicas_differ_after_rebuild/g"
+    assert _ckpt_names(root) == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt", "step=12.ckpt"]
+    _equal_to_stock(mid_run_changes, "replicas_differ_after_rebuild", ("state_dict", "optimizer_states"))
+    assert not os.path.isdir(f"{root}/step=6.ckpt/{part_name(1)}")
 
 
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
