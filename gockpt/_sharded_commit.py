@@ -139,7 +139,8 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
                 raw = f.read()
             parts.append({"name": part_name(r), "manifest_bytes": len(raw), "manifest_xxh3_64": xxh3(raw)})
             os.unlink(os.path.join(stage, f"{part_name(r)}.done"))
-            # Written before .done, read by this thread alone: a checkpoint keeps no marker.
+            # Written at the capture, before .done; read by this thread alone: a checkpoint keeps
+            # no marker.
             views.append(_replica_view(os.path.join(stage, f"{part_name(r)}.captured")))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(stage, f"{part_name(r)}.captured"))

@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import numbers
 import os
 import threading
 import uuid
@@ -94,13 +95,18 @@ __all__ = ["INDEX_FILE", "ReplicasDifferError", "ShardedEngine", "ShardedHandle"
 def _plain(value: Any) -> Any:
     """A hyperparameter as values every rank can compare exactly: a tensor by dtype, shape and
     elements (not its device, nor its printed digits), numbers by ``repr`` (exact for floats),
-    containers item by item, any other object by its type alone."""
+    containers item by item, any other object by its type alone (its ``repr`` may show its
+    address)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", str(value.dtype), tuple(value.shape), value.detach().cpu().reshape(-1).tolist())
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, numbers.Number):  # numpy scalars ...
+        return repr(value)
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(repr(_plain(v)) for v in value))
     if isinstance(value, dict):
         return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
     return type(value).__qualname__
@@ -354,14 +360,12 @@ class ShardedEngine:
         self._note_captured()
 
     def _note_captured(self) -> None:
-        """Mark the parts captured since the last call (:func:`gockpt._sharded_commit.mark_captured`),
-        with this rank's replica view (replicated: no update ran since their capture)."""
-        view = None
+        """Mark the parts captured since the last call (:func:`gockpt._sharded_commit.mark_captured`)
+        that did not mark themselves at their capture (:meth:`_marking_view`: not replicated)."""
         for h in self._handles:
             if h._stage is not None and h.part.captured_step is not None:
-                if view is None:
-                    view = self._replica_view()
-                mark_captured(h._stage, self.rank, view)
+                if not os.path.exists(os.path.join(h._stage, f"{part_name(self.rank)}.captured")):
+                    mark_captured(h._stage, self.rank)
                 h._stage = None
 
     def _flush_and_note(self) -> None:
@@ -447,6 +451,8 @@ class ShardedEngine:
             part_writer = _PartWriter(self.rank, self.world, writer, store=store,
                                       max_shard_bytes=self.config.max_shard_bytes)
             fn = state_fn if part_state_fn is None else part_writer.bind(part_state_fn)
+            if self.replicated:
+                fn = self._marking_view(fn if fn is not None else lambda: None, stage)
             handle = self.engine.save(part_path, state_fn=fn, mode=mode,
                                       max_overlap_steps=max_overlap_steps, writer=part_writer)
             if not handle.skipped:
@@ -504,6 +510,7 @@ class ShardedEngine:
         out, error = [], None
         try:
             self.engine.wait(timeout_s)
+            self._note_captured()  # the captures of this wait, before their handles are let go
             for h in self._handles:
                 try:
                     out.append(h.result(timeout_s))
@@ -568,6 +575,16 @@ class ShardedEngine:
             pass  # already destroyed by the caller
 
     # ------------------------------------------------------------------ agreement and commit
+
+    def _marking_view(self, fn: Callable[[], Any], stage: str) -> Callable[[], Any]:
+        """``fn`` as the part's ``state_fn``: at the captured step (whatever path captures it: a
+        step boundary, a flush, ``wait``) it also writes this rank's ``captured`` marker with its
+        replica view then, which the commit compares across the parts."""
+        def call() -> Any:
+            out = fn()
+            mark_captured(stage, self.rank, self._replica_view())
+            return out
+        return call
 
     def _replica_view(self) -> tuple[list[str], str] | None:
         """Replicated: (names of the parameters requiring gradients that did not when the engine

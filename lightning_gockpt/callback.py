@@ -289,6 +289,7 @@ class GoCkptCallback(Callback):
         try:
             self.close()
         finally:
+            self._synced = None  # no reference to the run's parameters outlives it
             self._restore_order(trainer)
 
     # ------------------------------------------------------------------ used by GoCkptIO

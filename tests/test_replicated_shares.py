@@ -215,6 +215,32 @@ def _mismatch_worker(rank: int, world: int, port: int, root: str) -> None:
     eng.save(f"{root}/same-again")
     eng.close()
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["latest", "same", "same-again"]
+    # A layer unfrozen inside a save's copy windows, the save then captured by wait(): each part
+    # records its rank's view at its captured step, and the commit does not commit shares of
+    # copies that may differ (it did where the capture was not at a step boundary).
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    m[5].requires_grad_(False)
+    ddp = DDP(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    config = gockpt.GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3)
+    eng = ShardedEngine(ddp, opt, config, commit_timeout_s=30, replicated=True)
+
+    def step():
+        ddp(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+
+    step()
+    h = eng.save(f"{root}/windows")
+    assert h.part.metrics.num_overlap_steps == 3
+    m[5].requires_grad_(True)
+    step()
+    eng.wait()  # captured here, at step 2, one update after the unfreeze
+    assert h.captured_step == 2 and not os.path.exists(f"{root}/windows")
+    assert h.overtaken == (rank == 0)  # rank 0's commit refused it: a warning, not an error
+    eng.close()
     end_rank()
 
 
