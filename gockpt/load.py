@@ -7,8 +7,8 @@ file); JSON is decoded strictly (no duplicate keys, bounded depth). Every file i
 and, with ``verify``, checksummed in the same pass that brings it into memory. Local shards are
 memory-mapped copy-on-write from the descriptor that was checked, so tensors share pages with
 the page cache and writing to them never changes the file (tensors under 64 KiB are copied into
-storage of their own); remote shards are fetched whole and
-decoded by the official ``safetensors`` reader.
+storage of their own); remote shards are read piece by piece straight into each tensor's own
+storage (a shard is held once plus a piece).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import safetensors.torch
 import torch
 import xxhash
 from fsspec import AbstractFileSystem
 
-from gockpt import fsutil, storage
+from gockpt import _safe_read, fsutil, storage
 from gockpt.errors import CheckpointCorruptError, CheckpointError
 from gockpt.format import CODE_TO_DTYPE, MAX_HEADER_BYTES, decode_header
 from gockpt.manifest import by_file as manifest_by_file
@@ -305,10 +304,85 @@ def _load_remote_shard(
     fs: AbstractFileSystem, file_path: str, entry: dict, index: dict[str, dict], verify: bool,
     timeout_s: float | None,
 ) -> dict[str, torch.Tensor]:
-    data = read_listed(fs, file_path, entry, verify, timeout_s=timeout_s)
-    _decode(file_path, data, index)
+    """A remote shard's tensors, each in storage of its own, filled piece by piece as the file
+    is read (calls of :data:`gockpt._safe_read.READ_PIECE_BYTES`, each bounded by ``timeout_s``
+    on a store that may hang): the shard is held once plus a piece, never also as one whole
+    ``bytes``. Checked as a whole file is (:func:`read_listed`: its recorded size, its checksum
+    with ``verify``, in that order), then its header against ``index``."""
+    size = entry["bytes"]
+    bound = fsutil.call_bound(fs, timeout_s)
+    piece_bytes = _safe_read.READ_PIECE_BYTES
+
+    def read(start: int) -> bytes:
+        end = min(size + 1, start + piece_bytes)  # a byte past the recorded size tells a longer file
+        def call() -> bytes:
+            return fs.cat_file(file_path, start=start, end=end)
+        try:
+            got = call() if bound is None else fsutil.bounded_call(call, bound, f"read of {file_path}")
+        except (FileNotFoundError, NotADirectoryError):
+            raise _missing(file_path) from None
+        return got[:end - start]
+
+    # The pieces holding the header (its 8-byte length first) are kept until it is decoded.
+    pieces, pos, ended = [], 0, False
+    while not ended:
+        pieces.append(read(pos))
+        pos += len(pieces[-1])
+        ended = len(pieces[-1]) < piece_bytes or pos > size
+        head = pieces[0][:8] if len(pieces) == 1 else b"".join(pieces)[:8]
+        want = 8 + min(int.from_bytes(head, "little"), MAX_HEADER_BYTES, size) if len(head) == 8 else 8
+        if pos >= want:
+            break
+    joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    spans: list[tuple[int, int, str]] = []
+    header_error = None
     try:
-        loaded = safetensors.torch.load(data)
-    except Exception as e:
-        raise CheckpointCorruptError(f"{file_path}: safetensors cannot decode it: {e}") from e
-    return {key: loaded[key] for key in index}
+        data_start = check_shard_header(file_path, read_shard_header(joined, size), size, index)
+        spans = sorted((data_start + w["data_offsets"][0], data_start + w["data_offsets"][1], k)
+                       for k, w in index.items())
+    except CheckpointCorruptError as e:  # told after the size and checksum, as a whole file's
+        header_error = e
+    del joined
+    bufs = {k: torch.empty(b - a, dtype=torch.uint8) for a, b, k in spans}
+    views = {k: t.numpy() for k, t in bufs.items()}
+    hasher = xxhash.xxh3_64() if verify else None
+    at = 0  # file offset of the next piece taken in
+
+    def take(piece: bytes) -> None:
+        nonlocal at
+        if hasher is not None:
+            hasher.update(piece)
+        lo, hi = at, at + len(piece)
+        for a, b, k in spans:
+            if b <= lo or a >= hi:
+                continue
+            s, e = max(a, lo), min(b, hi)
+            views[k][s - a:e - a] = memoryview(piece)[s - lo:e - lo]
+        at = hi
+
+    for piece in pieces:
+        take(piece)
+    pieces = []
+    while not ended:
+        piece = read(at)
+        take(piece)
+        ended = len(piece) < piece_bytes or at > size
+    if at != size:
+        raise CheckpointCorruptError(f"{file_path}: {at} bytes but the manifest says {size} (truncated or "
+                                     "overwritten)", path=file_path)
+    if hasher is not None and hasher.hexdigest() != entry["xxh3_64"]:
+        raise CheckpointCorruptError(f"{file_path}: xxh3-64 checksum {hasher.hexdigest()} does not match "
+                                     f"the manifest ({entry['xxh3_64']})")
+    if header_error is not None:
+        raise header_error
+    out = {}
+    for a, b, key in spans:
+        want_entry = index[key]
+        raw = bufs[key]
+        try:
+            typed = raw.view(CODE_TO_DTYPE[want_entry["dtype"]])
+        except RuntimeError:  # an element size the bytes do not divide: the header check refuses it
+            raise CheckpointCorruptError(f"{file_path}: tensor {key!r}: {b - a} bytes do not make "
+                                         f"{want_entry['dtype']} elements", path=file_path) from None
+        out[key] = typed.reshape(want_entry["shape"])
+    return out

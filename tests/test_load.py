@@ -286,3 +286,55 @@ def test_a_loaded_rng_state_restores_the_generator(store, make_request):
     torch.set_rng_state(loaded["rng"])
     assert torch.equal(torch.rand(4), want)
 
+
+
+def test_a_remote_shard_is_read_piece_by_piece_into_its_tensors(make_request, monkeypatch):
+    """A shard on a store that may hang is read in bounded pieces, each going straight into the
+    tensors it covers (storage of their own): no whole-file ``bytes`` is held besides them, the
+    header may span several pieces, and every tensor loads bit for bit."""
+    import tracemalloc
+    import uuid
+
+    import fsspec
+
+    import gockpt._safe_read
+
+    monkeypatch.setattr(gockpt._safe_read, "READ_PIECE_BYTES", 4096)
+    tensors = {f"layer.{i:03d}.a_rather_long_parameter_name": torch.randn(3) for i in range(200)}
+    tensors.update(big=torch.randn(1 << 19), small=torch.arange(10, dtype=torch.int16))
+    root = f"memory://gockpt-test-{uuid.uuid4().hex}"
+    try:
+        persist(make_request(f"{root}/ckpt", tensors, max_shard_bytes=64 << 20, chunk_bytes=1 << 20,
+                             update_latest=False))
+        shard = next(n for n in _manifest_at(root) if n.endswith(".safetensors"))
+        header = int.from_bytes(fsspec.filesystem("memory").cat_file(f"{root}/ckpt/{shard}", 0, 8), "little")
+        assert header > 2 * 4096  # the header spans pieces
+        tracemalloc.start()
+        try:
+            loaded = read_checkpoint(f"{root}/ckpt").tensors
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        for key, want in tensors.items():
+            assert loaded[key].dtype == want.dtype and torch.equal(loaded[key], want), key
+        assert loaded["big"].untyped_storage().nbytes() == tensors["big"].nbytes  # its own
+        assert peak < (1 << 20), peak  # the 2 MiB shard was never held as bytes
+        # Damage told as for a whole file: a changed byte by the checksum, a cut file by its size.
+        mfs, path = fsspec.filesystem("memory"), f"{root}/ckpt/{shard}"
+        good = mfs.cat_file(path)
+        mfs.pipe_file(path, good[:-5000] + bytes([good[-5000] ^ 1]) + good[-4999:])
+        with pytest.raises(CheckpointCorruptError, match="checksum"):
+            read_checkpoint(f"{root}/ckpt")
+        mfs.pipe_file(path, good[:-100])
+        with pytest.raises(CheckpointCorruptError, match="bytes but the manifest says"):
+            read_checkpoint(f"{root}/ckpt")
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def _manifest_at(root: str) -> dict:
+    import fsspec
+
+    return json.loads(fsspec.filesystem("memory").cat_file(f"{root}/ckpt/manifest.json"))["files"]
