@@ -364,7 +364,11 @@ class ShardedEngine:
         that did not mark themselves at their capture (:meth:`_marking_view`: not replicated)."""
         for h in self._handles:
             if h._stage is not None and h.part.captured_step is not None:
-                if not os.path.exists(os.path.join(h._stage, f"{part_name(self.rank)}.captured")):
+                # A part already ended needs no marker (it tells a commit still waiting for the
+                # part that it will come), and one written now could land in the stage while
+                # the commit publishes it.
+                if not h.part.done() and \
+                        not os.path.exists(os.path.join(h._stage, f"{part_name(self.rank)}.captured")):
                     mark_captured(h._stage, self.rank)
                 h._stage = None
 
