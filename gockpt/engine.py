@@ -45,7 +45,7 @@ from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_c
 from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
-from .fsutil import path_key
+from .fsutil import is_local, path_key, url_to_fs
 from .fsutil import split as split_path
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
@@ -230,14 +230,14 @@ class Engine:
         t0 = perf_counter()
         parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False
-        if parent not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
+        if self._claim_key(parent) not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
             setup = True
             # One writing process per directory, then scratch files of writers killed mid-save.
             claim = claim_directory(parent, self.config.storage_options,
                                     timeout_s=self.config.storage_timeout_s)
             self._claims.append(claim)
             cleanup_staging(parent, self.config.storage_options)
-            self._cleaned_dirs.add(parent)
+            self._cleaned_dirs.add(self._claim_key(parent))
         built = self._planner.layouts_built
         layout, model_sd = self._planner.current_layout()
         # One-time costs (a directory claimed, a layout enumerated, the replay self-check) are
@@ -493,6 +493,13 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ hooks (training thread)
+
+    def _claim_key(self, parent: str) -> str:
+        """One key per directory this engine claims and cleans, however it is spelled: a local
+        one by its path under any local protocol (a second cleanup would remove the staging
+        directory of a save of its own in flight, spelled the other way)."""
+        fs, local = url_to_fs(parent, self.config.storage_options)
+        return os.path.realpath(local) if is_local(fs) else parent
 
     def _flush_windows(self, at_end: bool = False) -> None:
         """Finish the copy windows of every pending save at the current step (``at_end``: the

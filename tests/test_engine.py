@@ -1223,3 +1223,20 @@ def test_a_save_abandoned_before_its_captured_step_is_overtaken_not_an_error(tmp
         late.result()
     assert late.overtaken and not os.path.exists(tmp_path / "late")
     assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "early")
+
+
+def test_a_directory_is_claimed_and_cleaned_once_however_its_saves_spell_it(tmp_path):
+    """Saves into one local directory spelled two ways (a plain path, and a URL of another local
+    protocol): the directory is claimed and its scratch files cleaned at the first save only. A
+    second cleanup could remove the staging directory of the first save, still in flight,
+    before its writer locked it (a save failed with FileNotFoundError)."""
+    import faultfs
+
+    model, opt, _, _ = make()
+    with Engine(model, opt, GoCkptConfig(mode="sync")) as eng:
+        first = eng.save(faultfs.local_url(tmp_path / "a"))
+        second = eng.save(str(tmp_path / "b"))
+        third = eng.save(str(tmp_path / "c"))
+    assert "setup" in first.result().stall_by_phase_s
+    assert "setup" not in second.result().stall_by_phase_s
+    assert "setup" not in third.result().stall_by_phase_s
