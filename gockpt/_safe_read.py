@@ -149,7 +149,7 @@ def read_bounded(
     limit = max_bytes if exact_bytes is None else min(max_bytes, exact_bytes)
     if isinstance(fs, LocalFileSystem):
         with os.fdopen(open_regular(path), "rb") as f:
-            _check_read_size(path, os.fstat(f.fileno()).st_size, max_bytes, exact_bytes)
+            check_read_size(path, os.fstat(f.fileno()).st_size, max_bytes, exact_bytes)
             data = f.read(limit + 1)  # bounded even if the file grows meanwhile
     else:
         bound = call_bound(fs, timeout_s)
@@ -168,11 +168,13 @@ def read_bounded(
             # One piece (a file under 64 MiB) as it came; more are joined (twice a file's
             # size at the join, where the one call held it once).
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    _check_read_size(path, len(data), max_bytes, exact_bytes)
+    check_read_size(path, len(data), max_bytes, exact_bytes)
     return data
 
 
-def _check_read_size(path: str, size: int, max_bytes: int, exact_bytes: int | None) -> None:
+def check_read_size(path: str, size: int, max_bytes: int, exact_bytes: int | None) -> None:
+    """Raise :class:`CheckpointCorruptError` unless ``size`` (bytes read) is ``exact_bytes`` (if
+    given) and at most ``max_bytes``."""
     if exact_bytes is not None and size != exact_bytes:
         raise CheckpointCorruptError(
             f"{path}: {size} bytes but the manifest says {exact_bytes} (truncated or "

@@ -39,12 +39,15 @@ def sharding_name(rank: int) -> str:
     return f"{part_name(rank)}.{SHARDING_FILE}"
 
 
-def write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes, *, fsync: bool = True) -> None:
+    """``data`` at ``path`` through a temporary name and a rename: no reader sees it half
+    written (``fsync``: and it is on the disk before it has its name)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.rename(tmp, path)
 
 
@@ -221,15 +224,10 @@ def _write_marker(stage: str, rank: int, kind: str, *, durable: bool, data: byte
     name so that no reader sees it half written). Best effort."""
     path = os.path.join(stage, f"{part_name(rank)}.{kind}")
     try:
-        if durable:
-            write_atomic(path, data)
-        elif not data:
-            open(path, "wb").close()  # noqa: SIM115 - an empty file
+        if durable or data:
+            write_atomic(path, data, fsync=durable)
         else:
-            tmp = os.path.join(stage, f".{part_name(rank)}.{kind}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.rename(tmp, path)
+            open(path, "wb").close()  # noqa: SIM115 - an empty file
     except OSError as e:  # the staging directory was removed by an abort
         log.info("gockpt: could not mark part %d of %s %s: %s", rank, stage, kind, e)
 

@@ -159,11 +159,14 @@ def _missing(file_path: str) -> CheckpointCorruptError:
 
 def _check_digest(file_path: str, data: Any, entry: dict, verify: bool) -> None:
     if verify:
-        digest = xxhash.xxh3_64_hexdigest(data)
-        if digest != entry["xxh3_64"]:
-            raise CheckpointCorruptError(
-                f"{file_path}: xxh3-64 checksum {digest} does not match the manifest ({entry['xxh3_64']})"
-            )
+        _check_hexdigest(file_path, xxhash.xxh3_64_hexdigest(data), entry)
+
+
+def _check_hexdigest(file_path: str, digest: str, entry: dict) -> None:
+    if digest != entry["xxh3_64"]:
+        raise CheckpointCorruptError(
+            f"{file_path}: xxh3-64 checksum {digest} does not match the manifest ({entry['xxh3_64']})"
+        )
 
 
 def read_listed(fs: AbstractFileSystem, file_path: str, entry: dict, verify: bool, *,
@@ -323,16 +326,19 @@ def _load_remote_shard(
             raise _missing(file_path) from None
         return got[:end - start]
 
+    def last(piece: bytes, end: int) -> bool:  # the end of the file, or past its recorded size
+        return len(piece) < piece_bytes or end > size
+
     # The pieces holding the header (its 8-byte length first) are kept until it is decoded.
-    pieces, pos, ended = [], 0, False
-    while not ended:
+    pieces = [read(0)]
+    pos = len(pieces[0])
+    ended = last(pieces[0], pos)
+    head = pieces[0][:8]
+    want = 8 + min(int.from_bytes(head, "little"), MAX_HEADER_BYTES, size) if len(head) == 8 else 0
+    while not ended and pos < want:
         pieces.append(read(pos))
         pos += len(pieces[-1])
-        ended = len(pieces[-1]) < piece_bytes or pos > size
-        head = pieces[0][:8] if len(pieces) == 1 else b"".join(pieces)[:8]
-        want = 8 + min(int.from_bytes(head, "little"), MAX_HEADER_BYTES, size) if len(head) == 8 else 8
-        if pos >= want:
-            break
+        ended = last(pieces[-1], pos)
     joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     spans: list[tuple[int, int, str]] = []
     header_error = None
@@ -366,13 +372,10 @@ def _load_remote_shard(
     while not ended:
         piece = read(at)
         take(piece)
-        ended = len(piece) < piece_bytes or at > size
-    if at != size:
-        raise CheckpointCorruptError(f"{file_path}: {at} bytes but the manifest says {size} (truncated or "
-                                     "overwritten)", path=file_path)
-    if hasher is not None and hasher.hexdigest() != entry["xxh3_64"]:
-        raise CheckpointCorruptError(f"{file_path}: xxh3-64 checksum {hasher.hexdigest()} does not match "
-                                     f"the manifest ({entry['xxh3_64']})")
+        ended = last(piece, at)
+    _safe_read.check_read_size(file_path, at, size, size)
+    if hasher is not None:
+        _check_hexdigest(file_path, hasher.hexdigest(), entry)
     if header_error is not None:
         raise header_error
     out = {}

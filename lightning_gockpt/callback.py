@@ -389,7 +389,9 @@ class GoCkptCallback(Callback):
         except ReplicasDifferError as e:  # on every rank alike; nothing was written
             if self._zero:
                 remove_placeholder(path, options)
-            self._to_rank0_writer(trainer, str(e))
+            log.warning("gockpt: %s; rank 0 writes the checkpoints from here on, from its own copy "
+                        "of the state (as stock DDP does)", str(e).removeprefix("gockpt: "))
+            self._reopen(trainer, to_rank0=True)
             if not trainer.is_global_zero:
                 return None
             # The dict is stock's (under DDP the strategy changes only where it is saved): rank
@@ -542,38 +544,31 @@ class GoCkptCallback(Callback):
         if not all(isinstance(o, optim.Optimizer) for o in now):
             return  # no engine can track those (as at the start): the one there goes on
         log.info("gockpt: the optimizers were replaced; the checkpoint engine is rebuilt over the new ones")
-        self._hook_steps([])
-        assert engine is not None
-        engine.close()  # the saves in flight end (their errors are raised here, as at a request)
-        if self._every_rank and self._kind == "replicated" and \
-                not sharded.shares_write(trainer, self.io.config.storage_options if self.io else None):
-            # The new optimizers share a parameter, or consolidate their state on one rank: no
-            # share of units fits them. Rank 0 writes from here on, as in a run that starts
-            # with them (on_train_start); every rank takes this branch alike.
+        # The new optimizers share a parameter, or consolidate their state on one rank: no share
+        # of units fits them. Rank 0 writes from here on, as in a run that starts with them
+        # (on_train_start); every rank takes this branch alike.
+        to_rank0 = self._every_rank and self._kind == "replicated" and \
+            not sharded.shares_write(trainer, self.io.config.storage_options if self.io else None)
+        if to_rank0:
             log.info("gockpt: the new optimizers cannot share the write among the ranks; rank 0 writes "
                      "the checkpoints from here on")
-            self._every_rank = False
-        self._rebuild_after_close(trainer)
+        self._reopen(trainer, to_rank0=to_rank0)
 
-    def _rebuild_after_close(self, trainer: Trainer) -> None:
-        """A new engine where the run has one (rank 0, or every rank while they share the write),
-        the old one closed; the step pre-hooks on the loop's optimizers."""
+    def _reopen(self, trainer: Trainer, *, to_rank0: bool = False) -> None:
+        """Close the engine (its saves in flight end first; collective where every rank has one)
+        and build the next where the run has one: rank 0, or every rank while they share the
+        write (``to_rank0``: from here on rank 0 writes each checkpoint whole, as stock DDP
+        does); the step pre-hooks on the loop's optimizers."""
+        self._hook_steps([])
+        assert self.engine is not None
+        self.engine.close()  # their errors are raised here, as at a request
+        if to_rank0:
+            self._every_rank = False
         if not (trainer.is_global_zero or self._every_rank):
             self.engine = None
             return
         self.engine = self._build(trainer)
         self._hook_steps(list(trainer.optimizers))
-
-    def _to_rank0_writer(self, trainer: Trainer, why: str) -> None:
-        """DDP with the ranks sharing the write: from here on rank 0 writes each checkpoint whole,
-        as stock DDP does (collective: every rank closes its engine)."""
-        log.warning("gockpt: %s; rank 0 writes the checkpoints from here on, from its own copy "
-                    "of the state (as stock DDP does)", why.removeprefix("gockpt: "))
-        self._hook_steps([])
-        assert self.engine is not None
-        self.engine.close()
-        self._every_rank = False
-        self._rebuild_after_close(trainer)
 
     def _hook_steps(self, optimizers: list[Any]) -> None:
         """The step pre-hooks (_step_without_us) on ``optimizers``, in place of those before."""
