@@ -200,8 +200,8 @@ class Pipeline:
                 if back and be.name != "torch":
                     be = TorchReplay()  # the live strides, mixed per tensor: the live arithmetic
                 replayed += sum(u.state_bytes for _, u in members)
-                nbytes = sum(g.numel() * g.element_size() for g in grads) if _trace.active() else 0
-                with _trace.phase("replay", nbytes):
+                traced = sum(g.numel() * g.element_size() for g in grads) if _trace.active() else 0
+                with _trace.phase("replay", traced):
                     be.step(cls, hparams[gi], params, grads, states)
                     for view, stepped in back:
                         view.copy_(stepped)

@@ -594,3 +594,24 @@ def test_replays_still_queued_at_a_request_reach_its_plan(tmp_path, planned_cost
     backlogs = [c.replay_backlog_s for c in seen if c is not None]
     assert backlogs and backlogs[0] == 0.0  # nothing queued before the first save
     assert max(backlogs) > 0.01, backlogs  # later requests found earlier replays queued
+
+
+def test_replays_done_leave_no_backlog_for_later_plans(tmp_path, planned_costs):
+    # Each replay takes its bytes off the queued backlog when it ends: saves far apart (every
+    # replay of one done before the next request) plan with none, however many came before.
+    seen = planned_costs
+    model, opt, sched, scaler = _deep(width=64)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=4, max_overlap_steps=4))
+    handles = []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it in (3, 9, 15, 21):
+            eng.wait()  # every replay of the save before is done
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+
+    train(model, opt, sched, scaler, 26, on_step_end=on_step_end, skip_iter=-1)
+    eng.close()
+    assert all(h.result().num_overlap_steps == 4 for h in handles)
+    backlogs = [c.replay_backlog_s for c in seen if c is not None]
+    assert len(backlogs) >= 3 and backlogs == [0.0] * len(backlogs), backlogs
