@@ -695,3 +695,89 @@ def test_a_save_requested_inside_an_update_that_then_fails_midway_is_not_written
         with pytest.raises(gockpt.CheckpointTornError, match="inside an optimizer update"):
             handles[0].result()
         assert not gockpt.is_complete(str(tmp_path / "ck"))
+
+
+def test_the_last_block_is_copied_after_the_capture_reads_its_edit_check(tmp_path, monkeypatch):
+    # The capture at a step boundary reads the edit check back (a host sync on a GPU); a read
+    # queued behind the last block's copy would wait for all of it. So in a loop that marks its
+    # step boundaries, that copy is queued right after the read, not at the update before.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3))
+    events: list[str] = []
+    edited = EditWatch.edited
+
+    def spy_edited(self, host_only: bool = False):
+        events.append("read")
+        return edited(self, host_only)
+
+    monkeypatch.setattr(EditWatch, "edited", spy_edited)
+    copier = eng._windows._copier
+    copy = copier.copy
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def spy_copy(pairs, priority, *a, **kw):
+        if priority == gockpt.transfer.PRIORITY_STATE and any(src.data_ptr() in params for src, _ in pairs):
+            events.append(f"copy@{eng.version}")
+        return copy(pairs, priority, *a, **kw)
+
+    monkeypatch.setattr(copier, "copy", spy_copy)
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 6:
+            events.append("request")
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 12, on_step_end=on_step_end)
+    eng.close()
+    m = handles[0].result()
+    assert (m.mode, m.captured_step - m.requested_step) == ("gockpt_o", 2)
+    _assert_holds_live(m, live)
+    after = events[events.index("request"):]
+    copies = [e for e in after if e.startswith("copy@")]
+    assert len(copies) == 3  # one block per window
+    # The last window's copy comes after the capture's read, at the captured step.
+    assert after.index(copies[-1]) > after.index("read")
+    assert copies[-1] == f"copy@{m.captured_step}"
+
+
+@pytest.mark.parametrize("how", ["data_edit", "no_step_end", "flush"])
+def test_a_save_whose_last_window_waits_for_the_boundary_is_exact(tmp_path, how):
+    # The last window opens at the captured step's boundary: an edit of its block before that
+    # boundary is in its copy; a step without a boundary opens it at the next update's window
+    # end; a flush between the update and the boundary copies it then.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+    params = list(model.parameters())
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        if it == 8 and how == "data_edit":  # after the captured step's update, before its boundary
+            _edit(params[-1:], "data")
+        if it == 8 and how == "flush":
+            eng.flush()
+        live.setdefault(eng.version, snapshot(model, opt))
+        if it == 8 and how == "no_step_end":
+            return
+        eng.step_end()
+        if it == 6:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+
+    train(model, opt, sched, scaler, 12, on_step_end=on_step_end)
+    eng.close()
+    m = handles[0].result()
+    assert m.mode == "gockpt"
+    assert m.captured_step - m.requested_step == 2
+    if how != "no_step_end":
+        _assert_holds_live(m, live)
+        return
+    # Taken at the next update's window end (warned): the buffers are those after that step's
+    # forward, as documented; the parameters and optimizer state are the captured step's.
+    state = gockpt.load_checkpoint(m.path)
+    names = {n for n, _ in model.named_parameters()}
+    want = live[m.captured_step]
+    assert_state_equal({k: v for k, v in state.model_state_dict.items() if k in names},
+                       {k: v for k, v in want["model"].items() if k in names})
+    assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
