@@ -114,6 +114,9 @@ class Planner:
         # Sharded engines (gockpt.sharded): the (mode, K) every rank follows, from this rank's
         # plan (a collective); called at the end of every plan().
         self.agree: Callable[[CopyPlan], tuple[str, int]] | None = None
+        # Sharded engines: whether any rank finishes its saves in flight for want of a host slot
+        # (a collective, from this rank's need; gockpt._record.take_host), so that all do.
+        self.agree_flush: Callable[[bool], bool] | None = None
         # Partitioned engines (replicated state, gockpt.partition): the share of the layout
         # this rank stores; applied to every layout built.
         self.select: Callable[[StateLayout], StateLayout] | None = None

@@ -447,7 +447,8 @@ def join_record(seq: int, path: str, handle: SaveHandle, leader: SaveRecord,
 
 def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple[int, int]], *,
               find: Callable[[], SaveRecord | None], flush: Callable[[], None], wait: bool,
-              timeout_s: float | None, path: str) -> tuple[SaveRecord | None, Slot | None]:
+              timeout_s: float | None, path: str,
+              agree: Callable[[bool], bool] | None = None) -> tuple[SaveRecord | None, Slot | None]:
     """The host buffers of a new save: ``(leader, None)`` to share ``leader``'s snapshot (``find``),
     ``(None, slot)`` for a slot of its own of ``sizes`` (data bytes, gradient buffer bytes), or
     ``(None, None)``: none free and not ``wait`` (``when_full="skip"``), or none freed within
@@ -455,18 +456,26 @@ def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple
 
     With ``wait`` and no slot free: unless a save already in the pipeline will free one, the
     saves in their copy windows are finished at this step (``flush``), since they only advance
-    with training; one of them then pinned to this step may be shared after all.
+    with training; one of them then pinned to this step may be shared after all. ``agree``
+    (sharded engines; a collective every rank reaches once per save): whether any rank
+    finishes them, from this rank's need; then every rank does, so that their parts of those
+    saves still hold one step (shares of different sizes fit different numbers of slots in one
+    ``host_buffer_bytes``).
     """
     leader = find()
-    if leader is not None and pool.share(leader.slot):
-        return leader, None
-    slot = pool.acquire(*sizes, block=False, lend=True)
-    if slot is None and wait:
-        if not _frees_without_training(records):
-            flush()
+    shared = leader is not None and pool.share(leader.slot)
+    slot = None if shared else pool.acquire(*sizes, block=False, lend=True)
+    short = slot is None and not shared and wait and not _frees_without_training(records)
+    if agree is not None:
+        short = agree(short)
+    if short:
+        flush()
+        if slot is None and not shared:
             leader = find()
-            if leader is not None and pool.share(leader.slot):
-                return leader, None
+            shared = leader is not None and pool.share(leader.slot)
+    if shared:
+        return leader, None
+    if slot is None and wait:
         slot = pool.acquire(*sizes, block=True, timeout=timeout_s, lend=True)
         if slot is None:
             # stacklevel: this, make_record, Engine.save, its caller.
@@ -499,13 +508,18 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     Raises:
         ValueError: ``host_buffer_bytes`` cannot hold one snapshot of this plan.
     """
-    slot_layout = planner.slot_layout(layout)
-    files = writer.tensor_files(layout) if writer is not None else None
-    grad_offsets, grad_bytes = planner.grad_layout(layout, plan)
-    planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
+    try:
+        slot_layout = planner.slot_layout(layout)
+        files = writer.tensor_files(layout) if writer is not None else None
+        grad_offsets, grad_bytes = planner.grad_layout(layout, plan)
+        planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
+        pinned = (version, state_versions(layout))
+        sample = state_sample(layout)  # what a later request at this step compares, and this one
+    except BaseException:
+        if planner.agree_flush is not None:
+            planner.agree_flush(False)  # the other ranks are in take_host's collective: meet them
+        raise
     tw = perf_counter()
-    pinned = (version, state_versions(layout))
-    sample = state_sample(layout)  # what a later request at this step compares, and this one
     find = partial(find_leader, records, version=version, layout=layout, plan=plan,
                    exact_k=planner.agree is not None, versions=pinned[1], sample=sample)
     flushed_s = 0.0
@@ -519,7 +533,8 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
 
     leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find,
                              flush=timed_flush, wait=config.when_full == "wait",
-                             timeout_s=config.slot_wait_timeout_s, path=path)
+                             timeout_s=config.slot_wait_timeout_s, path=path,
+                             agree=planner.agree_flush)
     drain = slot.drain if slot is not None else None
     if drain is not None and drain.done:
         drain = None  # the save before read everything: nothing to wait for

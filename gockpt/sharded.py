@@ -314,6 +314,7 @@ class ShardedEngine:
         self.engine = Engine(model, optimizers, dataclasses.replace(self.config, update_latest=False),
                              **engine_kwargs)
         self.engine._planner.agree = self._agree
+        self.engine._planner.agree_flush = self._agree_flush
         self.replicated = replicated
         self._layout_digest: str | None = None  # replicated: what each rank partitions
         # Replicated: the parameters DDP (wrapped before this engine) averages the gradients of.
@@ -606,6 +607,15 @@ class ShardedEngine:
         self._layout_digest = xxh3(repr([(e.key, str(e.spec.dtype), e.spec.shape)
                                           for e in layout.entries]).encode())
         return partition_layout(layout, self.rank, self.world)
+
+    def _agree_flush(self, short: bool) -> bool:
+        """Whether any rank finishes its saves in flight at this request for want of a host
+        slot (``short``: this rank does; training thread, inside ``Engine.save``; collective).
+        Every rank then does, at the same step: one rank finishing them alone captured its
+        parts a step or more before the others', and those checkpoints were not committed."""
+        flags: list[Any] = [None] * self.world
+        dist.all_gather_object(flags, short, group=self._group)
+        return any(flags)
 
     def _agree(self, plan: CopyPlan) -> tuple[str, int]:
         """The mode and K every rank follows, from this rank's ``plan`` (training thread, inside

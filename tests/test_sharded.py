@@ -6,6 +6,7 @@ assertion makes ``spawn`` raise with its traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import warnings
@@ -346,3 +347,78 @@ def test_a_tensor_no_shard_holds_is_refused_at_the_request_of_a_sharded_checkpoi
     request is refused with an error naming the tensor (never a checkpoint that cannot resume)."""
     mp.spawn(_unstorable_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
     assert not os.path.exists(tmp_path / "ck")
+
+
+def _uneven_model() -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # 3 output rows per layer: shards of 2 rows and 1, rank 0's share about twice rank 1's.
+    m = nn.Sequential(nn.Linear(256, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+    for layer in m:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _uneven_step(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    m(torch.randn(4, 256, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _slots_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    config = gockpt.GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3)
+    # A slot's size on each rank (its share, gradient buffers included), from one save.
+    m = _uneven_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    eng = ShardedEngine(m, opt, config, commit_timeout_s=30)
+    for step in range(3):
+        _uneven_step(m, opt, step)
+        eng.step_end()
+    eng.save(f"{root}/sizing")
+    eng.close()
+    sizes: list = [None] * world
+    dist.all_gather_object(sizes, eng.engine._slots.bytes)  # noqa: SLF001 - the test's sizing
+    assert sizes[0] > sizes[1], sizes
+    # One host_buffer_bytes for all: rank 0 holds one slot, rank 1 two.
+    budget = max(sizes[0], 2 * sizes[1])
+    assert budget < 2 * sizes[0], sizes
+    m = _uneven_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    eng = ShardedEngine(m, opt, dataclasses.replace(config, host_buffer_bytes=budget, max_inflight=2),
+                        commit_timeout_s=30)
+    live, handles = {}, []
+    for step in range(10):
+        _uneven_step(m, opt, step)
+        eng.step_end()
+        live[eng.version] = _full(m, opt)
+        if step in (2, 3):  # the second comes while the first is in its windows
+            handles.append(eng.save(f"{root}/ck{step}"))
+    eng.wait()  # raised "part rank-00001 holds step 5, not 4" on every rank
+    captured = [(h.part.metrics.requested_step, h.part.metrics.num_overlap_steps) for h in handles]
+    views: list = [None] * world
+    dist.all_gather_object(views, captured)
+    assert views[0] == views[1], views  # one step per checkpoint on every rank
+    assert captured[0][1] == 2  # the first was finished at the second's request, on both ranks
+    eng.close()
+    for name, (req, k) in zip(("ck2", "ck3"), captured, strict=True):
+        m2 = _uneven_model()
+        opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+        load_sharded(f"{root}/{name}", m2, opt2)
+        _equal(_full(m2, opt2), live[req + k - 1], name)
+    end_rank()
+
+
+def test_ranks_whose_shares_fit_different_numbers_of_host_slots_finish_saves_in_flight_together(tmp_path):
+    """One ``host_buffer_bytes`` on ranks of uneven shares: rank 0 has room for one host slot,
+    rank 1 for two. A save requested while another is in its copy windows made rank 0 alone
+    finish that one at once; its parts then held different steps, it was not committed, and
+    ``wait`` raised on every rank. Now every rank finishes it there."""
+    mp.spawn(_slots_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+    assert load_full(f"{tmp_path}/ck2").captured_step == 4
+    assert gockpt.latest_checkpoint(str(tmp_path)).endswith("ck3")
