@@ -200,11 +200,14 @@ def test_s3_manifest_put_answered_late_never_tears_the_checkpoint(s3, make_reque
     missing files: the only complete checkpoint torn."""
     store, proxy, client = s3
     old = save_previous(store, make_request)
-    proxy.late_s = 4.0
+    # Storage calls give up after 3 s: on a loaded machine a data PUT through the proxy once
+    # took over the 1 s this used, so the save failed before its manifest was put at all.
+    proxy.late_s = 6.0
     proxy.rule = lambda method, path: "late" if method == "PUT" and path.split("?")[0].endswith(
         "/ckpt/manifest.json") else None
-    error, _ = failing_save(store, make_request, timeout_s=1.0)
+    error, _ = failing_save(store, make_request, timeout_s=3.0)
     assert isinstance(error, CheckpointTimeoutError)
+    assert proxy.count("late") >= 1, error  # it failed at its manifest, not before
     deadline = time.monotonic() + 60
     while proxy.landed_late < proxy.count("late") and time.monotonic() < deadline:
         time.sleep(0.1)
