@@ -325,7 +325,10 @@ class Engine:
     def step_end(self) -> None:
         """Mark a step boundary (after the optimizer and scheduler steps).
 
-        Checkpoints whose captured step is the current step take their non-tensor state here.
+        Checkpoints whose captured step is the current step take their non-tensor state here,
+        and the last block of such a multi-step checkpoint is queued for its copy then (a loop
+        that never calls this takes that state at the next update's window end instead, behind
+        that copy: on a GPU the capture then waits for the whole block).
 
         Raises:
             A background error of an earlier checkpoint (after this boundary's captures): a

@@ -9,11 +9,23 @@ warm-up save and four measured ones 200 steps apart (20 on a CPU; PROBE_EVERY se
   from those measured inputs: which input the prediction got wrong;
 * logs each host buffer allocation (step, MB, seconds).
 A probe, not a test: it wraps private methods to time them."""
-import cProfile, io, os, pstats, statistics, sys, tempfile, time
+import cProfile
+import dataclasses
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
 import torch
 from torch import nn
+
 import gockpt
-from gockpt import _windows, _planner, _direct, plan as P
+import gockpt.transfer
+from gockpt import _direct, _planner, _windows
+from gockpt import plan as P
 
 mode, k, dev = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 gb = float(sys.argv[4]) if len(sys.argv) > 4 else 1.2
@@ -24,53 +36,63 @@ marks = len(sys.argv) > 6 and sys.argv[6] == "step_end"
 cuda = dev == "cuda"
 W = 4096 if cuda else 1024
 prof, on, calls = cProfile.Profile(), [False], []
-_orig = _windows.Windows._capture
-
-def _capture(self, s, version, *a, **kw):
-    if not on[0]:
-        return _orig(self, s, version, *a, **kw)
-    t = time.perf_counter(); prof.enable()
-    try:
-        return _orig(self, s, version, *a, **kw)
-    finally:
-        prof.disable(); calls.append((version, s.window, time.perf_counter() - t))
-
-_windows.Windows._capture = _capture
 STEP, plans, allocs = [0], [], []
-_plan = _planner.Planner.plan
-_costs = _planner.Planner._costs
+_capture_orig = _windows.Windows._capture
+_plan_orig = _planner.Planner.plan
+_costs_orig = _planner.Planner._costs
+_empty_orig = _direct.host_empty
+
+
+def capture(self, s, version, *a, **kw):
+    if not on[0]:
+        return _capture_orig(self, s, version, *a, **kw)
+    t = time.perf_counter()
+    prof.enable()
+    try:
+        return _capture_orig(self, s, version, *a, **kw)
+    finally:
+        prof.disable()
+        calls.append((version, s.window, time.perf_counter() - t))
+
 
 def plan(self, layout, *a, **kw):
-    out = _plan(self, layout, *a, **kw)
+    out = _plan_orig(self, layout, *a, **kw)
     plans.append((STEP[0], out, layout, self._last_costs))
     return out
 
+
 def costs(self, *a, **kw):
-    self._last_costs = out = _costs(self, *a, **kw)
+    self._last_costs = out = _costs_orig(self, *a, **kw)
     return out
 
-_planner.Planner.plan, _planner.Planner._costs = plan, costs
-_empty = _direct.host_empty
 
 def host_empty(nbytes, *, pin_memory=False):
-    t = time.perf_counter(); out = _empty(nbytes, pin_memory=pin_memory)
+    t = time.perf_counter()
+    out = _empty_orig(nbytes, pin_memory=pin_memory)
     allocs.append((STEP[0], round(nbytes / 1e6), round(time.perf_counter() - t, 3), pin_memory))
     return out
 
+
+_windows.Windows._capture = capture
+_planner.Planner.plan, _planner.Planner._costs = plan, costs
 _direct.host_empty = host_empty
-import gockpt.transfer as T
-if hasattr(T, "host_empty"):
-    T.host_empty = host_empty
-torch.set_num_threads(8 if cuda else 2); torch.manual_seed(0)
+if hasattr(gockpt.transfer, "host_empty"):
+    gockpt.transfer.host_empty = host_empty
+torch.set_num_threads(8 if cuda else 2)
+torch.manual_seed(0)
 layers = max(1, round(gb * 1e9 / (3 * 4 * (W * W + W))))
 model = nn.Sequential(*[nn.Linear(W, W) for _ in range(layers)]).to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 x = torch.randn(batch, W, device=dev)
 
+
 def step():
-    model(x).square().mean().backward(); opt.step(); opt.zero_grad(set_to_none=False)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
     if cuda:
         torch.cuda.current_stream().synchronize()
+
 
 step()
 eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=mode, min_overlap_steps=k))
@@ -79,11 +101,14 @@ times, handles = [], []
 with tempfile.TemporaryDirectory() as root:
     for i in range(3 + every * 4 + 20):
         STEP[0] = i
-        t0 = time.perf_counter(); step()
-        if marks:
-            eng.step_end() if i >= 2 else None
+        t0 = time.perf_counter()
+        step()
+        if marks and i >= 2:
+            eng.step_end()
         if i == 2:
-            eng.save(f"{root}/w"); eng.wait(); on[0] = True
+            eng.save(f"{root}/w")
+            eng.wait()
+            on[0] = True
         if i >= 2 + every and (i - 2 - every) % every == 0 and len(handles) < 4:
             handles.append(eng.save(f"{root}/s{i}"))
         times.append(time.perf_counter() - t0)
@@ -91,26 +116,26 @@ with tempfile.TemporaryDirectory() as root:
     ms = [h.result() for h in handles]
     samples = list(eng._pipeline._replay_samples)
     eng.close()
-print(f"{mode} K>={k} on {dev}{' with step_end' if marks else ''}: {layers} layers of {W}, clean step {statistics.median(times[3:])*1e3:.2f} ms")
+print(f"{mode} K>={k} on {dev}{' with step_end' if marks else ''}: {layers} layers of {W}, "
+      f"clean step {statistics.median(times[3:]) * 1e3:.2f} ms")
 for m in ms:
-    print(f" K={m.num_overlap_steps} stall={m.stall_s*1e3:.1f} ms phases=",
+    print(f" K={m.num_overlap_steps} stall={m.stall_s * 1e3:.1f} ms phases=",
           {a: round(b * 1e3, 1) for a, b in m.stall_by_phase_s.items()})
 rate = sum(n for n, _ in samples) / max(sum(t for _, t in samples), 1e-9)
 print(f" replay thread: {len(samples)} replays, {rate / 1e9:.2f} GB/s of state "
       f"(per replay MB/ms: {[(round(n / 1e6), round(t * 1e3, 1)) for n, t in samples[-8:]]})")
 measured = [(st, pl, lay, c) for st, pl, lay, c in plans if st > 2]
-for m, (st, pl, lay, c) in zip(ms, measured):
+for m, (st, pl, lay, c) in zip(ms, measured, strict=False):
     k = pl.num_overlap_steps
     period = statistics.mean(times[st + 1:st + k + 1]) if k > 1 else 0.0
     ub = [u.state_bytes for u in lay.units]
     gbs = [u.grad_bytes if u.param.requires_grad else 0 for u in lay.units]
     if c is None:
-        print(f" save@{st}: K={k}, planned without costs"); continue
-
-    again_rate = P.replay_wait_s(pl.mode, ub, gbs, pl.blocks, __import__("dataclasses").replace(
-        c, replay_bytes_per_s=rate))
-    again_both = P.replay_wait_s(pl.mode, ub, gbs, pl.blocks, __import__("dataclasses").replace(
-        c, replay_bytes_per_s=rate, step_s=period))
+        print(f" save@{st}: K={k}, planned without costs")
+        continue
+    again_rate = P.replay_wait_s(pl.mode, ub, gbs, pl.blocks, dataclasses.replace(c, replay_bytes_per_s=rate))
+    again_both = P.replay_wait_s(pl.mode, ub, gbs, pl.blocks,
+                                 dataclasses.replace(c, replay_bytes_per_s=rate, step_s=period))
     print(f" save@{st}: K={k} blocks(MB)={[round(sum(ub[i] for i in b) / 1e6) for b in pl.blocks]} "
           f"costs: copy {c.copy_bytes_per_s / 1e9:.1f} GB/s, step {c.step_s * 1e3:.1f} ms, window "
           f"{c.window_s * 1e3:.1f} ms, replay {c.replay_bytes_per_s / 1e9:.2f} GB/s, backlog "
