@@ -58,18 +58,26 @@ def xxh3(data: bytes) -> str:
 
 
 def replicas_differ(views: list[Any]) -> str | None:
-    """Why the ranks' replicas may differ, from every rank's view ``[names, digest]``: the
-    parameters requiring gradients that did not when its engine was built (DDP, wrapped before,
-    does not average their gradients) and a digest of its optimizers' hyperparameters. None
-    when they may not (or no view was taken)."""
+    """Why the ranks' replicas may differ, from every rank's view ``[unsynced, ignored, digest]``:
+    the parameters requiring gradients that did not when its engine was built (DDP, wrapped
+    before, does not average their gradients), the parameters DDP leaves out altogether
+    (``_ddp_params_and_buffers_to_ignore``), and a digest of its optimizers' hyperparameters.
+    None when they may not (or no view was taken)."""
     if not views or any(v is None for v in views):
         return None
-    unsynced = sorted({n for names, _ in views for n in names})
+
+    def listed(names: list[str]) -> str:
+        return f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+
+    ignored = sorted({n for v in views for n in v[1]})
+    if ignored:
+        return (f"{listed(ignored)} is left out of DDP (_ddp_params_and_buffers_to_ignore): never "
+                "broadcast nor averaged, so each rank holds its own copy")
+    unsynced = sorted({n for v in views for n in v[0]})
     if unsynced:
-        return (f"{', '.join(unsynced[:3])}{' ...' if len(unsynced) > 3 else ''} requires gradients now "
-                "but did not when the engine was built: DDP does not average its gradients, so "
-                "each rank trains its own copy")
-    if len({digest for _, digest in views}) > 1:
+        return (f"{listed(unsynced)} requires gradients now but did not when the engine was built: "
+                "DDP does not average its gradients, so each rank trains its own copy")
+    if len({v[2] for v in views}) > 1:
         return "the optimizers' hyperparameters (learning rates ...) differ between the ranks"
     return None
 

@@ -591,16 +591,20 @@ class ShardedEngine:
             return out
         return call
 
-    def _replica_view(self) -> tuple[list[str], str] | None:
+    def _replica_view(self) -> tuple[list[str], list[str], str] | None:
         """Replicated: (names of the parameters requiring gradients that did not when the engine
-        was built, a digest of the optimizers' hyperparameters); None otherwise."""
+        was built, names of the parameters DDP leaves out (``_ddp_params_and_buffers_to_ignore``:
+        never broadcast nor averaged, each rank holds its own), a digest of the optimizers'
+        hyperparameters); None otherwise."""
         if not self.replicated:
             return None
         eng = self.engine
-        unsynced = [n for n, p in eng.model.named_parameters() if p.requires_grad and id(p) not in self._synced]
+        ignored = set(getattr(eng.model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+        named = list(eng.model.named_parameters())
+        unsynced = [n for n, p in named if p.requires_grad and id(p) not in self._synced and n not in ignored]
         hyper = [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
                  for o in eng.optimizers]
-        return unsynced, xxh3(repr(hyper).encode())
+        return unsynced, [n for n, _ in named if n in ignored], xxh3(repr(hyper).encode())
 
     def _partition(self, layout: StateLayout) -> StateLayout:
         """This rank's share of the replicated ``layout`` (training thread, at a save)."""

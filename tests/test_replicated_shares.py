@@ -215,6 +215,18 @@ def _mismatch_worker(rank: int, world: int, port: int, root: str) -> None:
     eng.save(f"{root}/same-again")
     eng.close()
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["latest", "same", "same-again"]
+    # A parameter DDP is told to leave out (never broadcast nor averaged: here each rank starts
+    # it from its own seed) is each rank's own, trained or not: shares of it would be no one's.
+    torch.manual_seed(rank)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    DDP._set_params_and_buffers_to_ignore_for_model(m, ["1.weight"])
+    ddp = DDP(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eng = ShardedEngine(ddp, opt, gockpt.GoCkptConfig(mode="lazy"), commit_timeout_s=30, replicated=True)
+    with pytest.raises(ReplicasDifferError, match="1.weight is left out of DDP"):
+        eng.save(f"{root}/ignored")
+    eng.close()
+    assert not os.path.exists(f"{root}/ignored")
     # A layer unfrozen inside a save's copy windows, the save then captured by wait(): each part
     # records its rank's view at its captured step, and the commit does not commit shares of
     # copies that may differ (it did where the capture was not at a step boundary).
