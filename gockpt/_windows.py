@@ -195,6 +195,7 @@ class Windows:
         # tensors had at that pre-hook (update_started).
         self.boundary_version = 0
         self.marks_boundaries = False
+        self._marked: int | None = None  # the version of the latest step_end
         self._in_update: list[tuple[StateLayout, tuple[int, ...]]] | None = None
         # The step whose window end ran and whose update has not (a request then is late).
         self._window_ended: int | None = None
@@ -311,7 +312,11 @@ class Windows:
         for s in list(self.saves):
             if s.watch is not None and not s.captured:
                 s.watch.rebase()  # the update's writes are not edits
-            self._open_pending(s)  # no boundary came since the last update: a misuse, as below
+            try:
+                self._open_pending(s)  # no boundary or update came since: a misuse, as below
+            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+                self.fail(s, e)
+                continue
             if s.phase is Phase.COPYING:
                 self.fail(s, CheckpointTornError(
                     f"{s.path}: an optimizer update ran while block {s.window} was being copied; "
@@ -322,13 +327,15 @@ class Windows:
             try:
                 self._capture_grads(s, opt_index)
                 s.window += 1
-                if (s.window == s.num_blocks - 1 and self.marks_boundaries
+                if (s.window == s.num_blocks - 1 and self._marked == version - 1
                         and not s.captured and s.target == version):
                     # Captured at this step's boundary, which reads the edit check back from
                     # the device (EditWatch.edited, a host sync): queued behind this window's
                     # copy, that read waited for all of it (17 ms for an 800 MB block on an
                     # H200, the copy engine serving the two in order). The copy is queued
                     # right after the capture instead; the device was still on this update.
+                    # Only where the step before was marked too: a loop that marks some steps
+                    # only would copy that block after the next forward, all of it a wait.
                     s.open_pending = True
                 else:
                     self._open_window(s)
@@ -401,6 +408,7 @@ class Windows:
         if not self.marks_boundaries:
             self.marks_boundaries = True
             self._unhook_owners()  # from here on the boundaries stash, not the forwards
+        self._marked = version
         self._window_ended = None  # a step whose update never ran (GradScaler skipped it)
         self.boundary(version)
         if self._stash_keys and (self._stash is None or self._stash.updates != self._updates):
@@ -667,7 +675,8 @@ class Windows:
     def _open_window(self, s: SaveRecord) -> None:
         # The gradient copies queued since the last window opened overlap this one (gockpt_o).
         s.window_grads, s.grads_seen = s.grad_tickets[s.grads_seen:], len(s.grad_tickets)
-        s.watch.add(s.plan.blocks[s.window])  # from the start of its copy
+        if s.watch is not None:  # None: opened after the capture, which guards it (_guard_block)
+            s.watch.add(s.plan.blocks[s.window])  # from the start of its copy
         self._copy_blocks(s, [s.window], wait=False)
         s.phase = Phase.COPYING
 
@@ -770,7 +779,6 @@ class Windows:
         if check:  # else the capture follows the window's opening in one call: nothing ran
             w.check()
             s.edited = w.edited()
-        self._open_pending(s)  # the last block's copy, now that the check is read back
         s.watch = None
         if s.edited:
             base = s.slot.data.data_ptr()
@@ -780,8 +788,13 @@ class Windows:
             self.edits_between_updates = True  # later saves are copied at their request
             log.info("gockpt: %s: %d parameter(s) changed outside optimizer.step() during its "
                      "copy windows: copied at the captured step", s.path, len(s.edited))
-        if s.phase is not Phase.COPYING:
-            return
+        if s.phase is Phase.COPYING:
+            self._guard_block(s)
+
+    def _guard_block(self, s: SaveRecord) -> None:
+        """After ``s``'s capture, the block still being copied: waited for if the loop edits
+        outside updates (an edit after the capture must not reach it), else watched until its
+        window ends (:meth:`_check_window`)."""
         if s.edited or self.edits_between_updates:
             t0 = perf_counter()
             s.tickets[s.window].wait()
@@ -918,6 +931,13 @@ class Windows:
         if self.saves and self.capture_due(version) and (
                 not self.marks_boundaries or self.boundary_version == version):
             self.boundary(version)
+        for s in list(self.saves):
+            try:
+                # A forward before the boundary (a callback's at the batch end): the last
+                # block's copy overlaps it and the next ones, as the capture will wait anyway.
+                self._open_pending(s)
+            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+                self.fail(s, e)
 
     def release_guards(self, wait: bool) -> None:
         """Drop the gradient guards whose copies ended (``wait``: wait for all of them first)."""
@@ -1024,6 +1044,11 @@ class Windows:
         s.capture_pin = None if stashed else (version, state_versions(s.layout), state_sample(s.layout))
         s.metrics.add_stall("capture", perf_counter() - t0)
         self._disarm_stash_if_idle()
+        if s.open_pending:
+            # The last block's copy, queued behind everything the capture read from the device
+            # (the edit check, the buffers, the state tree's tensors), none of which waits for it.
+            self._open_pending(s)
+            self._guard_block(s)
 
     def _unchanged_static(self, s: SaveRecord, pairs: list) -> tuple[list, list]:
         """``pairs`` (static tensor, view) less those the slot still holds unchanged, and what

@@ -298,7 +298,8 @@ class Engine:
             # first skip is a warning, later ones are logged at INFO, so a run is not flooded.
             self._skips += 1
             log.log(logging.WARNING if self._skips == 1 else logging.INFO,
-                    "gockpt: no free host slot (when_full='skip'), skipped checkpoint %s%s", path,
+                    "gockpt: skipped checkpoint %s: no host slot was free for it (when_full=%r; a "
+                    "sharded save skips on every rank when one has none)%s", path, self.config.when_full,
                     "; later skips are logged at INFO" if self._skips == 1 else f" ({self._skips} so far)")
             return handle
         self._all.append(s)
@@ -325,10 +326,11 @@ class Engine:
     def step_end(self) -> None:
         """Mark a step boundary (after the optimizer and scheduler steps).
 
-        Checkpoints whose captured step is the current step take their non-tensor state here,
-        and the last block of such a multi-step checkpoint is queued for its copy then (a loop
-        that never calls this takes that state at the next update's window end instead, behind
-        that copy: on a GPU the capture then waits for the whole block).
+        Checkpoints whose captured step is the current step take their non-tensor state here.
+        Where the step before was marked too, the last block of such a multi-step checkpoint is
+        queued for its copy right after (its capture reads from the device, and on a GPU a read
+        queued behind that copy waited for all of it); else at the update. A loop that never
+        calls this has that state taken at the next update's window end instead.
 
         Raises:
             A background error of an earlier checkpoint (after this boundary's captures): a

@@ -697,10 +697,13 @@ def test_a_save_requested_inside_an_update_that_then_fails_midway_is_not_written
         assert not gockpt.is_complete(str(tmp_path / "ck"))
 
 
-def test_the_last_block_is_copied_after_the_capture_reads_its_edit_check(tmp_path, monkeypatch):
+@pytest.mark.parametrize("marks", ["every", "some"])
+def test_the_last_block_is_copied_after_the_capture_reads_its_edit_check(tmp_path, monkeypatch, marks):
     # The capture at a step boundary reads the edit check back (a host sync on a GPU); a read
     # queued behind the last block's copy would wait for all of it. So in a loop that marks its
-    # step boundaries, that copy is queued right after the read, not at the update before.
+    # step boundaries, that copy is queued right after the read, not at the update before. A
+    # loop that marks some steps only (here: the request's) gets no boundary at the captured
+    # step: its copy is queued at the update, to overlap the next forward and backward.
     model, opt, sched, scaler = make("adamw")
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=3, max_overlap_steps=3))
     events: list[str] = []
@@ -714,17 +717,24 @@ def test_the_last_block_is_copied_after_the_capture_reads_its_edit_check(tmp_pat
     copier = eng._windows._copier
     copy = copier.copy
     params = {p.data_ptr() for p in model.parameters()}
+    buffers = {b.data_ptr() for b in model.buffers()}
+    assert buffers
 
     def spy_copy(pairs, priority, *a, **kw):
         if priority == gockpt.transfer.PRIORITY_STATE and any(src.data_ptr() in params for src, _ in pairs):
             events.append(f"copy@{eng.version}")
+        if any(src.data_ptr() in buffers for src, _ in pairs):
+            events.append("buffers")  # the capture's copy of the buffers
         return copy(pairs, priority, *a, **kw)
 
     monkeypatch.setattr(copier, "copy", spy_copy)
+    # After the engine's own post-hook: the update the engine has just counted.
+    opt.register_step_post_hook(lambda *_: events.append(f"update@{eng.version}"))
     live, handles = {}, []
 
     def on_step_end(it: int) -> None:
-        eng.step_end()
+        if marks == "every" or it == 6:
+            eng.step_end()
         if it == 6:
             events.append("request")
             handles.append(eng.save(str(tmp_path / "ckpt")))
@@ -734,13 +744,17 @@ def test_the_last_block_is_copied_after_the_capture_reads_its_edit_check(tmp_pat
     eng.close()
     m = handles[0].result()
     assert (m.mode, m.captured_step - m.requested_step) == ("gockpt_o", 2)
-    _assert_holds_live(m, live)
     after = events[events.index("request"):]
     copies = [e for e in after if e.startswith("copy@")]
     assert len(copies) == 3  # one block per window
-    # The last window's copy comes after the capture's read, at the captured step.
-    assert after.index(copies[-1]) > after.index("read")
     assert copies[-1] == f"copy@{m.captured_step}"
+    if marks == "every":
+        _assert_holds_live(m, live)
+        # After the capture's read and its copy of the buffers, none of which waits for it.
+        assert after.index(copies[-1]) > after.index("read")
+        assert after.index(copies[-1]) > after.index("buffers")
+    else:  # in the update's post-hook, not at the next window end
+        assert after.index(copies[-1]) < after.index(f"update@{m.captured_step}") < after.index("read")
 
 
 @pytest.mark.parametrize("how", ["data_edit", "no_step_end", "flush"])
