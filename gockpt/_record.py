@@ -508,6 +508,14 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     Raises:
         ValueError: ``host_buffer_bytes`` cannot hold one snapshot of this plan.
     """
+    agree = planner.agree_flush
+    joined = 0  # the sharded agreement's gathers this rank has entered (two per request)
+
+    def agreed(flag: bool) -> bool:
+        nonlocal joined
+        joined += 1
+        return agree(flag)  # type: ignore[misc]
+
     try:
         slot_layout = planner.slot_layout(layout)
         files = writer.tensor_files(layout) if writer is not None else None
@@ -515,46 +523,58 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
         planner.check_host_budget(slot_layout.nbytes + sum(grad_bytes))
         pinned = (version, state_versions(layout))
         sample = state_sample(layout)  # what a later request at this step compares, and this one
+        tw = perf_counter()
+        find = partial(find_leader, records, version=version, layout=layout, plan=plan,
+                       exact_k=planner.agree is not None, versions=pinned[1], sample=sample)
+        flushed_s = 0.0
+
+        def timed_flush() -> None:
+            # A flush is the stall of the saves it finishes ("flush"), not this request's wait.
+            nonlocal flushed_s
+            tf = perf_counter()
+            flush()
+            flushed_s += perf_counter() - tf
+
+        leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find,
+                                 flush=timed_flush, wait=config.when_full == "wait",
+                                 timeout_s=config.slot_wait_timeout_s, path=path,
+                                 agree=agreed if agree is not None else None)
+        drain = slot.drain if slot is not None else None
+        if drain is not None and drain.done:
+            drain = None  # the save before read everything: nothing to wait for
+        handle.metrics.slot_borrowed = drain is not None
+        free, drain_wait_s = True, 0.0
+        if drain is not None:
+            windows = _window_ranges(layout, plan, slot_layout)
+            wait = predict_slot_wait_s(drain, windows, pool.last_drain_pace, step_s)
+            handle.metrics.predicted_slot_wait_s = wait
+            handle.metrics.predicted_stall_s += wait
+            td = perf_counter()
+            free = _first_bytes_free(drain, windows[0], tw, config.slot_wait_timeout_s)
+            drain_wait_s = perf_counter() - td
+        if not free:
+            pool.release(slot)
+            # stacklevel: this, Engine.save, its caller.
+            warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
+                          f"checkpoint {path} (the checkpoint in flight is still being written out: "
+                          "storage slower than the checkpoint interval?)", stacklevel=3)
+            slot = None
+        if agree is not None:
+            # Sharded: a part without host buffers (skipped, or its wait timed out) means no
+            # checkpoint; every rank skips it then, as one rank alone skipping failed them all.
+            got = leader is not None or slot is not None
+            if agreed(not got) and got:
+                pool.release(leader.slot if leader is not None else slot)  # type: ignore[union-attr]
+                leader = slot = None
+                log.info("gockpt: skipped checkpoint %s: another rank had no host slot for its part",
+                         path)
     except BaseException:
-        if planner.agree_flush is not None:
-            planner.agree_flush(False)  # the other ranks are in take_host's collective: meet them
+        # Every rank enters the agreement's two gathers once per request, whatever fails here.
+        if agree is not None and joined == 0 and agree(False):
+            flush()  # the others finish their saves in flight at this step: so must this rank
+        if agree is not None and joined <= 1:
+            agree(True)  # no buffers here: they skip
         raise
-    tw = perf_counter()
-    find = partial(find_leader, records, version=version, layout=layout, plan=plan,
-                   exact_k=planner.agree is not None, versions=pinned[1], sample=sample)
-    flushed_s = 0.0
-
-    def timed_flush() -> None:
-        # A flush is the stall of the saves it finishes ("flush"), not this request's wait.
-        nonlocal flushed_s
-        tf = perf_counter()
-        flush()
-        flushed_s += perf_counter() - tf
-
-    leader, slot = take_host(pool, records, (slot_layout.nbytes, grad_bytes), find=find,
-                             flush=timed_flush, wait=config.when_full == "wait",
-                             timeout_s=config.slot_wait_timeout_s, path=path,
-                             agree=planner.agree_flush)
-    drain = slot.drain if slot is not None else None
-    if drain is not None and drain.done:
-        drain = None  # the save before read everything: nothing to wait for
-    handle.metrics.slot_borrowed = drain is not None
-    free, drain_wait_s = True, 0.0
-    if drain is not None:
-        windows = _window_ranges(layout, plan, slot_layout)
-        wait = predict_slot_wait_s(drain, windows, pool.last_drain_pace, step_s)
-        handle.metrics.predicted_slot_wait_s = wait
-        handle.metrics.predicted_stall_s += wait
-        td = perf_counter()
-        free = _first_bytes_free(drain, windows[0], tw, config.slot_wait_timeout_s)
-        drain_wait_s = perf_counter() - td
-    if not free:
-        pool.release(slot)
-        # stacklevel: this, Engine.save, its caller.
-        warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
-                      f"checkpoint {path} (the checkpoint in flight is still being written out: "
-                      "storage slower than the checkpoint interval?)", stacklevel=3)
-        slot = None
     handle.metrics.add_stall("slot_wait", max(0.0, perf_counter() - tw - flushed_s))
     if leader is not None:
         record = join_record(seq, path, handle, leader, slot_layout, state_fn, version=version,

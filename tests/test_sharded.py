@@ -411,6 +411,42 @@ def _slots_worker(rank: int, world: int, port: int, root: str) -> None:
         opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
         load_sharded(f"{root}/{name}", m2, opt2)
         _equal(_full(m2, opt2), live[req + k - 1], name)
+    # when_full="skip": rank 0 has no slot for the second save, rank 1 has one. Every rank
+    # skips it (every rank raised "the ranks disagree"); the first is committed.
+    eng = ShardedEngine(m, opt, dataclasses.replace(config, host_buffer_bytes=budget, max_inflight=2,
+                                                    when_full="skip"), commit_timeout_s=30)
+    skipped = []
+    for step in range(10, 16):
+        _uneven_step(m, opt, step)
+        eng.step_end()
+        if step in (11, 12):
+            skipped.append(eng.save(f"{root}/skip{step}").skipped)
+    eng.wait()
+    assert skipped == [False, True], skipped
+    eng.close()
+
+    class Refusing(CheckpointWriter):
+        def tensor_files(self, layout):
+            if dist.get_rank() == 1:
+                raise OSError("refused on rank 1")
+            return None
+
+    # A request that fails on rank 1 alone (its writer) while a save is in flight and rank 0
+    # is short of a slot: rank 1 finishes that save there too (it kept it to its planned step,
+    # and that checkpoint was not committed), and the engines go on.
+    eng = ShardedEngine(m, opt, config, commit_timeout_s=30)
+    for step in range(16, 22):
+        _uneven_step(m, opt, step)
+        eng.step_end()
+        if step == 16:
+            eng.save(f"{root}/inflight")
+        if step == 17:
+            with pytest.raises((OSError, RuntimeError), match="refused on rank 1"):
+                eng.save(f"{root}/refused", writer=Refusing())
+        if step == 18:
+            eng.save(f"{root}/after")
+    eng.wait()
+    eng.close()
     end_rank()
 
 
@@ -418,7 +454,12 @@ def test_ranks_whose_shares_fit_different_numbers_of_host_slots_finish_saves_in_
     """One ``host_buffer_bytes`` on ranks of uneven shares: rank 0 has room for one host slot,
     rank 1 for two. A save requested while another is in its copy windows made rank 0 alone
     finish that one at once; its parts then held different steps, it was not committed, and
-    ``wait`` raised on every rank. Now every rank finishes it there."""
+    ``wait`` raised on every rank. Now every rank finishes it there; with
+    ``when_full="skip"`` every rank skips the new one; and a request failing on one rank alone
+    still finishes the save in flight on every rank."""
     mp.spawn(_slots_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
     assert load_full(f"{tmp_path}/ck2").captured_step == 4
-    assert gockpt.latest_checkpoint(str(tmp_path)).endswith("ck3")
+    assert load_full(f"{tmp_path}/skip11").captured_step > 0
+    assert not os.path.exists(f"{tmp_path}/skip12") and not os.path.exists(f"{tmp_path}/refused")
+    assert load_full(f"{tmp_path}/inflight").captured_step == 18  # finished at the refused request
+    assert gockpt.latest_checkpoint(str(tmp_path)).endswith("after")
