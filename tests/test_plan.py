@@ -567,6 +567,12 @@ def test_replay_wait_follows_the_two_buffer_timeline():
     faster = replay_wait_s("gockpt_o", units, grads, blocks,
                            dataclasses.replace(costs, step_s=0.0))
     assert faster > 3.01
+    # A link too slow for the windows (100 B/s, windows hiding 50 bytes): window j overflows
+    # by (50 + 10 j) / 100 s (gockpt_o carries the earlier blocks' gradients), so captures come
+    # at 1.5, 3.1, 4.8 and 6.6 s: capture 2 finds replay 0 done (3.6 s) and capture 3 waits
+    # for replay 1 (7.6 s) 1.0 s, where windows that hid their copies waited 3.01 s.
+    slow = dataclasses.replace(costs, copy_bytes_per_s=100.0)
+    assert replay_wait_s("gockpt_o", units, grads, blocks, slow) == pytest.approx(1.0)
     # The plan's prediction holds the waits, and predict_stall_s agrees with it.
     plan = make_plan("gockpt_o", units, grads, costs, max_overlap_steps=5, min_overlap_steps=5,
                      replayable=True)
