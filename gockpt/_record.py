@@ -465,23 +465,30 @@ def take_host(pool: SlotPool, records: list[SaveRecord], sizes: tuple[int, tuple
     leader = find()
     shared = leader is not None and pool.share(leader.slot)
     slot = None if shared else pool.acquire(*sizes, block=False, lend=True)
-    short = slot is None and not shared and wait and not _frees_without_training(records)
-    if agree is not None:
-        short = agree(short)
-    if short:
-        flush()
-        if slot is None and not shared:
-            leader = find()
-            shared = leader is not None and pool.share(leader.slot)
-    if shared:
-        return leader, None
-    if slot is None and wait:
-        slot = pool.acquire(*sizes, block=True, timeout=timeout_s, lend=True)
-        if slot is None:
-            # stacklevel: this, make_record, Engine.save, its caller.
-            warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
-                          f"checkpoint {path} (the checkpoints in flight are still being "
-                          "persisted: storage slower than the checkpoint interval?)", stacklevel=4)
+    try:
+        short = slot is None and not shared and wait and not _frees_without_training(records)
+        if agree is not None:
+            short = agree(short)
+        if short:
+            flush()
+            if slot is None and not shared:
+                leader = find()
+                shared = leader is not None and pool.share(leader.slot)
+        if shared:
+            return leader, None
+        if slot is None and wait:
+            slot = pool.acquire(*sizes, block=True, timeout=timeout_s, lend=True)
+            if slot is None:
+                # stacklevel: this, make_record, Engine.save, its caller.
+                warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
+                              f"checkpoint {path} (the checkpoints in flight are still being "
+                              "persisted: storage slower than the checkpoint interval?)", stacklevel=4)
+    except BaseException:
+        if shared:
+            pool.release(leader.slot)  # type: ignore[union-attr]
+        elif slot is not None:
+            pool.release(slot)
+        raise
     return None, slot
 
 
@@ -510,6 +517,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     """
     agree = planner.agree_flush
     joined = 0  # the sharded agreement's gathers this rank has entered (two per request)
+    held: Slot | None = None  # the slot this request holds (its own, or the leader's it shares)
 
     def agreed(flag: bool) -> bool:
         nonlocal joined
@@ -539,6 +547,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                                  flush=timed_flush, wait=config.when_full == "wait",
                                  timeout_s=config.slot_wait_timeout_s, path=path,
                                  agree=agreed if agree is not None else None)
+        held = leader.slot if leader is not None else slot  # given back if this request fails
         drain = slot.drain if slot is not None else None
         if drain is not None and drain.done:
             drain = None  # the save before read everything: nothing to wait for
@@ -553,6 +562,7 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
             free = _first_bytes_free(drain, windows[0], tw, config.slot_wait_timeout_s)
             drain_wait_s = perf_counter() - td
         if not free:
+            held = None
             pool.release(slot)
             # stacklevel: this, Engine.save, its caller.
             warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
@@ -564,16 +574,23 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
             # checkpoint; every rank skips it then, as one rank alone skipping failed them all.
             got = leader is not None or slot is not None
             if agreed(not got) and got:
+                held = None
                 pool.release(leader.slot if leader is not None else slot)  # type: ignore[union-attr]
                 leader = slot = None
-                log.info("gockpt: skipped checkpoint %s: another rank had no host slot for its part",
-                         path)
+                log.info("gockpt: skipped checkpoint %s: another rank has no part for it (no host "
+                         "slot, or its request failed)", path)
     except BaseException:
-        # Every rank enters the agreement's two gathers once per request, whatever fails here.
-        if agree is not None and joined == 0 and agree(False):
-            flush()  # the others finish their saves in flight at this step: so must this rank
-        if agree is not None and joined <= 1:
-            agree(True)  # no buffers here: they skip
+        if held is not None:
+            pool.release(held)
+        # Every rank enters the agreement's two gathers once per request, whatever fails here
+        # (``joined`` counts those entered before the failure).
+        if agree is not None:
+            try:
+                if joined == 0 and agree(False):
+                    flush()  # the others finish their saves in flight at this step: so must this rank
+            finally:
+                if joined <= 1:
+                    agree(True)  # no buffers here: they skip
         raise
     handle.metrics.add_stall("slot_wait", max(0.0, perf_counter() - tw - flushed_s))
     if leader is not None:
