@@ -9,7 +9,10 @@
 #   4. the same at 1.2 GB with a small batch (steps of about 8 ms on an H200, shorter than the
 #      D2H copy of the state), where only a multi-step plan hides the copy;
 #   5. that small batch with gockpt_o held at K >= 7: the CPU replay's gradient-buffer waits,
-#      measured beside the planner's prediction of them.
+#      measured beside the planner's prediction of them;
+#   6. ("probe") scripts/gpu_probe_capture.py: each save's stall by phase, a profile of its
+#      capture, the costs it was planned with beside the measured ones, and every pinned
+#      allocation, for gockpt_o (free K, and K >= 7) and auto on large batches.
 # Logs go to $OUT (or /tmp/gockpt-gpu), the tables last on stdout. Each part has its own time
 # limit so that one slow part cannot take the others' share of the lease.
 set -uo pipefail
@@ -23,9 +26,10 @@ TESTS_S=${GOCKPT_GPU_TESTS_S:-150}
 BENCH_S=${GOCKPT_GPU_BENCH_S:-170}
 SMALL_S=${GOCKPT_GPU_SMALL_S:-110}
 REPLAY_S=${GOCKPT_GPU_REPLAY_S:-80}
-# Which parts run (default all): e.g. GOCKPT_GPU_PARTS="tests" in a first call, then
-# GOCKPT_GPU_PARTS="bench small replay" on the still-warm machine, so that a failure in the
-# tests can be read and fixed before the benchmarks spend the lease.
+PROBE_S=${GOCKPT_GPU_PROBE_S:-70}  # per probe run (three)
+# Which parts run (default all but the probe): e.g. GOCKPT_GPU_PARTS="tests probe" in a first
+# call, then GOCKPT_GPU_PARTS="bench small replay" on the still-warm machine, so that a failure
+# in the tests can be read and fixed before the benchmarks spend the lease.
 PARTS=" ${GOCKPT_GPU_PARTS:-tests bench small replay} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 
@@ -76,6 +80,16 @@ want replay && { timeout "$REPLAY_S" "$PY" examples/bench_scale.py --device cuda
     >"$OUT/bench_replay.txt" 2>"$OUT/bench_replay.err"
 echo "bench_scale, small batch, K >= 7: exit $?" | tee -a "$OUT/machine.txt"; }
 
+# Where a multi-step save's stall goes, save by save (the loop marks its step ends, as the
+# adapters do); all three in probes.txt.
+want probe && { for a in "gockpt_o 1 cuda 1.2 256" "gockpt_o 7 cuda 1.2 256" "auto 1 cuda 1.2 4096"; do
+    echo "=== probe $a" >>"$OUT/probes.txt"
+    PROBE_EVERY=$([[ $a == *4096 ]] && echo 30 || echo 200) timeout "$PROBE_S" \
+        "$PY" scripts/gpu_probe_capture.py $a step_end >>"$OUT/probes.txt" 2>&1
+    echo "probe ($a): exit $?" | tee -a "$OUT/machine.txt"
+done; }
+
 want tests && tail -n 40 "$OUT/tests.log"
 for f in bench bench_small bench_replay; do [ -f "$OUT/$f.txt" ] && cat "$OUT/$f.txt"; done
+want probe && grep -E "^(===|[a-z_]+ K>=| K=| save@| host alloc)" "$OUT/probes.txt" | cut -c1-400
 cat "$OUT"/bench*.err 2>/dev/null | grep -c '^# done' | sed 's/^/bench rows finished: /'
