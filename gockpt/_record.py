@@ -198,8 +198,8 @@ class SaveRecord:
     # grad_tickets were there when it opened (Windows._open_window).
     window_grads: list[CopyTicket] = field(default_factory=list)
     grads_seen: int = 0
-    # The last window is opened after the capture at this step's boundary, not at the update
-    # (Windows.after_update): its copy is queued once the capture has read its edit check.
+    # The last window is opened at the end of the capture at this step's boundary, not at the
+    # update (Windows.after_update): nothing the capture reads from the device queues behind it.
     open_pending: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     # Written by the training thread and the replay thread, in any phase: data, not a phase.
