@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,17 +192,21 @@ class GoCkptStorageReader(StorageReader):
         self.path = str(path)
         self.verify = verify
         self.storage_data: dict[MetadataIndex, _Stored] = {}
+        self._metadata: Metadata | None = None  # read (and verified) once per path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = str(checkpoint_id)
         self.storage_data = {}
+        self._metadata = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return os.path.isfile(os.path.join(checkpoint_id, INDEX_FILE))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is not None:
+            return self._metadata
         index, top = _index(self.path)
         fs = fsutil.url_to_fs(self.path, None)[0]
         md: dict[str, TensorStorageMetadata] = {}
@@ -237,7 +241,8 @@ class GoCkptStorageReader(StorageReader):
         for fqn in where.keys() | md.keys():  # md: aliases too
             _check_cover(fqn, md.get(fqn), where.get(fqn, self.path))
         self.storage_data = data
-        return Metadata(state_dict_metadata=md, storage_data=data)  # type: ignore[arg-type]
+        self._metadata = Metadata(state_dict_metadata=md, storage_data=data)  # type: ignore[arg-type]
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -396,6 +401,16 @@ def load_parts(path: str, *, verify: bool = True, allow_pickle: bool = False) ->
     return index, out
 
 
+def _in_state_tree(keys: Mapping[str, Any], stored: Mapping[str, Any], part: Any) -> dict[str, torch.Tensor]:
+    """The model tensors of ``keys`` that no shard stores (``stored``: the shards' metadata, by
+    ``model.<fqn>``) and ``part``'s state tree holds: plain tensors of a kind the shards cannot
+    hold (a complex rotary table: :func:`gockpt.layout.storable`), every rank's whole copy
+    kept in its part."""
+    tree = part.model_state_dict
+    return {k: tree[k] for k in keys
+            if f"model.{k}" not in stored and isinstance(tree.get(k), torch.Tensor)}
+
+
 def load_full(path: str, *, verify: bool = True, allow_pickle: bool = False) -> FullState:
     """Assemble the sharded checkpoint ``path`` into whole CPU tensors, in this process only.
 
@@ -421,6 +436,7 @@ def load_full(path: str, *, verify: bool = True, allow_pickle: bool = False) -> 
             fqn, _, name = k[len("optim.state."):].rpartition(".")
             optim.setdefault(fqn, {})[name] = v
     part = _part_state(path, 0, allow_pickle)
+    model.update(_in_state_tree(part.model_state_dict, md.state_dict_metadata, part))
     return FullState(model, optim, [sd["param_groups"] for sd in part.optimizer_state_dicts],
                      part.extra, part.captured_step)
 
@@ -453,14 +469,22 @@ def load_sharded(path: str, model: torch.nn.Module,
 
     opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     msd = get_model_state_dict(model)
-    osd: Any = get_optimizer_state_dict(model, opts)
-    dcp.load({"model": msd, "optim": {"state": osd["state"]}},
-             storage_reader=GoCkptStorageReader(path, verify=verify), process_group=process_group)
-    set_model_state_dict(model, msd)
+    reader = GoCkptStorageReader(path, verify=verify)
+    stored = reader.read_metadata().state_dict_metadata  # kept for dcp.load's own read
     saved_world = _index(path)[0]["world_size"]
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
     part = _part_state(path, rank if world == saved_world else 0, allow_pickle)
+    kept = _in_state_tree(msd, stored, part)
+    state: dict[str, Any] = {"model": {k: v for k, v in msd.items() if k not in kept}}
+    osd: Any = get_optimizer_state_dict(model, opts) if opts else None
+    if opts:
+        state["optim"] = {"state": osd["state"]}
+    dcp.load(state, storage_reader=reader, process_group=process_group)
+    msd.update(kept)
+    set_model_state_dict(model, msd)
+    if not opts:  # the model only (evaluation)
+        return part.extra
     saved = [g for sd in part.optimizer_state_dicts for g in sd["param_groups"]]
     if len(saved) != len(osd["param_groups"]):
         raise ValueError(f"{path}: {len(saved)} parameter groups stored, the optimizers have "

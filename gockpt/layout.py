@@ -288,9 +288,9 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
 
     Raises:
         ValueError: a parameter owned by two optimizers.
-        TypeError: such a tensor where only a shard could hold it: in a sharded layout (DTensor
-            state, whose loaders read shards only), or an optimizer parameter that is not in
-            the model (no state tree holds its value).
+        TypeError: such a tensor where only a shard could hold it: a sharded one (a DTensor,
+            or the optimizer state of a DTensor parameter), or an optimizer parameter that is
+            not in the model (no state tree holds its value).
     """
     sd = model.state_dict(keep_vars=True)
     canonical: dict[int, str] = {}
@@ -355,11 +355,19 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
         else:
             left_out.append(key)
     layout = StateLayout(units, static, aliases, model_keys, left_out=tuple(left_out))
-    if left_out and layout.sharded:
-        # A sharded checkpoint's loaders (gockpt.dcp) read the shards' entries only.
-        raise TypeError(f"tensor {left_out[0]!r} ({_kind(model_tensors[left_out[0]])}) cannot be stored "
-                        "in a sharded checkpoint (DTensor state): GoCkpt stores dense tensors of "
-                        "safetensors' dtypes only")
+    if layout.sharded:
+        # A sharded checkpoint keeps a plain tensor left out (a complex rotary table, a buffer
+        # every rank holds whole) in each part's state tree, which its loaders read
+        # (gockpt.dcp); a sharded one (a DTensor, or the state of a DTensor parameter) would
+        # need its shards assembled from those trees, which they do not do.
+        for key in left_out:
+            t = model_tensors[key]
+            state = [v for o in optimizers for g in o.param_groups for q in g["params"] if q is t
+                     for v in o.state.get(q, {}).values() if isinstance(v, torch.Tensor)]
+            if is_dtensor(t) or any(is_dtensor(v) for v in state):
+                raise TypeError(f"tensor {key!r} ({_kind(t)}) cannot be stored in a sharded "
+                                "checkpoint: a sharded tensor (DTensor) must be dense and of "
+                                "safetensors' dtypes")
     layout.signature = layout_signature(model, optimizers)
     return layout
 

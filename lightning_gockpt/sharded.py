@@ -235,7 +235,7 @@ class _ShardedCheckpoints:
         if optimizers:
             extra = load_sharded(path, module, optimizers, verify=verify, allow_pickle=allow_pickle)
         else:  # validate / test / predict: the model only
-            _load_model_only(path, module, verify)
+            load_sharded(path, module, [], verify=verify, allow_pickle=allow_pickle)
             extra = _rank0_extra(path, allow_pickle) if self.global_rank == 0 else None  # type: ignore[attr-defined]
         extra = self.broadcast(extra)  # type: ignore[attr-defined]
         if not isinstance(extra, dict) or not isinstance(extra.get("lightning"), dict):
@@ -346,17 +346,6 @@ def _is_gockpt(path: str, io: Any) -> bool:
     if not isinstance(io, GoCkptIO) or not os.path.isdir(path):
         return False
     return not os.path.isfile(os.path.join(path, _METADATA_FILENAME))  # stock's DCP directory
-
-
-def _load_model_only(path: str, module: nn.Module, verify: bool) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from gockpt.dcp import GoCkptStorageReader
-
-    msd = get_model_state_dict(module)
-    dcp.load({"model": msd}, storage_reader=GoCkptStorageReader(path, verify=verify))
-    set_model_state_dict(module, msd)
 
 
 def _rank0_extra(path: str, allow_pickle: bool) -> Any:

@@ -333,20 +333,51 @@ def _unstorable_worker(rank: int, world: int, port: int, root: str) -> None:
     m = _model()
     m.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)))  # a rotary table
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    eng = ShardedEngine(m, opt, gockpt.GoCkptConfig(mode="sync"), commit_timeout_s=30)
+    config = gockpt.GoCkptConfig(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2)
+    eng = ShardedEngine(m, opt, config, commit_timeout_s=30)
     _step(m, opt, 0)
     eng.step_end()
-    with pytest.raises(TypeError, match="'model.freqs'.*complex64.*sharded checkpoint"):
-        eng.save(f"{root}/ck")
+    h = eng.save(f"{root}/ck")
+    _step(m, opt, 1)
+    eng.step_end()
+    want = _full(m, opt)
+    with torch.no_grad():
+        m.freqs.mul_(2)  # after the captured step: not in the checkpoint
+    eng.wait()
+    eng.close()
+    assert h.captured_step == 2
+    # Resumed into a fresh model: the shards' tensors and the table from the part's state tree.
+    m2 = _model()
+    m2.register_buffer("freqs", torch.zeros(4, dtype=torch.complex64))
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    load_sharded(f"{root}/ck", m2, opt2)
+    _equal(_full(m2, opt2), want, "loaded")
+    # A complex parameter (a DTensor under FSDP2) has no place in a sharded checkpoint yet.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m3 = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+    m3.rot = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    fully_shard(m3, mesh=init_device_mesh("cpu", (world,)))
+    opt3 = torch.optim.AdamW(m3.parameters(), lr=1e-2)
+    eng = ShardedEngine(m3, opt3, gockpt.GoCkptConfig(mode="sync"), commit_timeout_s=30)
+    with pytest.raises(TypeError, match="'model.rot'.*complex64.*sharded checkpoint"):
+        eng.save(f"{root}/refused")
     eng.close()
     end_rank()
 
 
-def test_a_tensor_no_shard_holds_is_refused_at_the_request_of_a_sharded_checkpoint(tmp_path):
-    """A complex buffer in an FSDP2 model: the sharded loaders read shard entries only, so the
-    request is refused with an error naming the tensor (never a checkpoint that cannot resume)."""
+def test_a_plain_tensor_no_shard_holds_is_kept_in_the_parts_of_a_sharded_checkpoint(tmp_path):
+    """A complex buffer in an FSDP2 model (a rotary table, whole on every rank): it was refused
+    at the request (every save of such a model failed, where DCP saves it); it is kept in each
+    part's state tree now and loaded from there, exactly. A sharded tensor of such a kind (a
+    complex parameter) is still refused with an error naming it."""
     mp.spawn(_unstorable_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
-    assert not os.path.exists(tmp_path / "ck")
+    full = load_full(f"{tmp_path}/ck")
+    assert full.model_state_dict["freqs"].dtype == torch.complex64
+    assert torch.equal(full.model_state_dict["freqs"], torch.polar(torch.ones(4), torch.arange(4.0)))
+    assert not os.path.exists(tmp_path / "refused")
 
 
 def _uneven_model() -> nn.Module:

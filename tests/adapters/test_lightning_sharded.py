@@ -37,6 +37,8 @@ class Net(pl.LightningModule):
         # 5 output rows: shards of 3 and 2 rows (uneven offsets).
         self.body = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
                                   nn.Linear(width, 5))
+        # A complex buffer (a rotary table) that no safetensors shard holds, turned each step.
+        self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)))
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -49,6 +51,8 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, t = batch
+        with torch.no_grad():
+            self.freqs.mul_(torch.polar(torch.ones(()), torch.tensor(0.5)))
         return (self.body(x) - t).pow(2).mean()
 
     def configure_optimizers(self):
@@ -190,7 +194,8 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
     """2-rank FSDP2 under ModelParallelStrategy with GoCkptIO: a checkpoint requested at step 4
     (captured at 4 in lazy, at 6 in gockpt_o with K=3), resumed by a fresh 2-process run, ends
     bit-identical to the uninterrupted stock run; load_full of it in one process equals the
-    gathered state at its captured step."""
+    gathered state at its captured step. The model's complex buffer (which every save refused
+    before) is kept in the parts and restored."""
     root = str(tmp_path)
     mp.spawn(_worker, args=(_port(), root, mode, "train"), nprocs=2)
     ref = torch.load(f"{root}/ref.pt")
