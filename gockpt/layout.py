@@ -311,6 +311,7 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
     units: list[Unit] = []
     owned: dict[int, Unit | None] = {}  # None: owned by an optimizer, left out (not storable)
     left_out: list[str] = []
+    left_units: list[str] = []  # of those, parameters an optimizer updates
     for oi, opt in enumerate(optimizers):
         pidx = 0
         for gi, group in enumerate(opt.param_groups):
@@ -329,6 +330,7 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
                                         f"{name} ({_kind(t)}) cannot be stored by GoCkpt")
                     owned[id(p)] = None
                     left_out.append(found)
+                    left_units.append(found)
                     pidx += 1
                     continue
                 if found is not None:
@@ -356,18 +358,17 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
             left_out.append(key)
     layout = StateLayout(units, static, aliases, model_keys, left_out=tuple(left_out))
     if layout.sharded:
-        # A sharded checkpoint keeps a plain tensor left out (a complex rotary table, a buffer
-        # every rank holds whole) in each part's state tree, which its loaders read
-        # (gockpt.dcp); a sharded one (a DTensor, or the state of a DTensor parameter) would
-        # need its shards assembled from those trees, which they do not do.
+        # A sharded checkpoint keeps a plain model tensor left out (a complex rotary table, a
+        # buffer every rank holds whole) in each part's state tree, whose model entries its
+        # loaders read (gockpt.dcp). They read optimizer state from the shards only, and do not
+        # assemble a DTensor from those trees: such tensors are refused.
         for key in left_out:
             t = model_tensors[key]
-            state = [v for o in optimizers for g in o.param_groups for q in g["params"] if q is t
-                     for v in o.state.get(q, {}).values() if isinstance(v, torch.Tensor)]
-            if is_dtensor(t) or any(is_dtensor(v) for v in state):
+            if is_dtensor(t) or key in left_units:
                 raise TypeError(f"tensor {key!r} ({_kind(t)}) cannot be stored in a sharded "
-                                "checkpoint: a sharded tensor (DTensor) must be dense and of "
-                                "safetensors' dtypes")
+                                "checkpoint: a sharded tensor (DTensor), or a parameter an "
+                                "optimizer updates, must be dense and of safetensors' dtypes, "
+                                "and so must its optimizer state")
     layout.signature = layout_signature(model, optimizers)
     return layout
 

@@ -365,6 +365,22 @@ def _unstorable_worker(rank: int, world: int, port: int, root: str) -> None:
     with pytest.raises(TypeError, match="'model.rot'.*complex64.*sharded checkpoint"):
         eng.save(f"{root}/refused")
     eng.close()
+    # Nor a plain one an optimizer updates (FSDP2 on the linear layers only): the loaders read
+    # optimizer state from the shards alone (it was accepted, and the checkpoint never loaded).
+    torch.manual_seed(0)
+    m4 = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+    m4.rot = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    for layer in m4:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
+    opt4 = torch.optim.AdamW(m4.parameters(), lr=1e-2)
+    eng = ShardedEngine(m4, opt4, gockpt.GoCkptConfig(mode="sync"), commit_timeout_s=30)
+    (m4(torch.randn(8, 16)).pow(2).mean() + m4.rot.abs().pow(2).sum()).backward()
+    opt4.step()
+    eng.step_end()
+    with pytest.raises(TypeError, match="'model.rot'.*complex64.*an optimizer updates"):
+        eng.save(f"{root}/refused-param")
+    eng.close()
     end_rank()
 
 
@@ -372,12 +388,13 @@ def test_a_plain_tensor_no_shard_holds_is_kept_in_the_parts_of_a_sharded_checkpo
     """A complex buffer in an FSDP2 model (a rotary table, whole on every rank): it was refused
     at the request (every save of such a model failed, where DCP saves it); it is kept in each
     part's state tree now and loaded from there, exactly. A sharded tensor of such a kind (a
-    complex parameter) is still refused with an error naming it."""
+    complex parameter), or a plain one an optimizer updates, is still refused with an error
+    naming it."""
     mp.spawn(_unstorable_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
     full = load_full(f"{tmp_path}/ck")
     assert full.model_state_dict["freqs"].dtype == torch.complex64
     assert torch.equal(full.model_state_dict["freqs"], torch.polar(torch.ones(4), torch.arange(4.0)))
-    assert not os.path.exists(tmp_path / "refused")
+    assert not os.path.exists(tmp_path / "refused") and not os.path.exists(tmp_path / "refused-param")
 
 
 def _uneven_model() -> nn.Module:
