@@ -21,10 +21,12 @@ OUT=${OUT:-/tmp/gockpt-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# Defaults sized to fit one 600 s device call with the build (about 30-50 s): 510 s in all.
+# Defaults sized for two device calls of under 600 s each with the build (about 30-50 s):
+# "tests probe" (150 + 3 x 70 s) and "bench small replay" (170 + 150 + 80 s). The small-batch
+# part needed more than 110 s on a noisier H200 (2026-11-28: a 2 s torch.save row).
 TESTS_S=${GOCKPT_GPU_TESTS_S:-150}
 BENCH_S=${GOCKPT_GPU_BENCH_S:-170}
-SMALL_S=${GOCKPT_GPU_SMALL_S:-110}
+SMALL_S=${GOCKPT_GPU_SMALL_S:-150}
 REPLAY_S=${GOCKPT_GPU_REPLAY_S:-80}
 PROBE_S=${GOCKPT_GPU_PROBE_S:-70}  # per probe run (three)
 # Which parts run (default all but the probe): e.g. GOCKPT_GPU_PARTS="tests probe" in a first
