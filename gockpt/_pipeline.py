@@ -50,6 +50,32 @@ log = logging.getLogger("gockpt")
 ReplayRecord = tuple[int, type, list, list[int], int, "torch.Tensor | None"]
 
 
+def _sync_edited(s: SaveRecord) -> None:
+    """Put the live copies that ``s``'s capture took of the units written outside an update
+    during its copy windows (:attr:`SaveRecord.edited`; held in its state tree) into the slot
+    views of those units. The views hold the copy from before the edit, brought forward by the
+    replay; the state tree's loaders read the tree, but a writer whose files are built from the
+    slot (Accelerate's ``model.safetensors``) wrote those stale bytes: a checkpoint that was not
+    the captured step's. Runs once per snapshot, after its replays, before its persists."""
+    ex = s.extra
+    if not s.edited or not isinstance(ex, dict):
+        return
+    for i in s.edited:
+        u = s.layout.units[i]
+        for e in u.entries:
+            t: Any = None
+            if e.key.startswith("model."):
+                t = ex["model"].get(e.key[len("model."):]) if isinstance(ex.get("model"), dict) else None
+            elif e.key.startswith("optim.") and e is not u.param_entry:
+                oi, pidx, name = e.key[len("optim."):].split(".", 2)
+                opt = ex["optimizers"][int(oi)] if int(oi) < len(ex.get("optimizers") or ()) else None
+                state = opt.get("state", {}).get(int(pidx), {}) if isinstance(opt, dict) else {}
+                t = state.get(name) if isinstance(state, dict) else None
+            view = s.views.get(e.key)
+            if isinstance(t, torch.Tensor) and view is not None and t.numel() == view.numel():
+                view.copy_(t.reshape(view.shape))
+
+
 class Pipeline:
     """Replays and persists saves off the training thread.
 
@@ -153,6 +179,8 @@ class Pipeline:
                 if kind == "replay":
                     self._replay(s, *item[2:])
                 else:
+                    if s is s.share.leader and s.failed is None:
+                        _sync_edited(s)  # its replays are done: before any persist reads the slot
                     self._persist_pool.submit(self._persist_safely, s)
             except BaseException as e:  # noqa: BLE001 - reported through the handle
                 # A gradient copy torn by the loop's own in-place write is not an engine fault:

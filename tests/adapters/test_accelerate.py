@@ -558,6 +558,33 @@ def test_a_multi_step_checkpoint_takes_rng_and_loader_state_of_its_captured_step
     assert a["random_state"] == b["random_state"]
 
 
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+def test_weights_edited_inside_the_copy_windows_are_in_the_weights_file(tmp_path, mode):
+    # A write through .data between updates while a multi-step save copies its blocks: the
+    # capture takes the edited tensors live, but model.safetensors (written from the host slot)
+    # held their copies from before the edit; a checkpoint of no step the run went through.
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode=mode, min_overlap_steps=3, max_overlap_steps=3))
+    live, paths = {}, []
+
+    def on_batch_end(run):
+        b = run.progress.batches
+        if b in (5, 6):  # after the update, inside the windows of the save requested at 4
+            with torch.no_grad():
+                for p in run.model.parameters():
+                    p.data.mul_(0.99)
+        live[b] = {k: v.clone() for k, v in run.acc.get_state_dict(run.model, unwrap=False).items()}
+        if b == 4:
+            paths.append(run.acc.save_state())
+
+    child.train(run, 9, on_batch_end=on_batch_end)
+    ckpt.wait()
+    ckpt.close()
+    step = json.loads((paths[0] / "gockpt.json").read_text())["captured_step"]
+    assert step == 6  # K = 3 from the request at 4
+    assert child.differences(load_file(str(paths[0] / "model.safetensors")), live[step], "model") == []
+
+
 def test_a_failing_save_state_pre_hook_fails_save_state_as_stock(tmp_path):
     def broken(models, weights, output_dir):
         raise OSError(28, "No space left on device", output_dir)
