@@ -60,17 +60,16 @@ def _sync_edited(s: SaveRecord) -> None:
     ex = s.extra
     if not s.edited or not isinstance(ex, dict):
         return
+    model, optimizers = ex.get("model"), ex.get("optimizers") or []
     for i in s.edited:
         u = s.layout.units[i]
-        for e in u.entries:
-            t: Any = None
-            if e.key.startswith("model."):
-                t = ex["model"].get(e.key[len("model."):]) if isinstance(ex.get("model"), dict) else None
-            elif e.key.startswith("optim.") and e is not u.param_entry:
-                oi, pidx, name = e.key[len("optim."):].split(".", 2)
-                opt = ex["optimizers"][int(oi)] if int(oi) < len(ex.get("optimizers") or ()) else None
-                state = opt.get("state", {}).get(int(pidx), {}) if isinstance(opt, dict) else {}
-                t = state.get(name) if isinstance(state, dict) else None
+        opt = optimizers[u.optimizer_index] if u.optimizer_index < len(optimizers) else None
+        state = opt.get("state", {}).get(u.param_index) if isinstance(opt, dict) else None
+        taken = [(u.param_entry, model.get(u.param_entry.key[len("model."):])
+                  if isinstance(model, dict) and u.param_entry.key.startswith("model.") else None)]
+        taken += [(e, state.get(name) if isinstance(state, dict) else None)
+                  for name, e in u.state_entries.items()]
+        for e, t in taken:
             view = s.views.get(e.key)
             if isinstance(t, torch.Tensor) and view is not None and t.numel() == view.numel():
                 view.copy_(t.reshape(view.shape))

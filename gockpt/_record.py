@@ -517,7 +517,8 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
     """
     agree = planner.agree_flush
     joined = 0  # the sharded agreement's gathers this rank has entered (two per request)
-    held: Slot | None = None  # the slot this request holds (its own, or the leader's it shares)
+    leader: SaveRecord | None = None  # what this request holds: the leader it shares, or
+    slot: Slot | None = None  # a slot of its own (given back if it fails)
 
     def agreed(flag: bool) -> bool:
         nonlocal joined
@@ -547,7 +548,6 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
                                  flush=timed_flush, wait=config.when_full == "wait",
                                  timeout_s=config.slot_wait_timeout_s, path=path,
                                  agree=agreed if agree is not None else None)
-        held = leader.slot if leader is not None else slot  # given back if this request fails
         drain = slot.drain if slot is not None else None
         if drain is not None and drain.done:
             drain = None  # the save before read everything: nothing to wait for
@@ -562,7 +562,6 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
             free = _first_bytes_free(drain, windows[0], tw, config.slot_wait_timeout_s)
             drain_wait_s = perf_counter() - td
         if not free:
-            held = None
             pool.release(slot)
             # stacklevel: this, Engine.save, its caller.
             warnings.warn(f"gockpt: no host slot freed within slot_wait_timeout_s; skipped "
@@ -574,14 +573,13 @@ def make_record(pool: SlotPool, records: list[SaveRecord], planner: Planner, *, 
             # checkpoint; every rank skips it then, as one rank alone skipping failed them all.
             got = leader is not None or slot is not None
             if agreed(not got) and got:
-                held = None
                 pool.release(leader.slot if leader is not None else slot)  # type: ignore[union-attr]
                 leader = slot = None
                 log.info("gockpt: skipped checkpoint %s: another rank has no part for it (no host "
                          "slot, or its request failed)", path)
     except BaseException:
-        if held is not None:
-            pool.release(held)
+        if leader is not None or slot is not None:
+            pool.release(leader.slot if leader is not None else slot)  # type: ignore[arg-type]
         # Every rank enters the agreement's two gathers once per request, whatever fails here
         # (``joined`` counts those entered before the failure).
         if agree is not None:

@@ -194,8 +194,7 @@ class Windows:
         # to its post-hook while a save still has to be captured, the version counters its
         # tensors had at that pre-hook (update_started).
         self.boundary_version = 0
-        self.marks_boundaries = False
-        self._marked: int | None = None  # the version of the latest step_end
+        self._marked: int | None = None  # the version of the latest step_end (None: never)
         self._in_update: list[tuple[StateLayout, tuple[int, ...]]] | None = None
         # The step whose window end ran and whose update has not (a request then is late).
         self._window_ended: int | None = None
@@ -212,6 +211,11 @@ class Windows:
         self._stash_store: dict[str, torch.Tensor] = {}  # entry key -> the copy, reused
 
     # ------------------------------------------------------------------ request
+
+    @property
+    def marks_boundaries(self) -> bool:
+        """Whether the loop marks its step boundaries (``step_end`` was called)."""
+        return self._marked is not None
 
     def start(self, s: SaveRecord, t0: float, version: int,
               model_sd: dict[str, Any] | None = None) -> SaveHandle:
@@ -312,10 +316,7 @@ class Windows:
         for s in list(self.saves):
             if s.watch is not None and not s.captured:
                 s.watch.rebase()  # the update's writes are not edits
-            try:
-                self._open_pending(s)  # no boundary or update came since: a misuse, as below
-            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
-                self.fail(s, e)
+            if not self._open_pending_or_fail(s):  # no boundary or update came: a misuse, as below
                 continue
             if s.phase is Phase.COPYING:
                 self.fail(s, CheckpointTornError(
@@ -406,7 +407,6 @@ class Windows:
         read them (a later capture at this step, after the loop went on into the next
         forward, takes them: :meth:`_live`)."""
         if not self.marks_boundaries:
-            self.marks_boundaries = True
             self._unhook_owners()  # from here on the boundaries stash, not the forwards
         self._marked = version
         self._window_ended = None  # a step whose update never ran (GradScaler skipped it)
@@ -431,10 +431,7 @@ class Windows:
         self._window_ended = version
         t_fence = perf_counter()  # the window end of every save: their margins count from it
         for s in list(self.saves):
-            try:
-                self._open_pending(s)  # no boundary came (this step had no step_end)
-            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
-                self.fail(s, e)
+            if not self._open_pending_or_fail(s):  # no boundary came (this step had no step_end)
                 continue
             if s.phase is Phase.COPYING:
                 self._end_window(s, version, t_fence)
@@ -686,6 +683,15 @@ class Windows:
             s.open_pending = False
             self._open_window(s)
 
+    def _open_pending_or_fail(self, s: SaveRecord) -> bool:
+        """:meth:`_open_pending`; False, ``s`` failed, where that raised (its slot wait)."""
+        try:
+            self._open_pending(s)
+        except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+            self.fail(s, e)
+            return False
+        return True
+
     def _copy_blocks(self, s: SaveRecord, blocks: Sequence[int] | range, wait: bool) -> None:
         pairs = []
         s.versions = []
@@ -932,12 +938,9 @@ class Windows:
                 not self.marks_boundaries or self.boundary_version == version):
             self.boundary(version)
         for s in list(self.saves):
-            try:
-                # A forward before the boundary (a callback's at the batch end): the last
-                # block's copy overlaps it and the next ones, as the capture will wait anyway.
-                self._open_pending(s)
-            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
-                self.fail(s, e)
+            # A forward before the boundary (a callback's at the batch end): the last block's
+            # copy overlaps it and the next ones, as the capture will wait anyway.
+            self._open_pending_or_fail(s)
 
     def release_guards(self, wait: bool) -> None:
         """Drop the gradient guards whose copies ended (``wait``: wait for all of them first)."""

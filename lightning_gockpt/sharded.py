@@ -232,11 +232,9 @@ class _ShardedCheckpoints:
         optimizers = list(self.optimizers)  # type: ignore[attr-defined]
         from gockpt.dcp import load_sharded
 
-        if optimizers:
-            extra = load_sharded(path, module, optimizers, verify=verify, allow_pickle=allow_pickle)
-        else:  # validate / test / predict: the model only
-            load_sharded(path, module, [], verify=verify, allow_pickle=allow_pickle)
-            extra = _rank0_extra(path, allow_pickle) if self.global_rank == 0 else None  # type: ignore[attr-defined]
+        # No optimizers (validate / test / predict): the model only. Rank 0's part holds
+        # Lightning's dict, whatever the world size: its copy goes to every rank.
+        extra = load_sharded(path, module, optimizers, verify=verify, allow_pickle=allow_pickle)
         extra = self.broadcast(extra)  # type: ignore[attr-defined]
         if not isinstance(extra, dict) or not isinstance(extra.get("lightning"), dict):
             raise gockpt.CheckpointCorruptError(f"{path}: a sharded GoCkpt checkpoint not written by GoCkptIO",
@@ -346,12 +344,6 @@ def _is_gockpt(path: str, io: Any) -> bool:
     if not isinstance(io, GoCkptIO) or not os.path.isdir(path):
         return False
     return not os.path.isfile(os.path.join(path, _METADATA_FILENAME))  # stock's DCP directory
-
-
-def _rank0_extra(path: str, allow_pickle: bool) -> Any:
-    from gockpt.sharded import part_name
-
-    return gockpt.load_checkpoint(os.path.join(path, part_name(0)), allow_pickle=allow_pickle).extra
 
 
 class ShardedAdapterEngine:
