@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
+from functools import partial
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -156,20 +158,31 @@ def read_bounded(
         if bound is None:
             data = fs.cat_file(path, start=0, end=limit + 1)
         else:
-            pieces, got = [], 0
-            while got < limit + 1:
-                start, end = got, min(limit + 1, got + READ_PIECE_BYTES)
-                piece = bounded_call(lambda: fs.cat_file(path, start=start, end=end), bound,  # noqa: B023
-                                     f"read of {path}")
-                pieces.append(piece)
-                got += len(piece)
-                if len(piece) < end - start:  # the end of the file
-                    break
+            pieces = list(read_pieces(fs, path, limit + 1, bound))
             # One piece (a file under 64 MiB) as it came; more are joined (twice a file's
             # size at the join, where the one call held it once).
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     check_read_size(path, len(data), max_bytes, exact_bytes)
     return data
+
+
+def read_pieces(fs: AbstractFileSystem, path: str, end: int, bound: float | None) -> Iterator[bytes]:
+    """Bytes ``[0, end)`` of ``path`` in calls of :data:`READ_PIECE_BYTES`, each bounded by
+    ``bound`` seconds (None: unbounded), until the end of the file (a short piece). A piece a
+    store returns longer than asked for is cut to the request, not trusted.
+
+    Raises:
+        FileNotFoundError: no such file; CheckpointTimeoutError: a call outlasted ``bound``.
+    """
+    at = 0
+    while at < end:
+        start, stop = at, min(end, at + READ_PIECE_BYTES)
+        call = partial(fs.cat_file, path, start=start, end=stop)
+        piece = (call() if bound is None else bounded_call(call, bound, f"read of {path}"))[:stop - start]
+        yield piece
+        at += len(piece)
+        if len(piece) < stop - start:  # the end of the file
+            return
 
 
 def check_read_size(path: str, size: int, max_bytes: int, exact_bytes: int | None) -> None:

@@ -313,33 +313,28 @@ def _load_remote_shard(
     ``bytes``. Checked as a whole file is (:func:`read_listed`: its recorded size, its checksum
     with ``verify``, in that order), then its header against ``index``."""
     size = entry["bytes"]
-    bound = fsutil.call_bound(fs, timeout_s)
-    piece_bytes = _safe_read.READ_PIECE_BYTES
+    # A byte past the recorded size tells a longer file.
+    source = _safe_read.read_pieces(fs, file_path, size + 1, fsutil.call_bound(fs, timeout_s))
 
-    def read(start: int) -> bytes:
-        end = min(size + 1, start + piece_bytes)  # a byte past the recorded size tells a longer file
-        def call() -> bytes:
-            return fs.cat_file(file_path, start=start, end=end)
+    def read() -> bytes | None:
         try:
-            got = call() if bound is None else fsutil.bounded_call(call, bound, f"read of {file_path}")
+            return next(source, None)
         except (FileNotFoundError, NotADirectoryError):
             raise _missing(file_path) from None
-        return got[:end - start]
-
-    def last(piece: bytes, end: int) -> bool:  # the end of the file, or past its recorded size
-        return len(piece) < piece_bytes or end > size
 
     # The pieces holding the header (its 8-byte length first) are kept until it is decoded.
-    pieces = [read(0)]
-    pos = len(pieces[0])
-    ended = last(pieces[0], pos)
-    head = pieces[0][:8]
-    want = 8 + min(int.from_bytes(head, "little"), MAX_HEADER_BYTES, size) if len(head) == 8 else 0
-    while not ended and pos < want:
-        pieces.append(read(pos))
-        pos += len(pieces[-1])
-        ended = last(pieces[-1], pos)
-    joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    pieces: list[bytes] = []
+    pos = 0
+    piece = read()
+    while piece is not None:
+        pieces.append(piece)
+        pos += len(piece)
+        head = pieces[0][:8]
+        want = 8 + min(int.from_bytes(head, "little"), MAX_HEADER_BYTES, size) if len(head) == 8 else 0
+        if pos >= want:
+            break
+        piece = read()
+    joined = b"".join(pieces) if len(pieces) != 1 else pieces[0]
     spans: list[tuple[int, int, str]] = []
     header_error = None
     try:
@@ -369,10 +364,10 @@ def _load_remote_shard(
     for piece in pieces:
         take(piece)
     pieces = []
-    while not ended:
-        piece = read(at)
+    piece = read()
+    while piece is not None:
         take(piece)
-        ended = last(piece, at)
+        piece = read()
     _safe_read.check_read_size(file_path, at, size, size)
     if hasher is not None:
         _check_hexdigest(file_path, hasher.hexdigest(), entry)
