@@ -450,6 +450,9 @@ def load_sharded(path: str, model: torch.nn.Module,
     ``torch.distributed.checkpoint.state_dict`` say what each rank holds, ``dcp.load`` reads it
     through :class:`GoCkptStorageReader`, ``set_model_state_dict`` / ``set_optimizer_state_dict``
     put it in place. The parameter groups' hyperparameters are those at the captured step.
+    ``optimizers`` may be empty: the model alone (evaluation). Model tensors no shard holds (a
+    plain complex buffer) come from the part's state tree: this rank's part at the saved world
+    size, rank 0's at another.
 
     Returns:
         What ``state_fn`` returned at the captured step on this rank (same world size), else
