@@ -611,6 +611,8 @@ class Slot:
         drain: while a persist reads the slot and it may be lent: what it has yet to read
             (``drain.lent``: a save borrowed it, :meth:`SlotPool.acquire` with ``lend``).
         fresh: a buffer was allocated and no save has copied into the slot since.
+        grad_idle: per gradient buffer, the acquisitions in a row that needed none of it
+            (:data:`GRAD_IDLE_ACQUIRES` of them free it).
     """
 
     def __init__(self, slot_bytes: int, grad_bytes: int | Sequence[int], pin: bool,
@@ -635,6 +637,7 @@ class Slot:
         # No save has copied into it since one of its buffers was allocated (their pages are
         # faulted in by the first copies): its first save's costs are not the steady state's.
         self.fresh = True
+        self.grad_idle = [0, 0]
 
     @property
     def nbytes(self) -> int:
@@ -645,6 +648,14 @@ class Slot:
         """Whether it holds at least ``slot_bytes`` of data and the gradient buffer sizes."""
         return self.data.numel() >= slot_bytes and all(
             g.numel() >= n for g, n in zip(self.grads, _grad_sizes(grad_bytes), strict=True))
+
+
+# A gradient buffer that this many acquisitions of its slot in a row needed none of is freed.
+# The plan that sized it may never come back (a first save planned before the step time was
+# known pinned 469 MB that no later K = 1 save used, on an H200), and the pool should hold one
+# checkpoint plus what the plans use (issue 14). Not at the first: plans move between
+# neighbouring K, and pinning again costs the training thread 0.1-0.2 s per 300 MB.
+GRAD_IDLE_ACQUIRES = 2
 
 
 def _headroom(want: int, old: int) -> int:
@@ -731,6 +742,7 @@ class SlotPool:
                     if s.fits(slot_bytes, grad_bytes) or (
                             s.data.numel() >= slot_bytes
                             and self._grow_grads(s, _grad_sizes(grad_bytes))):
+                        self._trim_grads(s, _grad_sizes(grad_bytes))
                         s.refs = 1
                         return s
                     self._count -= 1
@@ -811,6 +823,22 @@ class SlotPool:
                 s.grad_view_cache = None  # its views would keep the old buffer alive
         self._peak = max(self._peak, self._bytes)
         return True
+
+    def _trim_grads(self, s: Slot, need: tuple[int, int]) -> None:
+        """Free each gradient buffer of ``s`` (free, under the lock) that this acquisition
+        (``need``: bytes per turn) and the ones just before it needed none of
+        (:data:`GRAD_IDLE_ACQUIRES` in a row); any need starts the count again."""
+        for t, n in enumerate(need):
+            if n > 0 or s.grads[t].numel() == 0:
+                s.grad_idle[t] = 0
+                continue
+            s.grad_idle[t] += 1
+            if s.grad_idle[t] >= GRAD_IDLE_ACQUIRES:
+                self._bytes -= s.grads[t].numel()
+                s.grads[t] = host_empty(0, pin_memory=self._pin)
+                s.grad_idle[t] = 0
+                s.grad_view_cache = None  # its views would keep the freed buffer alive
+                self._cv.notify_all()  # a request waiting for room under max_bytes may fit now
 
     def _fits(self, nbytes: int) -> bool:
         return self._max_bytes is None or self._bytes + nbytes <= self._max_bytes

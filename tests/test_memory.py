@@ -602,3 +602,46 @@ def test_a_borrower_whose_later_block_never_frees_is_dropped_with_a_warning(tmp_
     eng.close()  # no error: the dropped save is not the run's failure
     state = gockpt.load_checkpoint(a.result().path)
     assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], "a")
+
+
+def test_slot_pool_frees_a_gradient_buffer_no_plan_has_needed_for_two_saves():
+    pool = SlotPool(max_slots=1, pin=False)
+    a = pool.acquire(1000, (300, 200), block=False)  # a multi-step plan: both turns
+    pool.release(a)
+    b = pool.acquire(1000, (0, 200), block=False)  # the next needs one turn only: kept once
+    assert b is a and b.nbytes == 1500
+    pool.release(b)
+    c = pool.acquire(1000, (0, 0), block=False)  # the second in a row without turn 0: freed
+    assert c is a and [g.numel() for g in c.grads] == [0, 200] and pool.bytes == 1200
+    pool.release(c)
+    d = pool.acquire(1000, (0, 0), block=False)
+    assert [g.numel() for g in d.grads] == [0, 0] and pool.bytes == 1000
+    pool.release(d)
+    assert pool.peak_bytes == 1500  # the peak stays what it was
+    e = pool.acquire(1000, (0, 100), block=False)  # needed again: allocated again
+    assert e is a and e.data.numel() == 1000 and pool.bytes == 1100
+
+
+def test_gradient_buffers_of_a_first_multi_step_save_go_once_later_saves_need_none(tmp_path):
+    """A multi-step first save pins gradient buffers; K = 1 saves after it do not keep them."""
+    r = Run(mode="gockpt", **K3)
+    r.train(3)
+    first = r.save("k3", tmp_path)
+    r.train(4)
+    r.eng.wait()
+    m = first.result()
+    assert m.num_overlap_steps == 3 and m.grad_bytes > 0
+    r.check(m, "k3")
+    later = []
+    for i in range(3):
+        h = r.save(f"lazy{i}", tmp_path, mode="lazy")
+        r.train(2)
+        r.eng.wait()
+        later.append(h.result())
+    r.eng.close()
+    for i, ml in enumerate(later):
+        r.check(ml, f"lazy{i}")
+    assert later[0].host_bytes == m.host_bytes  # kept at the first save that needs none
+    # then every gradient byte goes (a turn's buffer holds its turn's gradients, and more)
+    assert later[-1].host_bytes <= m.host_bytes - m.grad_bytes
+    assert r.eng.host_bytes == later[-1].host_bytes
