@@ -71,8 +71,9 @@ class GoCkptConfig:
 
     host_buffer_bytes: int | None = None
     """Bytes of host memory (pinned on CUDA) for snapshot slots and their gradient buffers,
-    allocated once and reused. ``None``: one slot, about one checkpoint (plus the gradient
-    buffers of its plan), whatever ``max_inflight`` is; a number: up to ``max_inflight`` slots
+    allocated once and reused (a gradient buffer that two saves in a row did not need is
+    freed). ``None``: one slot, about one checkpoint (plus the gradient buffers of its plan),
+    whatever ``max_inflight`` is; a number: up to ``max_inflight`` slots
     within it. Must fit at least one checkpoint. Saves requested at one step share one slot
     (one host copy, each with its own files and state) when the first one's captured step is
     one the later request allows; a save needing a slot while none is free follows
