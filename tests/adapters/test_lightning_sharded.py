@@ -89,6 +89,22 @@ class _Resumable:
         self.pos = state["pos"]
 
 
+class _ValNet(Net):
+    """Net with a validation loop that keeps the gathered weights it validates (collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, torch.Tensor] | None = None
+
+    def validation_step(self, batch, batch_idx):
+        if self.seen is None:
+            self.seen = {f"model.{k}": v.full_tensor().clone() if hasattr(v, "full_tensor")
+                         else v.detach().clone() for k, v in self.state_dict().items()}
+
+    def val_dataloader(self):
+        return _Resumable(self.global_rank)
+
+
 def _full(trainer: pl.Trainer) -> dict:
     """The gathered live state under DCP's keys, plus the learning rates (collective)."""
     module, opt = trainer.lightning_module, trainer.optimizers[0]
@@ -167,7 +183,16 @@ def _worker(rank: int, port: int, root: str, mode: str, phase: str) -> None:
         if rank == 0:
             torch.save(record.states, f"{root}/ref.pt")
     else:
-        # A fresh pair of processes resumes from the mid-epoch checkpoint.
+        # A fresh pair of processes validates the mid-epoch checkpoint (the model alone), then
+        # resumes from it.
+        net = _ValNet()
+        pl.Trainer(accelerator="cpu", devices=2, default_root_dir=f"{root}/v", limit_val_batches=1,
+                   strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                   plugins=[_io(mode)], logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False,
+                   ).validate(net, ckpt_path=ckpt)
+        if rank == 0:
+            torch.save(net.seen, f"{root}/validated.pt")
         pl.seed_everything(0, verbose=False)
         trainer = _trainer(f"{root}/b", max_steps=TOTAL, io=_io(mode))
         trainer.fit(Net(), ckpt_path=ckpt)
@@ -194,7 +219,8 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
     """2-rank FSDP2 under ModelParallelStrategy with GoCkptIO: a checkpoint requested at step 4
     (captured at 4 in lazy, at 6 in gockpt_o with K=3), resumed by a fresh 2-process run, ends
     bit-identical to the uninterrupted stock run; load_full of it in one process equals the
-    gathered state at its captured step. The model's complex buffer (which every save refused
+    gathered state at its captured step, and so does the model `Trainer.validate` loads from it
+    (the model alone). The model's complex buffer (which every save refused
     before) is kept in the parts and restored."""
     root = str(tmp_path)
     mp.spawn(_worker, args=(_port(), root, mode, "train"), nprocs=2)
@@ -217,6 +243,9 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
     assert os.listdir(f"{root}/top") == [f"top-step={STOP}.ckpt"]
     assert load_full(f"{root}/top/top-step={STOP}.ckpt").captured_step == STOP
     mp.spawn(_worker, args=(_port(), root, mode, "resume"), nprocs=2)
+    validated = torch.load(f"{root}/validated.pt")  # Trainer.validate(ckpt_path=...): the model
+    _equal(validated, {k: v for k, v in ref[captured]["tensors"].items() if k.startswith("model.")},
+           "validate")
     resumed = torch.load(f"{root}/resumed.pt")
     assert resumed["step"] == TOTAL
     _equal(resumed["tensors"], ref[TOTAL]["tensors"], "resumed")
