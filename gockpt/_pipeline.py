@@ -52,16 +52,17 @@ ReplayRecord = tuple[int, type, list, list[int], int, "torch.Tensor | None"]
 
 def _sync_edited(s: SaveRecord) -> None:
     """Put the live copies that ``s``'s capture took of the units written outside an update
-    during its copy windows (:attr:`SaveRecord.edited`; held in its state tree) into the slot
+    during its copy windows (:attr:`SaveRecord.edited`), or given sparse gradients
+    (:attr:`SaveRecord.live_units`; both held in its state tree), into the slot
     views of those units. The views hold the copy from before the edit, brought forward by the
     replay; the state tree's loaders read the tree, but a writer whose files are built from the
     slot (Accelerate's ``model.safetensors``) wrote those stale bytes: a checkpoint that was not
     the captured step's. Runs once per snapshot, after its replays, before its persists."""
     ex = s.extra
-    if not s.edited or not isinstance(ex, dict):
+    if not (s.edited or s.live_units) or not isinstance(ex, dict):
         return
     model, optimizers = ex.get("model"), ex.get("optimizers") or []
-    for i in s.edited:
+    for i in s.edited | s.live_units:
         u = s.layout.units[i]
         opt = optimizers[u.optimizer_index] if u.optimizer_index < len(optimizers) else None
         state = opt.get("state", {}).get(u.param_index) if isinstance(opt, dict) else None

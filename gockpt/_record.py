@@ -239,6 +239,10 @@ class SaveRecord:
     # Units written outside an update between their copy and the captured step: their live
     # tensors are copied with the state tree at the capture, not taken from the host copy.
     edited: set[int] = field(default_factory=set)
+    # Units an update gave a gradient no dense buffer holds (a sparse embedding's): their host
+    # copy cannot be brought forward by a replay, so, as ``edited``, they are taken live at the
+    # capture.
+    live_units: set[int] = field(default_factory=set)
     # CUDA: the sampled comparison of the block copied after the capture, read by the persist
     # before it writes ((pinned host flag, event) pairs; gockpt._watch.EditWatch.sampled_later).
     late_edits: list | None = None

@@ -138,6 +138,7 @@ class Windows:
         self._slot_wait_timeout_s = config.slot_wait_timeout_s
         # "when_changed": views a reused slot still holds unchanged are not copied again.
         self._when_changed = config.frozen_copy == "when_changed"
+        self._warned_sparse = False  # the warning on sparse gradients, once per engine
         # The slot of the latest save with one of its own (weak: a dropped slot's memory goes).
         self.last_slot: weakref.ref = lambda: None  # type: ignore[assignment]
         self._optimizers = optimizers
@@ -838,6 +839,11 @@ class Windows:
             if s.layout.units[i].optimizer_index == opt_index and s.layout.units[i].param.grad is not None
             and not (not s.layout.units[i].state_entries and opt.state.get(s.layout.units[i].param))
         ]
+        sparse = [i for i in units if i not in s.live_units
+                  and local(s.layout.units[i].param.grad).layout != torch.strided]
+        if sparse:
+            self._take_live(s, sparse)
+        units = [i for i in units if i not in s.live_units]
         if self._when_changed and units:
             # The replay will write these views: a frozen parameter unfrozen during the save,
             # whose view was kept (not copied, so not waited for on a borrowed slot).
@@ -852,6 +858,30 @@ class Windows:
         s.slot.grad_busy[turn].wait()  # the replay of the update before last has released it
         s.metrics.add_stall("grad_buffer", perf_counter() - t0)
         s.slot.grad_busy[turn].clear()
+        try:
+            self._copy_grads(s, opt_index, units, turn)  # its last call queues the replay
+        except BaseException:
+            # No replay will release the buffer: a later capture would wait for it forever.
+            s.slot.grad_busy[turn].set()
+            raise
+
+    def _take_live(self, s: SaveRecord, units: list[int]) -> None:
+        """``units`` got gradients no dense host buffer holds (sparse): no replay brings their
+        host copies forward, so ``s`` takes them live at its capture, on the training thread
+        (:attr:`SaveRecord.live_units`)."""
+        s.live_units.update(units)
+        base = s.slot.data.data_ptr()
+        s.slot.held.forget(s.views[e.key].data_ptr() - base for i in units for e in s.layout.units[i].entries)
+        if not self._warned_sparse:
+            self._warned_sparse = True
+            names = ", ".join(s.layout.units[i].param_entry.key for i in units[:3])
+            log.warning("gockpt: %s get sparse gradients: multi-step checkpoints copy them on the "
+                        "training thread at the captured step (mode 'lazy' copies them with the "
+                        "rest)", names)
+
+    def _copy_grads(self, s: SaveRecord, opt_index: int, units: list[int], turn: int) -> None:
+        """Queue the copy of ``units``' gradients into gradient buffer ``turn`` and their replay."""
+        opt = self._optimizers[opt_index]
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
             (local(s.layout.units[i].param.grad), s.grad_views[turn][i])  # type: ignore[arg-type]
             for i in units
@@ -872,7 +902,10 @@ class Windows:
         s.metrics.grad_bytes += ticket.nbytes - (0 if skip is None else skip.nbytes)
         if s.plan.mode == "gockpt":
             t0 = perf_counter()
-            ticket.wait()
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - the copy's error fails its save (the replay raises it), not this update
+                pass
             s.metrics.add_stall("grad_copy", perf_counter() - t0)
         elif s.layout.sharded:
             # FSDP2 accumulates into sharded gradients outside autograd, where no tensor hook
@@ -905,6 +938,8 @@ class Windows:
                     if p.grad is None or not p.requires_grad:
                         continue
                     g = local(p.grad)
+                    if g.layout != torch.strided:
+                        continue  # sparse: never copied (taken live at the capture), no storage
                     shared = bool(buffers) and g.untyped_storage().data_ptr() in buffers
                     if shared or id(g) in by_grad:
                         self._guard_handles.append(
@@ -1090,7 +1125,8 @@ class Windows:
         live, stored = self._tracked_keys(s.layout)
         live = dict(live)
         for i, (u, keys) in enumerate(zip(s.layout.units, stored)):
-            if i in s.edited or self._dirty(u, keys):  # rare: written or replaced during the windows
+            # rare: written or replaced during the windows, or given a sparse gradient
+            if i in s.edited or i in s.live_units or self._dirty(u, keys):
                 live.pop(keys[0], None)
                 for k in keys[1].values():
                     live.pop(k, None)
