@@ -17,7 +17,9 @@ def callbacks_factory() -> list:
 
     Also clears, in the folders of the Trainer's ModelCheckpoints, the placeholders and scratch
     files that a run killed before its checkpoints were durable left (so that
-    ``ckpt_path="last"`` finds the newest complete checkpoint, or, like stock Lightning, none).
+    ``ckpt_path="last"`` finds the newest complete checkpoint, or, like stock Lightning, none),
+    and those of hpc saves in ``default_root_dir`` (so that a requeued SLURM job resumes from
+    the newest complete ``hpc_ckpt_<n>.ckpt``).
 
     Returns:
         ``[GoCkptCallback()]`` when the Trainer under construction has a ``GoCkptIO`` (and no
@@ -37,12 +39,15 @@ def callbacks_factory() -> list:
     from gockpt.storage import cleanup_staging
 
     from .callback import GoCkptCallback
-    from .io import tidy_placeholders
+    from .io import tidy_hpc, tidy_placeholders
 
     for cb in getattr(trainer, "callbacks", []):
         if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
             cleanup_staging(str(cb.dirpath), io.config.storage_options)
             tidy_placeholders(str(cb.dirpath), io.config.storage_options)
+    root = getattr(trainer, "_default_root_dir", None)  # set before the callbacks (Trainer.__init__)
+    if root:
+        tidy_hpc(str(root), io.config.storage_options)
     if any(isinstance(cb, GoCkptCallback) for cb in getattr(trainer, "callbacks", [])):
         return []
     return [GoCkptCallback(_from_factory=True)]

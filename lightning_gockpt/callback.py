@@ -27,6 +27,10 @@ from .staged import StagedAdapterEngine, StagedHandle, drain_discards, remove_no
 
 log = logging.getLogger("lightning_gockpt")
 
+#: The callbacks set up in this process (weak): a load through any GoCkptIO finishes the saves
+#: of its path that another Trainer's engine has in flight (:meth:`GoCkptCallback.wait_for`).
+LIVE: weakref.WeakSet[GoCkptCallback] = weakref.WeakSet()
+
 # One writer | an engine on every rank (sharded, DDP shares) | DeepSpeed's files.
 _Handle = SaveHandle | ShardedHandle | StagedHandle
 
@@ -170,6 +174,7 @@ class GoCkptCallback(Callback):
                           "write is done in the background, with no multi-step overlap", stacklevel=2)
         self.io, self._trainer = io, trainer
         io._callback = self
+        LIVE.add(self)
         cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if self._user_order is None:  # given back at teardown: the run leaves the list as it was
             self._user_order = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
@@ -298,6 +303,17 @@ class GoCkptCallback(Callback):
     def active(self) -> bool:
         """Whether an engine is running (between ``on_train_start`` and ``close``)."""
         return self.engine is not None
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The Trainer this callback was set up with (None before ``setup``)."""
+        return self._trainer
+
+    def forget_dump(self, checkpoint: dict[str, Any]) -> None:
+        """``checkpoint`` is saved without a request (blocking): the flag its dump set is not
+        for the next request."""
+        if self._full_dump is checkpoint:
+            self._full_dump = None
 
     @property
     def every_rank(self) -> bool:
@@ -510,16 +526,22 @@ class GoCkptCallback(Callback):
             self._remove_deferred()
             drain_discards()  # the files of those removed by a save's done callback, gone too
 
-    def wait_for(self, path: str) -> None:
-        """Finish the saves of ``path`` in flight in this process (training thread): a load of
-        a checkpoint right after its request (Lightning's tuner restores its own) reads it whole.
+    def wait_for(self, path: str, *, own: bool = True) -> None:
+        """Finish this callback's saves of ``path`` in flight (on its training thread: at once;
+        elsewhere: waits until they are durable): a load of a checkpoint right after its
+        request (Lightning's tuner restores its own; an evaluation Trainer inside a callback)
+        reads it whole. ``own``: the load is this run's, so such a save's error is raised here
+        alone (else the engine raises it again at its next boundary).
 
         Raises:
             The error of such a save.
         """
         key = path_key(path)  # a load of ./ckpt must wait for a save of ckpt in flight
         for h in [h for h in self._pending if self._dir_key(h) == key and not h.done()]:
-            h.result()
+            if own:
+                h.result()
+            else:
+                h.outcome()
 
     # ------------------------------------------------------------------ helpers
 

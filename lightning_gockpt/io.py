@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import uuid
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -140,8 +141,9 @@ class GoCkptIO(CheckpointIO):
 
         During ``fit`` it returns after the request's stall; the checkpoint becomes durable in the
         background and at the latest when ``fit`` returns. Outside ``fit`` (no engine running:
-        ``trainer.save_checkpoint`` before or after it) it writes the dict and returns once it
-        is durable.
+        ``trainer.save_checkpoint`` before or after it), and for the checkpoint Lightning's SLURM
+        handler saves on its requeue signal (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``), it
+        writes the dict and returns once it is durable.
 
         Raises:
             TypeError: ``storage_options`` given (set them on ``GoCkptIO(storage_options=...)``).
@@ -154,7 +156,13 @@ class GoCkptIO(CheckpointIO):
                 "not per Trainer.save_checkpoint call")
         path = os.fspath(path)
         cb = self._callback
-        if cb is None or not cb.active:
+        hpc = cb is not None and is_hpc_path(path, cb.trainer)
+        if cb is None or not cb.active or hpc:
+            # Blocking. An hpc save too: Lightning's SLURM handler saves, then the job is
+            # requeued and killed; and as a signal handler it may interrupt the engine mid-call,
+            # so it stays out of it.
+            if cb is not None:
+                cb.forget_dump(checkpoint)
             cfg = self.config
             save_tree(path, {"lightning": checkpoint}, step=int(checkpoint.get("global_step", 0)),
                       storage_options=cfg.storage_options, max_shard_bytes=cfg.max_shard_bytes,
@@ -171,8 +179,9 @@ class GoCkptIO(CheckpointIO):
         A ``last*.ckpt`` path that is not complete (a save of it, or of the checkpoint it links
         to, was cut short: no manifest) resolves, with a warning, to the newest complete
         checkpoint in its directory (the ``latest`` pointer); one with a manifest but damaged
-        files is loaded, and refused naming the file. A save of ``path`` still in flight in this run is
-        finished first (Lightning's tuner restores the checkpoint it just saved). A plain file
+        files is loaded, and refused naming the file. A save of ``path`` still in flight in this
+        process is finished first (Lightning's tuner restores the checkpoint it just saved; an
+        evaluation Trainer with a GoCkptIO of its own loads one that a fit has in flight). A plain file
         is loaded with ``torch.load``. A checkpoint whose DDP ranks shared the write is read from
         all its parts, in any number of processes (:func:`lightning_gockpt.replicated.load`):
         the same dict as a single writer's.
@@ -198,8 +207,13 @@ class GoCkptIO(CheckpointIO):
                 strategy; :func:`gockpt.dcp.load_full` assembles it).
         """
         path = os.fspath(path)
+        from .callback import LIVE
+
         if self._callback is not None and self._callback.io is self:
             self._callback.wait_for(path)  # saved just before in this run: read it whole
+        for cb in list(LIVE):  # or by another Trainer of this process (a fit's, for an evaluation)
+            if cb is not self._callback:
+                cb.wait_for(path, own=False)
         if os.path.isfile(path):
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
         fs, local = url_to_fs(path, self.config.storage_options)
@@ -270,6 +284,38 @@ class GoCkptIO(CheckpointIO):
             f"{path} is incomplete (the run stopped while it was being saved); resuming from "
             f"{newest}, the newest complete checkpoint beside it", stacklevel=3)
         return newest
+
+
+HPC_NAME = re.compile(r"hpc_ckpt_\d+\.ckpt")
+
+
+def is_hpc_path(path: str, trainer: Any) -> bool:
+    """Whether ``path`` is the checkpoint Lightning's SLURM signal handler saves
+    (``<default_root_dir>/hpc_ckpt_<n>.ckpt``), which must be durable when the save returns."""
+    if trainer is None or not HPC_NAME.fullmatch(os.path.basename(path)):
+        return False
+    root = str(getattr(trainer, "default_root_dir", ""))
+    return os.path.abspath(os.path.dirname(path)) == os.path.abspath(root)
+
+
+def tidy_hpc(directory: str, storage_options: Any) -> None:
+    """Clear what a killed run's hpc saves left in ``default_root_dir`` (local): the scratch
+    entries of dead writers and empty ``hpc_ckpt_<n>.ckpt`` directories. Lightning resumes a
+    requeued job from the highest ``<n>`` among the names there that hold ``hpc_ckpt_``, digits
+    of a scratch name included; call before it looks (at Trainer construction)."""
+    from gockpt.fsutil import SCRATCH_RE
+    from gockpt.storage import cleanup_staging
+
+    fs, local = url_to_fs(directory, storage_options)
+    if not is_local(fs) or not os.path.isdir(local):
+        return
+    names = os.listdir(local)
+    if any((m := SCRATCH_RE.match(n)) is not None and "hpc_ckpt_" in m["name"] for n in names):
+        cleanup_staging(local, storage_options)
+    for name in names:
+        full = os.path.join(local, name)
+        if HPC_NAME.fullmatch(name) and os.path.isdir(full) and not os.path.islink(full):
+            remove_placeholder(full, storage_options)
 
 
 def make_placeholder(path: str, storage_options: Any) -> None:

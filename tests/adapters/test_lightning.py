@@ -1426,3 +1426,89 @@ def test_a_top_1_folder_saved_every_step_on_slow_storage_holds_one_or_two_checkp
         FaultLocalFileSystem.fault = Fault()
     assert max(counts) <= 2 and counts[-1] >= 1, counts
     assert sorted(os.listdir(d)) == ["step=30.ckpt"]
+
+
+_SLURM_ENV = {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "123", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
+              "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "1"}
+
+
+def test_a_slurm_requeue_save_is_durable_at_once_and_the_requeued_job_resumes_from_it(tmp_path, monkeypatch):
+    """Lightning's SLURM handler saves ``hpc_ckpt_<n>.ckpt`` on the requeue signal, and the job
+    is then killed; the requeued job resumes from the highest ``<n>`` in ``default_root_dir``.
+    The save was requested like any other (in flight for K = 3 steps, lost to the kill) and a
+    kill inside a later one left a placeholder and a scratch folder whose digits Lightning read
+    as the newest version. Now the hpc save is durable when the handler returns, what a killed
+    hpc save leaves is cleared when the next Trainer is made, and the resumed run ends as
+    stock's."""
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    for k, v in _SLURM_ENV.items():
+        monkeypatch.setenv(k, v)
+    from lightning.pytorch.trainer.connectors import signal_connector
+
+    monkeypatch.setattr(signal_connector, "call", lambda *a, **k: 0)  # its `scontrol requeue`
+
+    def run(use_gockpt: bool) -> dict:
+        root = tmp_path / ("gockpt" if use_gockpt else "stock")
+        seen: dict[str, bool] = {}
+
+        class Requeue(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.global_step == 3:
+                    os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
+                    seen["durable"] = is_complete(str(root / "hpc_ckpt_1.ckpt")) if use_gockpt \
+                        else (root / "hpc_ckpt_1.ckpt").is_file()
+                if trainer.global_step == 5:
+                    raise Crash("killed after the requeue")
+
+        def trainer(callbacks):
+            pl.seed_everything(0, verbose=False)
+            env = SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1)
+            return pl.Trainer(default_root_dir=str(root), max_steps=12, accelerator="cpu", logger=False,
+                              enable_checkpointing=False, enable_progress_bar=False,
+                              enable_model_summary=False, callbacks=callbacks,
+                              plugins=[env] + ([gockpt_io("gockpt")] if use_gockpt else []))
+
+        with pytest.raises(Crash):
+            trainer([Requeue()]).fit(TinyNet())
+        assert seen["durable"]
+        if use_gockpt:  # what a kill inside a second hpc save leaves
+            dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                  capture_output=True, text=True).stdout.strip()
+            (root / f".hpc_ckpt_2.ckpt.gockpt-tmp-{dead}-0abc").mkdir()
+            (root / "hpc_ckpt_2.ckpt").mkdir()
+        requeued = trainer([])
+        assert sorted(os.listdir(root)) == ["hpc_ckpt_1.ckpt"]
+        model = TinyNet()
+        requeued.fit(model)
+        assert requeued.ckpt_path == str(root / "hpc_ckpt_1.ckpt") and requeued.global_step == 12
+        return dict(model.state_dict())
+
+    assert_bitwise_equal(run(True), run(False), "resumed")
+
+
+def test_another_gockptio_loads_a_checkpoint_the_running_fit_has_in_flight(tmp_path):
+    """An evaluation inside a fit (a callback running ``Trainer(plugins=[GoCkptIO()]).validate(
+    ckpt_path=...)``) loads through its own GoCkptIO: the fit's save of that path, still in its
+    copy windows, is finished first, as when the plugin is shared. That load raised
+    FileNotFoundError (the placeholder), and ``last.ckpt`` gave the checkpoint before."""
+    from lightning.pytorch.callbacks import Callback
+
+    got: dict[str, dict] = {}
+
+    class Evaluate(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 9:  # step=8.ckpt requested at 8, in its windows (K = 3)
+                for name in ("step=8.ckpt", "last.ckpt"):
+                    got[name] = GoCkptIO().load_checkpoint(str(tmp_path / name))
+
+    trainer, _ = fit(str(tmp_path), io=gockpt_io("gockpt"), ckpt_every=4, save_last=True,
+                     max_steps=12, callbacks=(Evaluate(),))
+    # Finished at the load: its windows end at this step, so it holds step 9.
+    assert got["step=8.ckpt"]["global_step"] == got["last.ckpt"]["global_step"] == 9
+    # What it read is what the checkpoint holds now, the fit done.
+    assert_bitwise_equal(got["step=8.ckpt"]["state_dict"],
+                         GoCkptIO().load_checkpoint(str(tmp_path / "step=8.ckpt"))["state_dict"], "loaded")
