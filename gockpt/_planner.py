@@ -342,16 +342,20 @@ def probe_copy_bandwidth(copier: Any, device: torch.device, cap: float | None) -
 
 
 def infer_step(optimizers: list[Optimizer]) -> int:
-    """Updates already applied, from the optimizers' ``step`` state (0 when absent)."""
-    best = 0
+    """Updates already applied, from the optimizers' ``step`` state: the sum over the optimizers
+    of each one's largest (the engine counts every optimizer's update, so a checkpoint of two
+    optimizers at iteration 6 holds step 12); 0 for an optimizer without one (plain SGD)."""
+    total = 0
     for o in optimizers:
+        best = 0
         for st in o.state.values():
             v = st.get("step") if isinstance(st, dict) else None
             if isinstance(v, torch.Tensor) and v.numel() == 1:
                 best = max(best, int(v.item()))
             elif isinstance(v, (int, float)):
                 best = max(best, int(v))
-    return best
+        total += best
+    return total
 
 
 def _select_backend(opt: Optimizer, preference: str,

@@ -2,8 +2,11 @@
 :func:`~gockpt.storage.latest_checkpoint`, :func:`~gockpt.storage.advance_latest` and
 :func:`~gockpt.storage.remove_checkpoint`.
 
-The pointer is a JSON object ``{"name": ..., "captured_step": ...}`` in the file ``latest``
-beside the checkpoints. Callers that read and then rewrite it hold :data:`LATEST_LOCK`, read as
+The pointer is a JSON object ``{"name": ..., "captured_step": ..., "run_started_ns": ...}`` in
+the file ``latest`` beside the checkpoints. Checkpoints are ordered by the run that wrote them
+(``run_started_ns``: when its engine started, wall clock; a resumed run's come after those of
+the run it resumed, whatever their steps), then by captured step (saves of one run may finish
+out of order: PCcheck §4.1). Callers that read and then rewrite it hold :data:`LATEST_LOCK`, read as
 ``_pointer.LATEST_LOCK`` at the time of use (a forked child gets a fresh lock object).
 """
 
@@ -13,6 +16,7 @@ import json
 import os
 import stat
 import threading
+from typing import Any
 
 from fsspec import AbstractFileSystem
 
@@ -81,8 +85,17 @@ def complete_manifest(fs: AbstractFileSystem, root: str) -> dict | None:
         return None
 
 
+def run_started_ns(meta: Any) -> int:
+    """The ``run_started_ns`` of a manifest's ``meta``: when the engine that wrote it started
+    (wall clock, ns since the epoch); 0 where absent or not a non-negative int (a checkpoint
+    written before runs were recorded orders before any that has one)."""
+    v = meta.get("run_started_ns") if isinstance(meta, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict | None:
-    """The pointer in ``parent`` as ``{"name", "captured_step"}``, or None if there is none.
+    """The pointer in ``parent`` as ``{"name", "captured_step", "run_started_ns"}`` (the last 0
+    in a pointer written before runs were recorded), or None if there is none.
 
     Raises:
         CheckpointCorruptError: ``strict`` and the pointer is not valid (else None).
@@ -106,9 +119,11 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
         obj = decode_json(raw, pointer_path)
         if not isinstance(obj, dict):
             raise TypeError("not a JSON object")
-        name, step = obj["name"], obj["captured_step"]
+        name, step, run = obj["name"], obj["captured_step"], obj.get("run_started_ns", 0)
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError("captured_step is not an integer")
+        if not isinstance(run, int) or isinstance(run, bool) or run < 0:
+            raise TypeError("run_started_ns is not a non-negative integer")
         check_name(name, pointer_path)
     except (ValueError, TypeError, KeyError) as e:
         if strict:
@@ -116,7 +131,7 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
                 f"{pointer_path}: not a valid 'latest' pointer ({e})", path=pointer_path
             ) from None
         return None
-    return {"name": name, "captured_step": step}
+    return {"name": name, "captured_step": step, "run_started_ns": run}
 
 
 def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
@@ -152,31 +167,35 @@ def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
         raise
 
 
-def _captured_step(fs: AbstractFileSystem, root: str) -> int | None:
+def _order(fs: AbstractFileSystem, root: str) -> tuple[int, int] | None:
+    """``(run_started_ns, captured_step)`` of the complete checkpoint at ``root``, or None."""
     manifest = complete_manifest(fs, root)
     if manifest is None or is_part(manifest):  # a part of a sharded checkpoint cut short
         return None
     step = manifest["meta"].get("captured_step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    return run_started_ns(manifest["meta"]), step
 
 
 def best_checkpoint(
     fs: AbstractFileSystem, parent: str, *, exclude: str | None
-) -> tuple[str, int] | None:
-    """The complete checkpoint in ``parent`` with the highest captured step (ties: by name)."""
+) -> tuple[str, int, int] | None:
+    """``(name, captured_step, run_started_ns)`` of the newest complete checkpoint in ``parent``:
+    of the latest run, the highest captured step (ties: by name)."""
     try:
         fs.invalidate_cache(parent)
         entries = fs.ls(parent, detail=False)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    best: tuple[str, int] | None = None
+    best: tuple[str, int, int] | None = None
     for entry in entries:
         name = entry.rstrip("/").rpartition("/")[2]
         # "latest" is scanned too: a checkpoint of that name (update_latest=False) is one; the
         # pointer file holds no manifest.
         if name == exclude or name.startswith("."):
             continue
-        step = _captured_step(fs, join(parent, name))
-        if step is not None and (best is None or (step, name) > (best[1], best[0])):
-            best = (name, step)
+        order = _order(fs, join(parent, name))
+        if order is not None and (best is None or (*order, name) > (best[2], best[1], best[0])):
+            best = (name, order[1], order[0])
     return best

@@ -19,6 +19,7 @@ from typing import Any
 import xxhash
 
 from . import fsutil, storage
+from ._pointer import run_started_ns
 from .config import GoCkptConfig
 from .handle import CheckpointMetrics, SaveHandle
 from .targets import LocalTarget
@@ -140,9 +141,12 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         fs, root = fsutil.url_to_fs(path, None)
         parts, files = [], {}
         views = []
+        run = 0  # rank 0's engine's start: the run this checkpoint belongs to
         for r in range(world):
             part = os.path.join(stage, part_name(r))
             manifest = storage.read_manifest(fs, part)
+            if r == 0:
+                run = run_started_ns(manifest["meta"])
             step = manifest["meta"].get("captured_step")
             if step != target or not storage.is_complete(part):
                 raise RuntimeError(f"gockpt: part {part_name(r)} holds step {step}, not {target}")
@@ -171,7 +175,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         try:
             nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
             meta = {"requested_step": metrics.requested_step, "captured_step": target,
-                    "created_unix_s": time.time(),
+                    "created_unix_s": time.time(), "run_started_ns": run,
                     "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
                     "sharded": {"world_size": world, "replicated": replicated,
                                 "parts": [p["name"] for p in parts]}}
@@ -185,7 +189,8 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         finally:
             target_dir.cleanup(published)
         if config.update_latest:
-            storage.advance_latest(path, target, config.storage_options, config.storage_timeout_s)
+            storage.advance_latest(path, target, config.storage_options, config.storage_timeout_s,
+                                   run_started_ns=run)
         return metrics
     finally:
         if not published:

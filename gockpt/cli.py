@@ -8,7 +8,8 @@
 
 ``PATH``, ``SRC`` and ``DST`` are local paths or fsspec URLs (``s3://bucket/run/step-200``);
 ``--storage-options '{"key": ...}'`` passes fsspec options. A directory of checkpoints stands
-for the newest complete one in it (its ``latest`` pointer, else the highest captured step). Exit status: 0 on success, 1 when a checkpoint is
+for the newest complete one in it (its ``latest`` pointer, else the highest captured step of
+the latest run). Exit status: 0 on success, 1 when a checkpoint is
 missing, incomplete, corrupt or cannot be converted (the message names the file), 2 for a
 usage error. Also ``python -m gockpt``. See ``docs/cli.md``.
 """

@@ -351,7 +351,8 @@ def to_gockpt(
     save_tree(dst, {"accelerate": source.state["extra"]}, model=source.model_state_dict,
               optimizers=source.state["optimizers"], step=source.step,
               storage_options=storage_options, max_shard_bytes=max_shard_bytes,
-              meta={"converted_from": source.path})
+              # Its run is not known: it orders before any recorded run's checkpoints.
+              meta={"converted_from": source.path, "run_started_ns": 0})
 
 
 def check_destination(source: Source | str, dst: str,

@@ -77,8 +77,10 @@ class Engine:
             :meth:`before_update` (frameworks running forward/backward inside
             ``optimizer.step(closure)``, where the step pre-hook fires before the forward).
         start_step: optimizer updates already applied (a resumed run); None reads it from the
-            optimizers' ``step`` state (0 when they have none). Checkpoints record steps from
-            here, and the ``latest`` pointer only moves forward in steps.
+            optimizers' ``step`` state (summed over the optimizers; 0 for one without it).
+            Checkpoints record steps from here. The ``latest`` pointer moves to this engine's
+            checkpoints over those of any run before it, and within its own only forward in
+            steps (:func:`gockpt.storage.advance_latest`).
 
     Attributes:
         version: optimizer updates applied: the step a checkpoint requested now records. It

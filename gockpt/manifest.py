@@ -186,7 +186,7 @@ def validate_manifest(obj: Any, path: str) -> dict:
     extra_file = check_name(obj.get("extra_file"), path)
     if extra_file not in files:
         raise bad(f"extra file {extra_file!r} is not listed in 'files'")
-    for field in ("captured_step", "requested_step"):
+    for field in ("captured_step", "requested_step", "run_started_ns"):
         if field in obj["meta"] and not is_int(obj["meta"][field]):
             raise bad(f"meta field {field!r} is not an integer: {obj['meta'][field]!r}")
     if "writer" in obj["meta"] and not isinstance(obj["meta"]["writer"], str):

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from gockpt import _trace, storage
+from gockpt._pointer import run_started_ns
 from gockpt.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -253,7 +254,8 @@ def persist(req: PersistRequest) -> PersistResult:
         try:
             with _trace.phase("latest"):
                 storage.advance_latest(
-                    req.path, captured_step, req.storage_options, req.storage_timeout_s
+                    req.path, captured_step, req.storage_options, req.storage_timeout_s,
+                    run_started_ns=run_started_ns(req.meta),
                 )
         except Exception as e:  # noqa: BLE001 - the checkpoint is durable: warn, do not fail
             latest_error = str(e)

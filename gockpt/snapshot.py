@@ -439,7 +439,9 @@ def save_tree(
         tree: nested containers with tensors (e.g. Lightning's checkpoint dict).
         model: a ``model.state_dict()``-shaped dict (tensors and extra state), or None.
         optimizers: ``optimizer.state_dict()``-shaped dicts, one per optimizer.
-        step: recorded as requested and captured step (orders the ``latest`` pointer).
+        step: recorded as requested and captured step (orders the ``latest`` pointer, after the
+            run: each call is a run of its own, started at the call, unless ``meta`` gives
+            ``run_started_ns``; see :func:`gockpt.storage.advance_latest`).
         storage_options: fsspec options.
         max_shard_bytes: upper bound on tensor bytes per shard file.
         num_io_threads: threads writing files.
@@ -495,7 +497,9 @@ def save_tree(
     model_keys = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)]
     m = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",
          "num_overlap_steps": 1, "model_keys": model_keys, "num_optimizers": len(opt_sds),
-         "tree": True, "created_unix_s": time.time(), **dict(meta or {})}
+         "tree": True, "created_unix_s": time.time(),
+         "run_started_ns": time.time_ns(),  # a save of its own: a run of one checkpoint
+         **dict(meta or {})}
     req = PersistRequest(
         path=path.rstrip("/") or path, shards=slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}"),
         slot=slot, shard_bases=slot_layout.bases, extra=buf.getvalue(), aliases={}, meta=m,

@@ -183,7 +183,8 @@ def latest_checkpoint(
     The ``latest`` pointer names it. When the pointer is missing, or names a checkpoint that is
     no longer complete (a crash between publish and pointer update, a pointer write that hit
     ``ENOSPC``, a deleted checkpoint), the manifests of the directory's entries are scanned
-    and the complete checkpoint with the highest captured step is returned.
+    and the newest complete checkpoint is returned: of the latest run (``run_started_ns`` in its
+    manifest; a resumed run is later than the one it resumed), the highest captured step.
 
     Args:
         directory: the directory holding checkpoints (local path or fsspec URL).
@@ -249,18 +250,25 @@ def advance_latest(
     captured_step: int,
     storage_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
+    *,
+    run_started_ns: int = 0,
 ) -> bool:
     """Point ``latest`` (in the parent of ``path``) at the checkpoint ``path``.
 
     The pointer only moves forward: it is left alone when it names another complete checkpoint
-    with a higher captured step (PCcheck §4.1). The file is replaced atomically: a temp file,
-    fsync and ``os.replace`` locally, a single put on object stores.
+    of a later run, or of the same run with a higher captured step (saves of one run may end out
+    of order: PCcheck §4.1). A resumed run's checkpoints come after those of the run it resumed,
+    whatever their steps (an optimizer without state resumes at step 0; a run restarted from an
+    earlier checkpoint goes on from there). The file is replaced atomically: a temp file, fsync
+    and ``os.replace`` locally, a single put on object stores.
 
     Args:
         path: a published checkpoint.
         captured_step: the optimizer step its tensors hold.
         storage_options: fsspec options.
         timeout_s: bound on one object-store operation in seconds (see :func:`url_to_fs`).
+        run_started_ns: when the engine that wrote it started (wall clock, ns since the epoch;
+            its manifest's ``meta["run_started_ns"]``); 0 orders it before every recorded run.
 
     Returns:
         True if the pointer now names ``path``.
@@ -284,13 +292,14 @@ def advance_latest(
         if (
             current is not None
             and current["name"] != name
-            and current["captured_step"] > captured_step
+            and (current["run_started_ns"], current["captured_step"]) > (run_started_ns, captured_step)
             and bounded(lambda: complete_manifest(fs, join(parent, current["name"]))) is not None
         ):
             return False
         try:
             bounded(lambda: write_pointer(fs, parent, {"name": name,
-                                                       "captured_step": int(captured_step)}),
+                                                       "captured_step": int(captured_step),
+                                                       "run_started_ns": int(run_started_ns)}),
                     serial=True)
         except CheckpointStorageError as e:
             if current is None or current["name"] == name:
@@ -318,8 +327,9 @@ def remove_checkpoint(
 ) -> None:
     """Delete the checkpoint at ``path``, crash-safely; a symlink is unlinked, its target kept.
 
-    If ``latest`` names it, the pointer is first moved to the complete checkpoint with the
-    highest captured step left in the same directory, or deleted if there is none. Then the
+    If ``latest`` names it, the pointer is first moved to the newest complete checkpoint left in
+    the same directory (of the latest run, the highest captured step), or deleted if there is
+    none. Then the
     checkpoint stops being complete in one atomic step before any file goes: locally the
     directory is renamed to a scratch name (and the parent fsynced), then deleted; on object
     stores ``manifest.json`` is deleted first, then the rest. A crash at any moment leaves
@@ -354,7 +364,8 @@ def remove_checkpoint(
                     bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)), serial=True)
                 else:
                     bounded(lambda: write_pointer(fs, parent, {"name": best[0],
-                                                               "captured_step": best[1]}),
+                                                               "captured_step": best[1],
+                                                               "run_started_ns": best[2]}),
                             serial=True)
             except CheckpointStorageError as e:
                 # A pointer naming a missing checkpoint is recovered by scanning; one naming

@@ -1240,3 +1240,52 @@ def test_a_directory_is_claimed_and_cleaned_once_however_its_saves_spell_it(tmp_
     assert "setup" in first.result().stall_by_phase_s
     assert "setup" not in second.result().stall_by_phase_s
     assert "setup" not in third.result().stall_by_phase_s
+
+
+@pytest.mark.parametrize("optims", ["sgd", "two_adam"])
+def test_a_resumed_run_moves_latest_to_its_own_checkpoints(tmp_path, optims):
+    """Resumed as the README shows (``load_checkpoint(latest_checkpoint(...))``, then a new
+    Engine): plain SGD has no ``step`` state (the new engine counted from 0), and two optimizers
+    were counted as one (6 where the checkpoint held 12), so the resumed run's checkpoints held
+    lower steps than the one it resumed from and ``latest`` stayed on that one: a crash then
+    resumed from it, losing the resumed run's progress. ``latest`` now moves to them; the two
+    optimizers' steps go on from the checkpoint's."""
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        if optims == "sgd":
+            return m, [torch.optim.SGD(m.parameters(), lr=0.1)]
+        return m, [torch.optim.Adam(m[0].parameters(), lr=0.1), torch.optim.Adam(m[1].parameters(), lr=0.1)]
+
+    def train_(m, opts, eng, first, last):
+        for i in range(first, last):
+            m(torch.randn(8, 4, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            eng.step_end()
+            if (i + 1) % 3 == 0 or i + 1 > 6:
+                eng.save(str(tmp_path / f"iter-{i + 1}"))
+
+    m, opts = build()
+    eng = Engine(m, opts, GoCkptConfig(mode="lazy"))
+    train_(m, opts, eng, 0, 6)
+    eng.close()
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter-6")
+    state = gockpt.load_checkpoint(str(tmp_path / "iter-6"))
+    m, opts = build()
+    m.load_state_dict(state.model_state_dict)
+    for o, sd in zip(opts, state.optimizer_state_dicts, strict=True):
+        o.load_state_dict(sd)
+    eng = Engine(m, opts, GoCkptConfig(mode="lazy"))
+    assert eng.version == (0 if optims == "sgd" else state.captured_step)
+    train_(m, opts, eng, 6, 8)
+    eng.close()
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter-8")
+    # Removing the newest points it at the newest of the same run, not the older run's.
+    gockpt.remove_checkpoint(str(tmp_path / "iter-8"))
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter-7")
+    # Without the pointer, the scan orders them the same way.
+    os.unlink(tmp_path / "latest")
+    assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter-7")

@@ -558,8 +558,8 @@ def test_a_pointer_write_abandoned_past_its_bound_never_lands_after_a_newer_one(
 
     bounded_call(lambda: None, 10.0, "barrier", serial=True)
     fs, parent = url_to_fs(store.root, None)
-    assert gockpt.storage.read_pointer(fs, parent, strict=False) == {"name": "b",
-                                                                     "captured_step": 2}
+    assert gockpt.storage.read_pointer(fs, parent, strict=False) == {
+        "name": "b", "captured_step": 2, "run_started_ns": 0}
     assert latest_checkpoint(store.root) == store.path("b")
 
 

@@ -66,13 +66,13 @@ def test_latest_only_moves_forward(store, make_request, make_tensors):
 
     persist(make_request(store.path("step-5"), tensors, step=5))
     assert latest_checkpoint(store.root) == store.path("step-10")
-    assert pointer(store) == {"name": "step-10", "captured_step": 10}
+    assert pointer(store) == {"name": "step-10", "captured_step": 10, "run_started_ns": 0}
 
     persist(make_request(store.path("step-12"), tensors, step=12))
     assert latest_checkpoint(store.root) == store.path("step-12")
     # Re-saving the checkpoint the pointer names updates its step, even downwards.
     persist(make_request(store.path("step-12"), tensors, step=11))
-    assert pointer(store) == {"name": "step-12", "captured_step": 11}
+    assert pointer(store) == {"name": "step-12", "captured_step": 11, "run_started_ns": 0}
 
 
 def test_latest_moves_past_a_newer_checkpoint_that_is_gone(store, make_request, make_tensors):
@@ -101,7 +101,7 @@ def test_remove_checkpoint_repoints_latest(store, make_request, make_tensors):
     assert latest_checkpoint(store.root) == store.path("s7")
 
     remove_checkpoint(store.path("s4"))  # not the latest: pointer unchanged
-    assert pointer(store) == {"name": "s7", "captured_step": 7}
+    assert pointer(store) == {"name": "s7", "captured_step": 7, "run_started_ns": 0}
 
     remove_checkpoint(store.path("s7"))
     assert latest_checkpoint(store.root) is None
