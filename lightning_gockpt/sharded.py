@@ -184,8 +184,9 @@ class _ShardedCheckpoints:
 
         Call on every rank at the same step (``Trainer.save_checkpoint`` does). Returns after
         the stall; the checkpoint is committed in the background, at the latest when ``fit``
-        returns. Outside ``fit`` (no engine running) the strategy's own path is taken (its own
-        format; under DDP rank 0's ``GoCkptIO.save_checkpoint``, blocking).
+        returns. Outside ``fit`` (no engine running), and for the SLURM requeue save
+        (``hpc_ckpt_<n>.ckpt``), the strategy's own path is taken (its own format; under DDP
+        rank 0's ``GoCkptIO.save_checkpoint``, blocking).
 
         Raises:
             TypeError: ``storage_options`` given (set them on ``GoCkptIO(storage_options=...)``).
@@ -194,8 +195,14 @@ class _ShardedCheckpoints:
         if storage_options is not None:
             raise TypeError("GoCkptIO takes fsspec options once, as GoCkptIO(storage_options=...), "
                             "not per Trainer.save_checkpoint call")
+        from .io import is_hpc_path
+
         cb = self._gockpt_running()
-        if cb is None:
+        if cb is None or is_hpc_path(os.fspath(filepath), cb.trainer):
+            # The SLURM requeue save is the strategy's own, blocking (as GoCkptIO's): the job is
+            # killed once the signal handler returns, which may have interrupted the engine.
+            if cb is not None:
+                cb.forget_dump(checkpoint)
             self._gockpt_base.save_checkpoint(self, checkpoint, filepath)  # type: ignore[misc]
             return
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]
