@@ -858,10 +858,17 @@ class Windows:
         s.slot.grad_busy[turn].wait()  # the replay of the update before last has released it
         s.metrics.add_stall("grad_buffer", perf_counter() - t0)
         s.slot.grad_busy[turn].clear()
+        queued: list[CopyTicket] = []
         try:
-            self._copy_grads(s, opt_index, units, turn)  # its last call queues the replay
+            self._copy_grads(s, opt_index, units, turn, queued)  # its last call queues the replay
         except BaseException:
-            # No replay will release the buffer: a later capture would wait for it forever.
+            # No replay will release the buffer: a later capture would wait for it forever. A
+            # copy already queued into it ends first.
+            for t in queued:
+                try:
+                    t.wait()
+                except Exception:  # noqa: BLE001 - it only had to end
+                    pass
             s.slot.grad_busy[turn].set()
             raise
 
@@ -879,8 +886,10 @@ class Windows:
                         "training thread at the captured step (mode 'lazy' copies them with the "
                         "rest)", names)
 
-    def _copy_grads(self, s: SaveRecord, opt_index: int, units: list[int], turn: int) -> None:
-        """Queue the copy of ``units``' gradients into gradient buffer ``turn`` and their replay."""
+    def _copy_grads(self, s: SaveRecord, opt_index: int, units: list[int], turn: int,
+                    queued: list[CopyTicket]) -> None:
+        """Queue the copy of ``units``' gradients into gradient buffer ``turn`` (its ticket
+        appended to ``queued``) and their replay."""
         opt = self._optimizers[opt_index]
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
             (local(s.layout.units[i].param.grad), s.grad_views[turn][i])  # type: ignore[arg-type]
@@ -898,6 +907,7 @@ class Windows:
                                pin_memory=found_inf.is_cuda)
             pairs = pairs + [(found_inf.detach(), skip)]
         ticket = self._copier.copy(pairs, PRIORITY_GRAD, check_versions=True)
+        queued.append(ticket)
         s.grad_tickets.append(ticket)
         s.metrics.grad_bytes += ticket.nbytes - (0 if skip is None else skip.nbytes)
         if s.plan.mode == "gockpt":

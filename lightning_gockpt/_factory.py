@@ -45,9 +45,8 @@ def callbacks_factory() -> list:
         if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
             cleanup_staging(str(cb.dirpath), io.config.storage_options)
             tidy_placeholders(str(cb.dirpath), io.config.storage_options)
-    root = getattr(trainer, "_default_root_dir", None)  # set before the callbacks (Trainer.__init__)
-    if root:
-        tidy_hpc(str(root), io.config.storage_options)
+    if getattr(trainer, "_default_root_dir", None):  # set before the callbacks (Trainer.__init__)
+        tidy_hpc(str(trainer.default_root_dir), io.config.storage_options)
     if any(isinstance(cb, GoCkptCallback) for cb in getattr(trainer, "callbacks", [])):
         return []
     return [GoCkptCallback(_from_factory=True)]

@@ -21,15 +21,11 @@ from gockpt.fsutil import path_key
 from gockpt.sharded import ReplicasDifferError, ShardedHandle
 from gockpt.storage import cleanup_staging
 
-from . import deepspeed, fsdp, sharded
+from . import _registry, deepspeed, fsdp, sharded
 from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholders
 from .staged import StagedAdapterEngine, StagedHandle, drain_discards, remove_now
 
 log = logging.getLogger("lightning_gockpt")
-
-#: The callbacks set up in this process (weak): a load through any GoCkptIO finishes the saves
-#: of its path that another Trainer's engine has in flight (:meth:`GoCkptCallback.wait_for`).
-LIVE: weakref.WeakSet[GoCkptCallback] = weakref.WeakSet()
 
 # One writer | an engine on every rank (sharded, DDP shares) | DeepSpeed's files.
 _Handle = SaveHandle | ShardedHandle | StagedHandle
@@ -141,6 +137,7 @@ class GoCkptCallback(Callback):
         # The dict of the latest full (not weights-only) dump_checkpoint: Lightning calls the
         # callbacks' on_save_checkpoint for those only. Held until the request that takes it.
         self._full_dump: dict[str, Any] | None = None
+        self._dump_before: dict[str, Any] | None = None  # the one it replaced (forget_dump)
 
     # A copy (``copy.deepcopy(trainer.callbacks)``, pickling for ``ddp_spawn``) is an unlinked
     # callback: engines, threads and locks stay with the original.
@@ -174,7 +171,7 @@ class GoCkptCallback(Callback):
                           "write is done in the background, with no multi-step overlap", stacklevel=2)
         self.io, self._trainer = io, trainer
         io._callback = self
-        LIVE.add(self)
+        _registry.register(self)
         cbs: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if self._user_order is None:  # given back at teardown: the run leaves the list as it was
             self._user_order = [cb for cb in cbs if not isinstance(cb, _BatchEnd)]
@@ -215,7 +212,9 @@ class GoCkptCallback(Callback):
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # First of the callbacks (setup puts this one first), so before any hook edits the dict.
-        self._full_dump = checkpoint
+        # The one before is kept for forget_dump: a signal handler's dump may come between a
+        # request's dump and the request.
+        self._dump_before, self._full_dump = self._full_dump, checkpoint
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.engine is not None:
@@ -238,7 +237,7 @@ class GoCkptCallback(Callback):
 
     def _batch_end(self) -> None:
         self._num_batches += 1
-        self._full_dump = None  # a dump no save took (a dict copied by user code) is not held on
+        self._full_dump = self._dump_before = None  # a dump no save took (a dict copied by user code) is not held on
         if self.engine is not None and self._trainer is not None:
             self._follow_optimizers(self._trainer)
         if self.engine is not None:
@@ -313,7 +312,7 @@ class GoCkptCallback(Callback):
         """``checkpoint`` is saved without a request (blocking): the flag its dump set is not
         for the next request."""
         if self._full_dump is checkpoint:
-            self._full_dump = None
+            self._full_dump, self._dump_before = self._dump_before, None
 
     @property
     def every_rank(self) -> bool:
@@ -350,7 +349,7 @@ class GoCkptCallback(Callback):
         # must then still hold the callbacks' and schedulers' state and run their hooks (an
         # averaging callback swaps its weights in there). The keys are the fallback where that
         # hook did not see this dict (callbacks swapped out by the tuner).
-        full, self._full_dump = self._full_dump is checkpoint, None
+        full, self._full_dump, self._dump_before = self._full_dump is checkpoint, None, None
         weights_only = not full and "optimizer_states" not in checkpoint
         at_version = engine.version
         # FSDPStrategy (full): the dict holds the state gathered at the request, and dumping it
@@ -506,7 +505,7 @@ class GoCkptCallback(Callback):
 
     def close(self) -> None:
         """Finish pending checkpoints and stop the engine; re-raises a background error."""
-        self._full_dump = None  # a dump after the last request (a save after fit) is not held on
+        self._full_dump = self._dump_before = None  # a dump after the last request (a save after fit) is not held on
         engine, self.engine = self.engine, None
         if engine is None:
             return
@@ -531,17 +530,21 @@ class GoCkptCallback(Callback):
         elsewhere: waits until they are durable): a load of a checkpoint right after its
         request (Lightning's tuner restores its own; an evaluation Trainer inside a callback)
         reads it whole. ``own``: the load is this run's, so such a save's error is raised here
-        alone (else the engine raises it again at its next boundary).
+        alone (else the engine raises it at its next boundary, and the load reads what is at
+        ``path``: the checkpoint before, if any).
 
         Raises:
-            The error of such a save.
+            The error of such a save (``own`` only).
         """
         key = path_key(path)  # a load of ./ckpt must wait for a save of ckpt in flight
         for h in [h for h in self._pending if self._dir_key(h) == key and not h.done()]:
             if own:
                 h.result()
-            else:
+                continue
+            try:
                 h.outcome()
+            except Exception:  # noqa: BLE001 - its own run reports it; stock reads the file there
+                pass
 
     # ------------------------------------------------------------------ helpers
 

@@ -5,8 +5,8 @@
   plugin resumes from).
 - :func:`to_lightning_file`: that dict -> one ``.ckpt`` file (``torch.save``), which stock
   ``LightningModule.load_from_checkpoint``, ``torch.load`` and a Trainer without the plugin read.
-- :func:`save_gockpt_lightning`: a stock ``.ckpt``'s dict -> a GoCkpt checkpoint, by
-  :meth:`GoCkptIO.save_checkpoint` outside ``fit`` (its blocking path), so
+- :func:`save_gockpt_lightning`: a stock ``.ckpt``'s dict -> a GoCkpt checkpoint, as
+  :meth:`GoCkptIO.save_checkpoint` writes it outside ``fit`` (its blocking path), so
   ``Trainer(plugins=[GoCkptIO()]).fit(model, ckpt_path=...)`` resumes from it.
 
 They reach ``gockpt convert`` (:mod:`gockpt.cli`) and :func:`gockpt.convert.open_source` as
@@ -23,6 +23,7 @@ import torch
 
 from gockpt import storage
 from gockpt.convert import LIGHTNING, Framework, Source, check_destination, own_storage, write_file
+from gockpt.snapshot import save_tree
 
 from .io import GoCkptIO
 
@@ -111,8 +112,10 @@ def save_gockpt_lightning(
         storage_options: fsspec options.
         max_shard_bytes: tensor bytes per shard file.
     """
-    io = GoCkptIO(storage_options=dict(storage_options or {}), max_shard_bytes=max_shard_bytes)
-    io.save_checkpoint(checkpoint, dst)
+    # Its run is not known: it orders before any recorded run's checkpoints (as gockpt convert's).
+    save_tree(dst, {"lightning": checkpoint}, step=int(checkpoint.get("global_step", 0)),
+              storage_options=dict(storage_options or {}), max_shard_bytes=max_shard_bytes,
+              update_latest=False, meta={"run_started_ns": 0})
 
 
 #: Lightning's :class:`gockpt.convert.Framework`: the entry point ``lightning`` of the group

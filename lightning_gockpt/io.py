@@ -36,6 +36,8 @@ from gockpt.sharded import INDEX_FILE
 from gockpt.snapshot import map_tree, save_tree
 from gockpt.storage import has_manifest, is_complete, is_local, url_to_fs
 
+from . import _registry
+
 if TYPE_CHECKING:
     from .callback import GoCkptCallback
 
@@ -164,9 +166,11 @@ class GoCkptIO(CheckpointIO):
             if cb is not None:
                 cb.forget_dump(checkpoint)
             cfg = self.config
+            # Lightning resumes an hpc save by its name. The pointer's lock may be held by the
+            # very thread the signal interrupted (a rotation's remove_checkpoint): not taken.
             save_tree(path, {"lightning": checkpoint}, step=int(checkpoint.get("global_step", 0)),
                       storage_options=cfg.storage_options, max_shard_bytes=cfg.max_shard_bytes,
-                      num_io_threads=cfg.num_io_threads, update_latest=cfg.update_latest)
+                      num_io_threads=cfg.num_io_threads, update_latest=cfg.update_latest and not hpc)
             return
         exact = self.exact_step or (self.exact_monitored and cb.is_monitored(path))
         cb.request(checkpoint, path, exact_step=exact)
@@ -207,11 +211,9 @@ class GoCkptIO(CheckpointIO):
                 strategy; :func:`gockpt.dcp.load_full` assembles it).
         """
         path = os.fspath(path)
-        from .callback import LIVE
-
         if self._callback is not None and self._callback.io is self:
             self._callback.wait_for(path)  # saved just before in this run: read it whole
-        for cb in list(LIVE):  # or by another Trainer of this process (a fit's, for an evaluation)
+        for cb in _registry.live_callbacks():  # or by another Trainer of this process (a fit's, for an evaluation)
             if cb is not self._callback:
                 cb.wait_for(path, own=False)
         if os.path.isfile(path):

@@ -203,6 +203,20 @@ class _ShardedCheckpoints:
             # killed once the signal handler returns, which may have interrupted the engine.
             if cb is not None:
                 cb.forget_dump(checkpoint)
+                if getattr(self, "_save_distributed_checkpoint", True) is False:
+                    # The dump took the live shards (this class's state_dict methods while the
+                    # engine runs); stock's full-state save gathers them (collective, as the
+                    # dump) and rank 0 writes one file, which the requeued job loads as stock.
+                    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+                    base = self._gockpt_base
+                    checkpoint["state_dict"] = base.lightning_module_state_dict(self)
+                    if "optimizer_states" in checkpoint:
+                        checkpoint["optimizer_states"] = [
+                            base.optimizer_state(self, o) for o in self.optimizers]  # type: ignore[attr-defined]
+                    if self.is_global_zero:  # type: ignore[attr-defined]
+                        TorchCheckpointIO().save_checkpoint(checkpoint, os.fspath(filepath))
+                    return
             self._gockpt_base.save_checkpoint(self, checkpoint, filepath)  # type: ignore[misc]
             return
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]

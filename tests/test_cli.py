@@ -219,11 +219,17 @@ def test_to_hf_strips_the_prefix_and_shards_with_an_index(runs, capsys):
     assert_bitwise_equal(merged, want, "sharded")
 
 
+def _run_of(path) -> int:
+    """The ``run_started_ns`` a checkpoint's manifest records (orders it for ``latest``)."""
+    return gockpt.storage.read_manifest(*gockpt.storage.url_to_fs(str(path), None))["meta"]["run_started_ns"]
+
+
 def test_stock_ckpt_converted_to_gockpt_resumes_exactly(runs):
     _ok(runs, "from_stock")
     converted = runs["out"] / "converted.ckpt"
     stock = torch.load(runs["stock"], weights_only=False)
     assert_bitwise_equal(GoCkptIO().load_checkpoint(converted), stock, "converted")
+    assert _run_of(converted) == 0  # its run is unknown: before any engine's checkpoints
     res = runs["cli"]["resume"]  # fit(ckpt_path=converted) with GoCkptIO, in a subprocess
     assert res.returncode == 0, f"the resumed run failed ({res.returncode}):\n{res.stderr[-3000:]}"
     resumed = torch.load(runs["root"] / "resumed.pt", weights_only=False)
@@ -244,6 +250,7 @@ def test_accelerate_folder_converted_to_gockpt_loads_as_engine_state(runs):
     assert state.extra["accelerate"]["scheduler"] == want["scheduler"]
     assert_bitwise_equal(state.extra["accelerate"]["scheduler"], want["scheduler"], "scheduler")
     assert state.captured_step == 3
+    assert _run_of(runs["out"] / "from_accelerate") == 0
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     engine = gockpt.Engine(model, opt)
