@@ -166,6 +166,10 @@ class GoCkptCheckpointer:
                     hook_error = e
             # Every process takes part in the request's exchange (a collective), a hook's error
             # on this one included; then that error is raised here, as stock's save_state does.
+            # A save still to be captured that this request finishes (no host slot for both)
+            # is captured here: with step and RNG as of here, as the counters and loaders it
+            # takes live (under accumulation a step's later micro-steps move them).
+            self._note_boundary(request=True)
             self._rep.save(final, lambda: self._prepare(final, root, safe_serialization),
                            exact_step=self._exact_step or hooked,
                            state_fn=self._host_files)

@@ -516,8 +516,11 @@ def map_views_once(tree: Any, fn: Any) -> Any:
     def leaf(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        where = (x.untyped_storage().data_ptr(), int(x.storage_offset()), tuple(x.shape),
-                 tuple(x.stride()), x.dtype)
+        if x.layout != torch.strided:  # sparse: no storage of its own; one object, one place
+            where: tuple = ("object", id(x))
+        else:
+            where = (x.untyped_storage().data_ptr(), int(x.storage_offset()), tuple(x.shape),
+                     tuple(x.stride()), x.dtype)
         if where not in memo:
             memo[where] = fn(x)
         return memo[where]
@@ -532,7 +535,14 @@ def own_storage(tree: Any) -> Any:
     would write the whole buffer for each, and safetensors refuses them. Views of one place
     (tied weights, the same tensor met twice) stay one tensor object.
     """
-    return map_views_once(tree, lambda x: x.detach().contiguous().clone())
+    return map_views_once(tree, own_copy)
+
+
+def own_copy(x: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``x`` in memory of its own: contiguous where strided (a sparse
+    tensor has no memory format to ask for)."""
+    x = x.detach()
+    return x.contiguous().clone() if x.layout == torch.strided else x.clone()
 
 
 def untie(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .snapshot import map_views_once
+from .snapshot import map_views_once, own_copy
 
 __all__ = ["shared_storage", "torch_file"]
 
@@ -110,7 +110,7 @@ def _shared(t: torch.Tensor, starts: dict[int, torch.dtype]) -> torch.Tensor:
     plain = (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
              and not t.is_conj() and not t.is_neg() and t.is_contiguous() and t.numel() > 0)
     if not plain or starts.setdefault(t.data_ptr(), t.dtype) != t.dtype:
-        return t.contiguous().clone()
+        return own_copy(t)
     # A uint8 view for numpy (it has no bfloat16, float8 ...); the dtype view is taken back.
     raw = t.reshape(-1).view(torch.uint8).numpy()
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)

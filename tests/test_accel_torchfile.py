@@ -105,3 +105,16 @@ def test_the_buffer_grows_past_its_estimate():
 def test_what_torch_save_refuses_is_raised():
     with pytest.raises(Exception, match="pickle|Can't|lambda"):
         torch_file({"t": torch.randn(3), "f": lambda: None})
+
+
+def test_sparse_tensors_are_written_as_torch_save_writes_them():
+    # A sparse embedding's momentum buffer under SGD (Accelerate's optimizer.bin): torch_file
+    # raised (a sparse tensor has no storage) and no folder was written.
+    sparse = torch.randn(6, 3).to_sparse()
+    tree = {"state": {0: {"momentum_buffer": sparse}, 1: {"momentum_buffer": torch.randn(4)}},
+            "again": sparse, "csr": torch.eye(3).to_sparse_csr()}
+    assert bytes(torch_file(tree)) == to_bytes(tree)
+    back = torch.load(io.BytesIO(bytes(torch_file(tree))), weights_only=True)
+    assert back["again"] is back["state"][0]["momentum_buffer"]  # one object, as saved
+    assert torch.equal(back["again"].to_dense(), sparse.to_dense())
+    assert torch.equal(back["csr"].to_dense(), torch.eye(3))

@@ -1183,3 +1183,59 @@ def test_buffers_no_shard_holds_are_saved_and_loaded_as_stock(tmp_path, safe_ser
     acc.load_state(str(tmp_path / "ours"))
     assert torch.equal(model.ids, stock["ids"]) and torch.equal(model.freqs, stock["freqs"])
     ckpt.close()
+
+
+def test_a_save_finished_by_a_later_request_holds_step_and_rng_of_that_request(tmp_path):
+    """Gradient accumulation (2), K = 3: saves requested at micro-steps 7 and 9; the second
+    request finishes the first (no host slot for both), capturing it at micro-step 9. Its
+    ``random_states_0.pkl`` held micro-step 8's ``step`` and RNG (the step's first boundary)
+    beside micro-step 9's registered counter: no stock folder. Now both hold micro-step 9 as
+    stock's save_state there does."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+    from torch import nn
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    def run(root, plugin, save_at):
+        set_seed(0)
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(root)),
+                          gradient_accumulation_steps=2)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = acc.prepare(model, opt)
+        ctr = Counter()
+        acc.register_for_checkpointing(ctr)
+        ckpt = attach(acc, plugin) if plugin is not None else None
+        for _ in range(12):
+            with acc.accumulate(model):
+                x = torch.randn(5, 4, generator=torch.Generator().manual_seed(ctr.n))
+                acc.backward((model(x) ** 2).mean())
+                opt.step()
+                opt.zero_grad()
+            ctr.n += 1
+            if ctr.n in save_at:
+                acc.save_state(str(root / f"ck_{ctr.n}"))
+        if ckpt is not None:
+            ckpt.close()
+
+    run(tmp_path / "stock", None, (9,))
+    run(tmp_path / "ours", GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3), (7, 9))
+    want = tmp_path / "stock" / "ck_9"
+    for name in ("ck_7", "ck_9"):
+        got = tmp_path / "ours" / name
+        assert torch.load(got / "custom_checkpoint_0.pkl", weights_only=False) == {"n": 9}, name
+        g = torch.load(got / "random_states_0.pkl", weights_only=False)
+        w = torch.load(want / "random_states_0.pkl", weights_only=False)
+        assert g["step"] == w["step"] == 9, name
+        assert torch.equal(g["torch_manual_seed"], w["torch_manual_seed"]), name
+        assert child.differences(load_file(str(got / "model.safetensors")),
+                                 load_file(str(want / "model.safetensors"))) == [], name
