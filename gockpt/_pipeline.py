@@ -92,9 +92,6 @@ class Pipeline:
     def __init__(self, config: GoCkptConfig, optimizers: list[Optimizer], backends: ReplayBackends,
                  slots: SlotPool, on_durable: Callable[[CheckpointMetrics], None]) -> None:
         self._config = config
-        # When this engine started (wall clock, ns): orders its checkpoints after those of a
-        # run it resumed, whatever their steps (gockpt.storage.advance_latest).
-        self.run_started_ns = time.time_ns()
         self._optimizers = optimizers
         self._backends = backends
         self._slots = slots
@@ -337,7 +334,7 @@ class Pipeline:
                 "replay": self._backends.info.get(0, {}),
                 **({"writer": type(s.writer).__name__} if s.writer is not None else {}),
                 "created_unix_s": time.time(),
-                "run_started_ns": self.run_started_ns,
+                "run": s.run,
             }
             blob = io.BytesIO()
             with _trace.phase("serialize"):

@@ -2,11 +2,13 @@
 :func:`~gockpt.storage.latest_checkpoint`, :func:`~gockpt.storage.advance_latest` and
 :func:`~gockpt.storage.remove_checkpoint`.
 
-The pointer is a JSON object ``{"name": ..., "captured_step": ..., "run_started_ns": ...}`` in
-the file ``latest`` beside the checkpoints. Checkpoints are ordered by the run that wrote them
-(``run_started_ns``: when its engine started, wall clock; a resumed run's come after those of
-the run it resumed, whatever their steps), then by captured step (saves of one run may finish
-out of order: PCcheck §4.1). Callers that read and then rewrite it hold :data:`LATEST_LOCK`, read as
+The pointer is a JSON object ``{"name": ..., "captured_step": ..., "run": ...}`` in the file
+``latest`` beside the checkpoints. Checkpoints are ordered by the run that wrote them, then by
+captured step (saves of one run may finish out of order: PCcheck §4.1). ``run`` (in the pointer
+and in each manifest's ``meta``) orders runs: the writing engine's start (wall clock, ns), raised
+above the newest run already in the directory at its first save there (a resumed run comes after
+the run it resumed, whatever their steps or the clocks of their hosts); a load into a live
+engine starts a new run. 0: unknown (converted, or written by 0.1.0), before any other. Callers that read and then rewrite it hold :data:`LATEST_LOCK`, read as
 ``_pointer.LATEST_LOCK`` at the time of use (a forked child gets a fresh lock object).
 """
 
@@ -85,16 +87,29 @@ def complete_manifest(fs: AbstractFileSystem, root: str) -> dict | None:
         return None
 
 
-def run_started_ns(meta: Any) -> int:
-    """The ``run_started_ns`` of a manifest's ``meta``: when the engine that wrote it started
-    (wall clock, ns since the epoch); 0 where absent or not a non-negative int (a checkpoint
-    written before runs were recorded orders before any that has one)."""
-    v = meta.get("run_started_ns") if isinstance(meta, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+#: The largest ``run`` (a signed 64-bit integer, for JSON readers other than Python's).
+MAX_RUN = (1 << 63) - 1
+
+
+def run_of(meta: Any) -> int:
+    """The ``run`` of a manifest's ``meta`` (see the module doc); 0 where absent or not an int
+    in ``[0, MAX_RUN]`` (:func:`gockpt.manifest.validate_manifest` refuses those)."""
+    v = meta.get("run") if isinstance(meta, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_RUN else 0
+
+
+def newest_run(fs: AbstractFileSystem, parent: str) -> int:
+    """The ``run`` of the newest checkpoint in ``parent``: its pointer's, else a scan's (0 for
+    none). A storage error propagates."""
+    pointer = read_pointer(fs, parent, strict=False)
+    if pointer is not None:
+        return pointer["run"]
+    best = best_checkpoint(fs, parent, exclude=None)
+    return 0 if best is None else best[2]
 
 
 def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict | None:
-    """The pointer in ``parent`` as ``{"name", "captured_step", "run_started_ns"}`` (the last 0
+    """The pointer in ``parent`` as ``{"name", "captured_step", "run"}`` (the last 0
     in a pointer written before runs were recorded), or None if there is none.
 
     Raises:
@@ -119,11 +134,11 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
         obj = decode_json(raw, pointer_path)
         if not isinstance(obj, dict):
             raise TypeError("not a JSON object")
-        name, step, run = obj["name"], obj["captured_step"], obj.get("run_started_ns", 0)
+        name, step, run = obj["name"], obj["captured_step"], obj.get("run", 0)
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError("captured_step is not an integer")
-        if not isinstance(run, int) or isinstance(run, bool) or run < 0:
-            raise TypeError("run_started_ns is not a non-negative integer")
+        if not isinstance(run, int) or isinstance(run, bool) or not 0 <= run <= MAX_RUN:
+            raise TypeError("run is not an integer in [0, 2**63)")
         check_name(name, pointer_path)
     except (ValueError, TypeError, KeyError) as e:
         if strict:
@@ -131,7 +146,7 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
                 f"{pointer_path}: not a valid 'latest' pointer ({e})", path=pointer_path
             ) from None
         return None
-    return {"name": name, "captured_step": step, "run_started_ns": run}
+    return {"name": name, "captured_step": step, "run": run}
 
 
 def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
@@ -168,21 +183,21 @@ def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
 
 
 def _order(fs: AbstractFileSystem, root: str) -> tuple[int, int] | None:
-    """``(run_started_ns, captured_step)`` of the complete checkpoint at ``root``, or None."""
+    """``(run, captured_step)`` of the complete checkpoint at ``root``, or None."""
     manifest = complete_manifest(fs, root)
     if manifest is None or is_part(manifest):  # a part of a sharded checkpoint cut short
         return None
     step = manifest["meta"].get("captured_step")
     if not isinstance(step, int) or isinstance(step, bool):
         return None
-    return run_started_ns(manifest["meta"]), step
+    return run_of(manifest["meta"]), step
 
 
 def best_checkpoint(
     fs: AbstractFileSystem, parent: str, *, exclude: str | None
 ) -> tuple[str, int, int] | None:
-    """``(name, captured_step, run_started_ns)`` of the newest complete checkpoint in ``parent``:
-    of the latest run, the highest captured step (ties: by name)."""
+    """``(name, captured_step, run)`` of the newest complete checkpoint in ``parent``: of the
+    latest run, the highest captured step (ties: by name)."""
     try:
         fs.invalidate_cache(parent)
         entries = fs.ls(parent, detail=False)

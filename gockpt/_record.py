@@ -243,6 +243,8 @@ class SaveRecord:
     # copy cannot be brought forward by a replay, so, as ``edited``, they are taken live at the
     # capture.
     live_units: set[int] = field(default_factory=set)
+    # The run it records (meta["run"]; Engine.run_for).
+    run: int = 0
     # CUDA: the sampled comparison of the block copied after the capture, read by the persist
     # before it writes ((pinned host flag, event) pairs; gockpt._watch.EditWatch.sampled_later).
     late_edits: list | None = None

@@ -19,7 +19,6 @@ from typing import Any
 import xxhash
 
 from . import fsutil, storage
-from ._pointer import run_started_ns
 from .config import GoCkptConfig
 from .handle import CheckpointMetrics, SaveHandle
 from .targets import LocalTarget
@@ -89,7 +88,7 @@ class PartOvertakenError(RuntimeError):
 
 
 def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
-           config: GoCkptConfig, timeout_s: float, replicated: bool = False,
+           config: GoCkptConfig, timeout_s: float, replicated: bool = False, run: int = 0,
            framework_names: re.Pattern[str] | None = None,
            abandoned: Callable[[], bool] = lambda: False) -> CheckpointMetrics:
     """Wait for every part in ``stage``, check them, write the index and the global manifest
@@ -106,6 +105,8 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         timeout_s: seconds to wait for the other parts once rank 0's own is durable.
         replicated: the parts are shares of a replicated state (DDP ranks sharing the write:
             each tensor whole, in one part); recorded in the index and in ``meta.sharded``.
+        run: the run it records (``meta["run"]``, ordering it for ``latest``:
+            :meth:`gockpt.Engine.run_for` of rank 0's engine in the checkpoint's directory).
         framework_names: entries of a checkpoint the writer's framework wrote itself, which
             the publish may replace (:attr:`gockpt.writer.CheckpointWriter.framework_names`).
         abandoned: True once this rank's run has failed and is closing: a part still missing
@@ -141,12 +142,9 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         fs, root = fsutil.url_to_fs(path, None)
         parts, files = [], {}
         views = []
-        run = 0  # rank 0's engine's start: the run this checkpoint belongs to
         for r in range(world):
             part = os.path.join(stage, part_name(r))
             manifest = storage.read_manifest(fs, part)
-            if r == 0:
-                run = run_started_ns(manifest["meta"])
             step = manifest["meta"].get("captured_step")
             if step != target or not storage.is_complete(part):
                 raise RuntimeError(f"gockpt: part {part_name(r)} holds step {step}, not {target}")
@@ -175,7 +173,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
         try:
             nbytes, digest = target_dir.write(INDEX_FILE, iter([index]), lambda: None)
             meta = {"requested_step": metrics.requested_step, "captured_step": target,
-                    "created_unix_s": time.time(), "run_started_ns": run,
+                    "created_unix_s": time.time(), "run": run,
                     "mode": metrics.mode, "num_overlap_steps": metrics.num_overlap_steps,
                     "sharded": {"world_size": world, "replicated": replicated,
                                 "parts": [p["name"] for p in parts]}}
@@ -190,7 +188,7 @@ def commit(path: str, stage: str, target: int, own: SaveHandle, *, world: int,
             target_dir.cleanup(published)
         if config.update_latest:
             storage.advance_latest(path, target, config.storage_options, config.storage_timeout_s,
-                                   run_started_ns=run)
+                                   run=run)
         return metrics
     finally:
         if not published:

@@ -352,7 +352,7 @@ def to_gockpt(
               optimizers=source.state["optimizers"], step=source.step,
               storage_options=storage_options, max_shard_bytes=max_shard_bytes,
               # Its run is not known: it orders before any recorded run's checkpoints.
-              meta={"converted_from": source.path, "run_started_ns": 0})
+              meta={"converted_from": source.path, "run": 0})
 
 
 def check_destination(source: Source | str, dst: str,

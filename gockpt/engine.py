@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from time import perf_counter
@@ -52,11 +53,14 @@ from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
 from .replay import is_replayable
+from ._pointer import MAX_RUN
+from .fsutil import SCRATCH_RE
 from .storage import (
     BackgroundDeleter,
     check_save_path,
     claim_directory,
     cleanup_staging,
+    newest_run,
     remove_checkpoint,
 )
 from .transfer import SlotPool, make_copier
@@ -117,6 +121,10 @@ class Engine:
         self._deleter = BackgroundDeleter()  # deletes removed checkpoints' files
         self._cleaned_dirs: set[str] = set()
         self._claims: list = []  # one writer per checkpoint directory (gockpt.storage.claim_directory)
+        # The run its checkpoints record (gockpt._pointer): from its start, per directory raised
+        # above the newest run there at the first save; a load into the state starts a new one.
+        self._run_start = time.time_ns()
+        self._runs: dict[str, int] = {}
 
         device = model_device(model)
         self._copier = make_copier(device, self.config.chunk_bytes, self.config.host_link_bytes_per_s)
@@ -305,6 +313,7 @@ class Engine:
                     "; later skips are logged at INFO" if self._skips == 1 else f" ({self._skips} so far)")
             return handle
         self._all.append(s)
+        s.run = self.run_for(parent)
         try:
             if leader is not None:
                 # It copies nothing: what it waits for is the fixed cost of the leader's mode
@@ -529,7 +538,31 @@ class Engine:
         self._planner.updates_seen += 1
         self._windows.after_update(opt_index, self.version, now)
 
+    def run_for(self, directory: str) -> int:
+        """The run this engine's checkpoints in ``directory`` record (``meta["run"]``, ordering
+        them for ``latest``: :mod:`gockpt._pointer`): its start, raised above the newest run in
+        the directory at the first call (so a resumed run comes after the one it resumed, whatever
+        the clocks); per directory, until a load into the live state starts a new run. A staging
+        directory (a sharded part's) holds no checkpoints and is not read. Training thread."""
+        key = self._claim_key(directory)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._run_start
+            if not SCRATCH_RE.match(os.path.basename(directory.rstrip("/"))):
+                try:
+                    newest = newest_run(directory, self.config.storage_options,
+                                        self.config.storage_timeout_s)
+                except Exception as e:  # noqa: BLE001 - ordering by the clock alone is the fallback
+                    log.warning("gockpt: could not read the newest run in %s (%s); ordering its "
+                                "checkpoints by this engine's start", directory, e)
+                    newest = 0
+                run = min(MAX_RUN, max(run, newest + 1))
+            self._runs[key] = run
+        return run
+
     def _before_load(self) -> None:
+        # What follows continues the loaded state (a rollback, a restore): a run of its own.
+        self._run_start, self._runs = time.time_ns(), {}
         self._windows.note_load()
         if any(not s.handed_off for s in self._windows.saves):
             self._flush_windows()

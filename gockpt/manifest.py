@@ -186,9 +186,11 @@ def validate_manifest(obj: Any, path: str) -> dict:
     extra_file = check_name(obj.get("extra_file"), path)
     if extra_file not in files:
         raise bad(f"extra file {extra_file!r} is not listed in 'files'")
-    for field in ("captured_step", "requested_step", "run_started_ns"):
+    for field in ("captured_step", "requested_step", "run"):
         if field in obj["meta"] and not is_int(obj["meta"][field]):
             raise bad(f"meta field {field!r} is not an integer: {obj['meta'][field]!r}")
+    if "run" in obj["meta"] and not 0 <= obj["meta"]["run"] < 1 << 63:
+        raise bad(f"meta field 'run' is not in [0, 2**63): {obj['meta']['run']!r}")
     if "writer" in obj["meta"] and not isinstance(obj["meta"]["writer"], str):
         raise bad(f"meta field 'writer' is not a string: {_brief(obj['meta']['writer'])}")
     if "sharded" in obj["meta"]:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from gockpt import _trace, storage
-from gockpt._pointer import run_started_ns
+from gockpt._pointer import run_of
 from gockpt.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -255,7 +255,7 @@ def persist(req: PersistRequest) -> PersistResult:
             with _trace.phase("latest"):
                 storage.advance_latest(
                     req.path, captured_step, req.storage_options, req.storage_timeout_s,
-                    run_started_ns=run_started_ns(req.meta),
+                    run=run_of(req.meta),
                 )
         except Exception as e:  # noqa: BLE001 - the checkpoint is durable: warn, do not fail
             latest_error = str(e)

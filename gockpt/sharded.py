@@ -491,9 +491,12 @@ class ShardedEngine:
         handle.add_done_callback(lambda h: mark(stage, self.rank, h))
         commit = None
         if self._commits is not None:
+            # The run it records: this engine's in the checkpoint's directory (its part's is
+            # the staging directory's).
+            run = self.engine.run_for(os.path.dirname(root.rstrip("/")) or "/")
             commit = self._commits.submit(commit_parts, path, stage, target, handle, world=self.world,
                                           config=self.config, timeout_s=self.commit_timeout_s,
-                                          replicated=self.replicated,
+                                          replicated=self.replicated, run=run,
                                           framework_names=framework_names,
                                           abandoned=self._abandoned.is_set)
         sh = ShardedHandle(path, handle, commit, stage)

@@ -441,7 +441,7 @@ def save_tree(
         optimizers: ``optimizer.state_dict()``-shaped dicts, one per optimizer.
         step: recorded as requested and captured step (orders the ``latest`` pointer, after the
             run: each call is a run of its own, started at the call, unless ``meta`` gives
-            ``run_started_ns``; see :func:`gockpt.storage.advance_latest`).
+            ``run``; see :func:`gockpt.storage.advance_latest`).
         storage_options: fsspec options.
         max_shard_bytes: upper bound on tensor bytes per shard file.
         num_io_threads: threads writing files.
@@ -498,7 +498,7 @@ def save_tree(
     m = {"requested_step": int(step), "captured_step": int(step), "mode": "sync",
          "num_overlap_steps": 1, "model_keys": model_keys, "num_optimizers": len(opt_sds),
          "tree": True, "created_unix_s": time.time(),
-         "run_started_ns": time.time_ns(),  # a save of its own: a run of one checkpoint
+         "run": time.time_ns(),  # a save of its own: a run of one checkpoint
          **dict(meta or {})}
     req = PersistRequest(
         path=path.rstrip("/") or path, shards=slot_layout.with_prefix(f"shard-{uuid.uuid4().hex[:8]}"),

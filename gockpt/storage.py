@@ -44,6 +44,7 @@ from gockpt._claim import (
 )
 from gockpt._pointer import (
     LATEST_NAME,
+    MAX_RUN,
     best_checkpoint,
     complete_manifest,
     read_manifest,
@@ -95,6 +96,7 @@ __all__ = [
     "is_local",
     "latest_checkpoint",
     "lock_staging",
+    "newest_run",
     "numbered_checkpoints",
     "open_local_regular",
     "prune_numbered",
@@ -183,7 +185,7 @@ def latest_checkpoint(
     The ``latest`` pointer names it. When the pointer is missing, or names a checkpoint that is
     no longer complete (a crash between publish and pointer update, a pointer write that hit
     ``ENOSPC``, a deleted checkpoint), the manifests of the directory's entries are scanned
-    and the newest complete checkpoint is returned: of the latest run (``run_started_ns`` in its
+    and the newest complete checkpoint is returned: of the latest run (``run`` in its
     manifest; a resumed run is later than the one it resumed), the highest captured step.
 
     Args:
@@ -245,19 +247,39 @@ def _timeout_named(path: str, what: str, fn: Callable[[], Any]) -> Any:
         raise storage_error(e, path, path, action=what) from e
 
 
+def newest_run(
+    directory: str,
+    storage_options: Mapping[str, Any] | None = None,
+    timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
+) -> int:
+    """The ``run`` (:mod:`gockpt._pointer`) of the newest checkpoint in ``directory``: its
+    ``latest`` pointer's, else the newest complete checkpoint's found by a scan; 0 when there
+    is none (or the directory does not exist). At most :data:`MAX_RUN`.
+
+    Raises:
+        CheckpointStorageError: the store failed or did not answer within ``timeout_s``
+            seconds (per call; a scan reads one manifest per entry).
+    """
+    fs, parent = url_to_fs(directory, storage_options, timeout_s)
+    fs = bounded_fs(fs, timeout_s)
+    return _timeout_named(directory, "finding the newest run in",
+                          lambda: min(MAX_RUN, _pointer.newest_run(fs, parent)))
+
+
 def advance_latest(
     path: str,
     captured_step: int,
     storage_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = DEFAULT_STORAGE_TIMEOUT_S,
     *,
-    run_started_ns: int = 0,
+    run: int = 0,
 ) -> bool:
     """Point ``latest`` (in the parent of ``path``) at the checkpoint ``path``.
 
     The pointer only moves forward: it is left alone when it names another complete checkpoint
     of a later run, or of the same run with a higher captured step (saves of one run may end out
-    of order: PCcheck §4.1). A resumed run's checkpoints come after those of the run it resumed,
+    of order: PCcheck §4.1); where there is no pointer, when the directory holds such a
+    checkpoint (a scan). A resumed run's checkpoints come after those of the run it resumed,
     whatever their steps (an optimizer without state resumes at step 0; a run restarted from an
     earlier checkpoint goes on from there). The file is replaced atomically: a temp file, fsync
     and ``os.replace`` locally, a single put on object stores.
@@ -267,8 +289,8 @@ def advance_latest(
         captured_step: the optimizer step its tensors hold.
         storage_options: fsspec options.
         timeout_s: bound on one object-store operation in seconds (see :func:`url_to_fs`).
-        run_started_ns: when the engine that wrote it started (wall clock, ns since the epoch;
-            its manifest's ``meta["run_started_ns"]``); 0 orders it before every recorded run.
+        run: the run that wrote it (its manifest's ``meta["run"]``; see
+            :mod:`gockpt._pointer`); 0 orders it before every recorded run.
 
     Returns:
         True if the pointer now names ``path``.
@@ -292,14 +314,22 @@ def advance_latest(
         if (
             current is not None
             and current["name"] != name
-            and (current["run_started_ns"], current["captured_step"]) > (run_started_ns, captured_step)
+            and (current["run"], current["captured_step"]) > (run, captured_step)
             and bounded(lambda: complete_manifest(fs, join(parent, current["name"]))) is not None
         ):
             return False
+        if current is None:
+            # No pointer (a first save here, or one removed after a failed write): a later
+            # checkpoint may be there all the same (a save of this run that ended first).
+            # Readers scan without a pointer, and find that one.
+            best = _bounded(fs, timeout_s, path, what, lambda: best_checkpoint(fs, parent, exclude=name),
+                            scale=4.0)
+            if best is not None and (best[2], best[1]) > (run, captured_step):
+                return False
         try:
             bounded(lambda: write_pointer(fs, parent, {"name": name,
                                                        "captured_step": int(captured_step),
-                                                       "run_started_ns": int(run_started_ns)}),
+                                                       "run": int(run)}),
                     serial=True)
         except CheckpointStorageError as e:
             if current is None or current["name"] == name:
@@ -365,7 +395,7 @@ def remove_checkpoint(
                 else:
                     bounded(lambda: write_pointer(fs, parent, {"name": best[0],
                                                                "captured_step": best[1],
-                                                               "run_started_ns": best[2]}),
+                                                               "run": best[2]}),
                             serial=True)
             except CheckpointStorageError as e:
                 # A pointer naming a missing checkpoint is recovered by scanning; one naming

@@ -115,7 +115,7 @@ def save_gockpt_lightning(
     # Its run is not known: it orders before any recorded run's checkpoints (as gockpt convert's).
     save_tree(dst, {"lightning": checkpoint}, step=int(checkpoint.get("global_step", 0)),
               storage_options=dict(storage_options or {}), max_shard_bytes=max_shard_bytes,
-              update_latest=False, meta={"run_started_ns": 0})
+              update_latest=False, meta={"run": 0})
 
 
 #: Lightning's :class:`gockpt.convert.Framework`: the entry point ``lightning`` of the group

@@ -220,8 +220,8 @@ def test_to_hf_strips_the_prefix_and_shards_with_an_index(runs, capsys):
 
 
 def _run_of(path) -> int:
-    """The ``run_started_ns`` a checkpoint's manifest records (orders it for ``latest``)."""
-    return gockpt.storage.read_manifest(*gockpt.storage.url_to_fs(str(path), None))["meta"]["run_started_ns"]
+    """The ``run`` a checkpoint's manifest records (orders it for ``latest``)."""
+    return gockpt.storage.read_manifest(*gockpt.storage.url_to_fs(str(path), None))["meta"]["run"]
 
 
 def test_stock_ckpt_converted_to_gockpt_resumes_exactly(runs):

@@ -1289,3 +1289,53 @@ def test_a_resumed_run_moves_latest_to_its_own_checkpoints(tmp_path, optims):
     # Without the pointer, the scan orders them the same way.
     os.unlink(tmp_path / "latest")
     assert gockpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter-7")
+
+
+def test_a_rollback_a_clock_ahead_and_a_lost_pointer_keep_latest_on_the_newest_run(tmp_path):
+    """``latest`` follows the newest run: a restore of an older checkpoint into the live engine
+    (a rollback) starts one, whose lower steps still become ``latest``; a directory holding a
+    checkpoint of a run dated in the future (its host's clock ahead) does not pin ``latest``;
+    and with the pointer lost, a late save of a run never moves it back past a later one."""
+    import time as _time
+
+    from gockpt.snapshot import save_tree
+
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy"))
+    for i in range(1, 5):
+        step()
+        if i in (2, 4):
+            eng.save(str(root / f"s{i}"))
+    eng.wait()
+    assert gockpt.latest_checkpoint(str(root)) == str(root / "s4")
+    eng.restore(str(root / "s2"))  # roll back
+    step()
+    eng.save(str(root / "r3")).result()
+    assert gockpt.latest_checkpoint(str(root)) == str(root / "r3")
+    eng.close()
+    # A checkpoint of a run whose host's clock was an hour ahead.
+    save_tree(str(root / "ahead"), {}, model=model.state_dict(), step=100,
+              meta={"run": _time.time_ns() + 3600 * 10**9})
+    assert gockpt.latest_checkpoint(str(root)) == str(root / "ahead")
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy"))  # the run resumed on another host
+    step()
+    first = eng.save(str(root / "n1")).result()
+    step()
+    eng.save(str(root / "n2")).result()
+    eng.close()
+    assert gockpt.latest_checkpoint(str(root)) == str(root / "n2")
+    # The pointer lost (a failed write removes it), then the run's earlier save lands late.
+    os.unlink(root / "latest")
+    run = gockpt.storage.read_manifest(*gockpt.storage.url_to_fs(first.path, None))["meta"]["run"]
+    assert not gockpt.storage.advance_latest(first.path, first.captured_step, run=run)
+    assert gockpt.latest_checkpoint(str(root)) == str(root / "n2")

@@ -542,15 +542,17 @@ def test_moving_latest_and_removing_a_checkpoint_on_a_hung_store_are_bounded(
 def test_a_pointer_write_abandoned_past_its_bound_never_lands_after_a_newer_one(
         hung_store, make_request, make_tensors):
     # Both moves of 'latest' time out while the store hangs; once it answers they land in the
-    # order they were made, so the pointer ends at the newer checkpoint, never the older.
+    # order they were made, so the pointer ends at the newer checkpoint, never the older (or,
+    # where the failed move of it to 'b' removed the pointer that named 'a', is gone: readers
+    # scan and find 'b').
     store, fault, release = hung_store
-    persist(make_request(store.path("a"), make_tensors(1), step=1, update_latest=False))
+    persist(make_request(store.path("a"), make_tensors(1), step=1))  # 'latest' names it
     persist(make_request(store.path("b"), make_tensors(2), step=2, update_latest=False))
     fault.hang({"pipe"}, release)
     for name, step in (("a", 1), ("b", 2)):
         _, error, _ = run_bounded(lambda: gockpt.storage.advance_latest(
             store.path(name), step, timeout_s=HUNG_TIMEOUT_S))
-        assert isinstance(error, CheckpointTimeoutError), error
+        assert isinstance(error, CheckpointStorageError) and "no answer" in str(error), error
     fault.hook = fault.op_hook = None
     release.set()
     # Serial calls run in order: once this one has run, both abandoned writes have landed.
@@ -558,8 +560,8 @@ def test_a_pointer_write_abandoned_past_its_bound_never_lands_after_a_newer_one(
 
     bounded_call(lambda: None, 10.0, "barrier", serial=True)
     fs, parent = url_to_fs(store.root, None)
-    assert gockpt.storage.read_pointer(fs, parent, strict=False) == {
-        "name": "b", "captured_step": 2, "run_started_ns": 0}
+    assert gockpt.storage.read_pointer(fs, parent, strict=False) in (
+        None, {"name": "b", "captured_step": 2, "run": 0})
     assert latest_checkpoint(store.root) == store.path("b")
 
 

@@ -168,7 +168,7 @@ def test_superseded_save_is_discarded(store, make_request, make_tensors):
     assert snapshot(store) == before
     assert_loads_as(store.path("ckpt"), old, 1)
     pointer = json.loads(store.fs.cat_file(store.fs_path("latest")))
-    assert pointer == {"name": "ckpt", "captured_step": 1, "run_started_ns": 0}
+    assert pointer == {"name": "ckpt", "captured_step": 1, "run": 0}
 
 
 def test_publish_callbacks_run_under_the_publish_lock(store, make_request, make_tensors):

@@ -66,13 +66,13 @@ def test_latest_only_moves_forward(store, make_request, make_tensors):
 
     persist(make_request(store.path("step-5"), tensors, step=5))
     assert latest_checkpoint(store.root) == store.path("step-10")
-    assert pointer(store) == {"name": "step-10", "captured_step": 10, "run_started_ns": 0}
+    assert pointer(store) == {"name": "step-10", "captured_step": 10, "run": 0}
 
     persist(make_request(store.path("step-12"), tensors, step=12))
     assert latest_checkpoint(store.root) == store.path("step-12")
     # Re-saving the checkpoint the pointer names updates its step, even downwards.
     persist(make_request(store.path("step-12"), tensors, step=11))
-    assert pointer(store) == {"name": "step-12", "captured_step": 11, "run_started_ns": 0}
+    assert pointer(store) == {"name": "step-12", "captured_step": 11, "run": 0}
 
 
 def test_latest_moves_past_a_newer_checkpoint_that_is_gone(store, make_request, make_tensors):
@@ -101,7 +101,7 @@ def test_remove_checkpoint_repoints_latest(store, make_request, make_tensors):
     assert latest_checkpoint(store.root) == store.path("s7")
 
     remove_checkpoint(store.path("s4"))  # not the latest: pointer unchanged
-    assert pointer(store) == {"name": "s7", "captured_step": 7, "run_started_ns": 0}
+    assert pointer(store) == {"name": "s7", "captured_step": 7, "run": 0}
 
     remove_checkpoint(store.path("s7"))
     assert latest_checkpoint(store.root) is None
@@ -595,3 +595,18 @@ def test_bounded_calls_from_many_threads_all_run_and_keep_their_own_errors():
     while [t for t in threading.enumerate() if t.name.startswith("gockpt-storage")]:
         assert time.monotonic() < deadline, threading.enumerate()
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("run", [1 << 63, -1, 1.5, True, "7"])
+def test_a_manifest_whose_run_is_out_of_range_is_corrupt_and_never_taken_for_the_newest(tmp_path, run):
+    # 'run' orders checkpoints of different runs for 'latest': one claiming a run no engine
+    # records (past a signed 64-bit integer, negative, not an integer) is refused, not ranked.
+    from gockpt.errors import CheckpointCorruptError
+    from gockpt.snapshot import save_tree
+
+    save_tree(str(tmp_path / "good"), {"x": torch.ones(2)}, step=1)
+    save_tree(str(tmp_path / "odd"), {"x": torch.ones(2)}, step=5, meta={"run": run}, update_latest=False)
+    with pytest.raises(CheckpointCorruptError, match="'run'"):
+        storage.read_manifest(*storage.url_to_fs(str(tmp_path / "odd"), None))
+    os.unlink(tmp_path / "latest")
+    assert storage.latest_checkpoint(str(tmp_path)) == str(tmp_path / "good")
