@@ -248,6 +248,9 @@ class Engine:
             self._claims.append(claim)
             cleanup_staging(parent, self.config.storage_options)
             self._cleaned_dirs.add(self._claim_key(parent))
+        # The run its manifest records: the first save here reads the directory's newest.
+        setup |= self._claim_key(parent) not in self._runs
+        run = self.run_for(parent)
         built = self._planner.layouts_built
         layout, model_sd = self._planner.current_layout()
         # One-time costs (a directory claimed, a layout enumerated, the replay self-check) are
@@ -313,7 +316,7 @@ class Engine:
                     "; later skips are logged at INFO" if self._skips == 1 else f" ({self._skips} so far)")
             return handle
         self._all.append(s)
-        s.run = self.run_for(parent)
+        s.run = run
         try:
             if leader is not None:
                 # It copies nothing: what it waits for is the fixed cost of the leader's mode
@@ -543,12 +546,14 @@ class Engine:
         them for ``latest``: :mod:`gockpt._pointer`): its start, raised above the newest run in
         the directory at the first call (so a resumed run comes after the one it resumed, whatever
         the clocks); per directory, until a load into the live state starts a new run. A staging
-        directory (a sharded part's) holds no checkpoints and is not read. Training thread."""
+        directory (a sharded part's) holds no checkpoints and is not read, nor is a directory
+        without the ``latest`` pointer (``update_latest=False``: its first save would read every
+        manifest there). Training thread."""
         key = self._claim_key(directory)
         run = self._runs.get(key)
         if run is None:
             run = self._run_start
-            if not SCRATCH_RE.match(os.path.basename(directory.rstrip("/"))):
+            if self.config.update_latest and not SCRATCH_RE.match(os.path.basename(directory.rstrip("/"))):
                 try:
                     newest = newest_run(directory, self.config.storage_options,
                                         self.config.storage_timeout_s)
