@@ -99,9 +99,16 @@ def run_of(meta: Any) -> int:
 
 
 def newest_run(fs: AbstractFileSystem, parent: str) -> int:
-    """The ``run`` of the newest checkpoint in ``parent``: its pointer's, else a scan's (0 for
-    none). A storage error propagates."""
-    pointer = read_pointer(fs, parent, strict=False)
+    """The ``run`` of the newest checkpoint in ``parent``: its pointer's, else (none, or not a
+    valid pointer) a scan's; 0 for none.
+
+    Raises:
+        CheckpointStorageError: reading the pointer or listing failed (a timeout included).
+    """
+    try:
+        pointer = read_pointer(fs, parent, strict=True)
+    except CheckpointCorruptError:
+        pointer = None
     if pointer is not None:
         return pointer["run"]
     best = best_checkpoint(fs, parent, exclude=None)

@@ -249,8 +249,9 @@ class Engine:
             cleanup_staging(parent, self.config.storage_options)
             self._cleaned_dirs.add(self._claim_key(parent))
         # The run its manifest records: the first save here reads the directory's newest.
-        setup |= self._claim_key(parent) not in self._runs
+        read = self._claim_key(parent) not in self._runs
         run = self.run_for(parent)
+        setup |= read and self._claim_key(parent) in self._runs
         built = self._planner.layouts_built
         layout, model_sd = self._planner.current_layout()
         # One-time costs (a directory claimed, a layout enumerated, the replay self-check) are
@@ -545,29 +546,32 @@ class Engine:
         """The run this engine's checkpoints in ``directory`` record (``meta["run"]``, ordering
         them for ``latest``: :mod:`gockpt._pointer`): its start, raised above the newest run in
         the directory at the first call (so a resumed run comes after the one it resumed, whatever
-        the clocks); per directory, until a load into the live state starts a new run. A staging
-        directory (a sharded part's) holds no checkpoints and is not read, nor is a directory
-        without the ``latest`` pointer (``update_latest=False``: its first save would read every
-        manifest there). Training thread."""
+        the clocks; where the store cannot be read, a warning, and the start alone); per
+        directory; a load into the live state starts a new run, after this one in every
+        directory. A staging directory (a sharded part's) holds no checkpoints and is not read,
+        nor is a directory without the ``latest`` pointer (``update_latest=False``: its first
+        save would read every manifest there): those take the start. Training thread."""
         key = self._claim_key(directory)
         run = self._runs.get(key)
-        if run is None:
-            run = self._run_start
-            if self.config.update_latest and not SCRATCH_RE.match(os.path.basename(directory.rstrip("/"))):
-                try:
-                    newest = newest_run(directory, self.config.storage_options,
-                                        self.config.storage_timeout_s)
-                except Exception as e:  # noqa: BLE001 - ordering by the clock alone is the fallback
-                    log.warning("gockpt: could not read the newest run in %s (%s); ordering its "
-                                "checkpoints by this engine's start", directory, e)
-                    newest = 0
-                run = min(MAX_RUN, max(run, newest + 1))
-            self._runs[key] = run
+        if run is not None:
+            return run
+        if not self.config.update_latest or SCRATCH_RE.match(os.path.basename(directory.rstrip("/"))):
+            return self._run_start
+        try:
+            newest = newest_run(directory, self.config.storage_options, self.config.storage_timeout_s)
+        except Exception as e:  # noqa: BLE001 - ordering by the clock alone is the fallback
+            log.warning("gockpt: could not read the newest run in %s (%s); ordering its "
+                        "checkpoints by this engine's start", directory, e)
+            newest = 0
+        run = self._runs[key] = min(MAX_RUN, max(self._run_start, newest + 1))
         return run
 
     def _before_load(self) -> None:
-        # What follows continues the loaded state (a rollback, a restore): a run of its own.
-        self._run_start, self._runs = time.time_ns(), {}
+        # What follows continues the loaded state (a rollback, a restore): a run of its own,
+        # after this engine's so far in every directory (it is their one writer: no re-read).
+        now = time.time_ns()
+        self._run_start = max(now, self._run_start + 1)
+        self._runs = {k: min(MAX_RUN, max(now, r + 1)) for k, r in self._runs.items()}
         self._windows.note_load()
         if any(not s.handed_off for s in self._windows.saves):
             self._flush_windows()

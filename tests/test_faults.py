@@ -632,3 +632,36 @@ def test_enospc_on_a_full_tmpfs_spares_a_published_checkpoint(small_tmpfs, make_
     assert_loads_as(str(root / "b"), new, 2)
     assert not [n for n in os.listdir(root) if ".gockpt-" in n]
 
+
+
+def test_a_failed_read_of_the_newest_run_is_warned_not_taken_for_an_empty_directory(hung_store, caplog):
+    # An engine's first save into a directory reads the newest run there (its 'latest'), so
+    # that its checkpoints come after it. A read that failed was taken for "no pointer": a
+    # silent scan of every manifest on the training thread, and a pointer of a run dated
+    # ahead of this host's clock then kept 'latest' off this run with no word of it.
+    from gockpt.snapshot import save_tree
+
+    store, fault, _ = hung_store
+    save_tree(store.path("ahead"), {"x": torch.ones(2)}, step=9, meta={"run": time.time_ns() + 3600 * 10**9})
+
+    def refuse(op, path):
+        if op == "cat" and path.rstrip("/").endswith("/latest"):
+            raise ConnectionError("503 Slow Down")
+
+    fault.op_hook = refuse
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode="lazy", storage_timeout_s=HUNG_TIMEOUT_S))
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        engine.step_end()
+        with caplog.at_level(logging.WARNING, logger="gockpt"):
+            handle = engine.save(store.path("mine"))
+        assert any("could not read the newest run" in r.getMessage() for r in caplog.records)
+        fault.op_hook = None
+        handle.result(timeout_s=HUNG_BOUND_S)  # the checkpoint itself is written
+    finally:
+        fault.op_hook = None
+        engine.close()
