@@ -8,7 +8,9 @@ captured step (saves of one run may finish out of order: PCcheck §4.1). ``run``
 and in each manifest's ``meta``) orders runs: the writing engine's start (wall clock, ns), raised
 above the newest run already in the directory at its first save there (a resumed run comes after
 the run it resumed, whatever their steps or the clocks of their hosts); a load into a live
-engine starts a new run. 0: unknown (converted, or written by 0.1.0), before any other. Callers that read and then rewrite it hold :data:`LATEST_LOCK`, read as
+engine starts a new run. 0: unknown (converted, or written by 0.1.0), before any other.
+
+Callers that read and then rewrite the pointer hold :data:`LATEST_LOCK`, read as
 ``_pointer.LATEST_LOCK`` at the time of use (a forked child gets a fresh lock object).
 """
 

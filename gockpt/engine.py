@@ -43,18 +43,17 @@ from . import _exit
 from ._hooks import EngineHook, StepPreHook
 from ._pipeline import Pipeline
 from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_copy_bandwidth
+from ._pointer import MAX_RUN
 from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
-from .fsutil import is_local, path_key, url_to_fs
+from .fsutil import SCRATCH_RE, is_local, path_key, url_to_fs
 from .fsutil import split as split_path
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
 from .restore import load_checkpoint, load_into
 from .replay import is_replayable
-from ._pointer import MAX_RUN
-from .fsutil import SCRATCH_RE
 from .storage import (
     BackgroundDeleter,
     check_save_path,

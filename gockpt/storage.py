@@ -359,10 +359,9 @@ def remove_checkpoint(
 
     If ``latest`` names it, the pointer is first moved to the newest complete checkpoint left in
     the same directory (of the latest run, the highest captured step), or deleted if there is
-    none. Then the
-    checkpoint stops being complete in one atomic step before any file goes: locally the
-    directory is renamed to a scratch name (and the parent fsynced), then deleted; on object
-    stores ``manifest.json`` is deleted first, then the rest. A crash at any moment leaves
+    none. Then the checkpoint stops being complete in one atomic step before any file goes:
+    locally the directory is renamed to a scratch name (and the parent fsynced), then deleted;
+    on object stores ``manifest.json`` is deleted first, then the rest. A crash at any moment leaves
     either the whole checkpoint or nothing that :func:`is_complete` accepts. A missing
     ``path`` is not an error.
 
