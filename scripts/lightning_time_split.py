@@ -1,0 +1,96 @@
+"""Where GoCkptIO's extra fit time goes under Lightning's defaults (docs/benchmark.md).
+
+The ``bench`` preset under a Trainer with its default ModelCheckpoint (6 epochs of 10 steps, a
+checkpoint per epoch end), timed per batch: the steps, the gaps between batches (ModelCheckpoint
+saves at the epoch ends), the time before the first batch and after the last one.
+
+    python scripts/lightning_time_split.py none|gockpt
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from workload import PRESETS, build_training, lm_loss, make_dataloader, text_datasets  # noqa: E402
+
+EPOCHS, STEPS_PER_EPOCH = 6, 10
+
+
+class Times(Callback):
+    """(event, perf_counter) at every batch start and end and at the end of training."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.events.append(("start", time.perf_counter()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.events.append(("end", time.perf_counter()))
+
+    def on_train_end(self, trainer, pl_module):
+        self.events.append(("train_end", time.perf_counter()))
+
+
+def main(variant: str) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    preset = PRESETS["bench"]
+    model, optimizer, _ = build_training("fp32", "bench", seed=0)
+    train, _ = text_datasets(None, seq_len=preset.seq_len)
+    loader = make_dataloader(train, preset.batch_size, seed=0)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, batch_idx):
+            return lm_loss(self.net, batch)
+
+        def configure_optimizers(self):
+            return optimizer
+
+        def train_dataloader(self):
+            return loader
+
+    plugins = None
+    if variant == "gockpt":
+        from lightning_gockpt import GoCkptIO
+
+        plugins = [GoCkptIO()]
+    root = os.path.join(tempfile.gettempdir(), f"gockpt_time_split_{variant}")
+    shutil.rmtree(root, ignore_errors=True)
+    times = Times()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=EPOCHS, limit_train_batches=STEPS_PER_EPOCH,
+        enable_checkpointing=variant != "none", default_root_dir=root, plugins=plugins, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[times])
+    t0 = time.perf_counter()
+    trainer.fit(Module())
+    t1 = time.perf_counter()
+    starts = [t for e, t in times.events if e == "start"]
+    ends = [t for e, t in times.events if e == "end"]
+    train_end = next(t for e, t in times.events if e == "train_end")
+    steps = [b - a for a, b in zip(starts, ends, strict=True)]
+    gaps = [starts[i + 1] - ends[i] for i in range(len(ends) - 1)]
+    epoch_gaps = [round(g, 3) for i, g in enumerate(gaps) if (i + 1) % STEPS_PER_EPOCH == 0]
+    print(f"{variant}: fit {t1 - t0:.2f} s; before the first batch {starts[0] - t0:.3f} s; steps "
+          f"{sum(steps):.2f} s (median {statistics.median(steps):.3f}); gaps between batches "
+          f"{sum(gaps):.2f} s, at the epoch ends {epoch_gaps}; last batch end to train end "
+          f"{train_end - ends[-1]:.3f} s; train end to fit's return {t1 - train_end:.3f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "gockpt")
