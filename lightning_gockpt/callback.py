@@ -10,7 +10,14 @@ import weakref
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    Callback,
+    Checkpoint,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+)
 from torch import nn, optim
 
 import gockpt
@@ -26,6 +33,9 @@ from .io import GoCkptIO, make_placeholder, remove_placeholder, tidy_placeholder
 from .staged import StagedAdapterEngine, StagedHandle, drain_discards, remove_now
 
 log = logging.getLogger("lightning_gockpt")
+
+# Lightning's callbacks whose on_train_epoch_start changes no tensor of the model or optimizers.
+_SHOW_AT_EPOCH_START = (ProgressBar, LearningRateMonitor, GradientAccumulationScheduler)
 
 # One writer | an engine on every rank (sharded, DDP shares) | DeepSpeed's files.
 _Handle = SaveHandle | ShardedHandle | StagedHandle
@@ -66,9 +76,10 @@ class GoCkptCallback(Callback):
     4. ``on_train_batch_end``, by a companion callback placed right before the checkpoint
        callbacks (where ``ModelCheckpoint`` saves): ``engine.step_end()`` (the step boundary where
        checkpoints take Lightning's dict), then log finished checkpoints.
-    5. ``on_train_epoch_start/end``, ``on_validation_start``: ``engine.flush()``, so that no copy
-       is pending while other callbacks may change weights outside ``optimizer.step()``
-       (weight averaging swaps weights in through ``.data``, which no version counter sees).
+    5. ``on_train_epoch_end``, ``on_validation_start`` and, where another callback or the
+       module defines it, ``on_train_epoch_start``: ``engine.flush()``, so that no copy is
+       pending while other callbacks may change weights outside ``optimizer.step()`` (weight
+       averaging swaps weights in through ``.data``, which no version counter sees).
     6. ``on_train_end``: ``engine.wait()`` before other callbacks' ``on_train_end`` (EMA copies
        its average into the model there); later requests snapshot at once (mode ``async``).
     7. ``on_exception``, ``teardown``, ``GoCkptIO.teardown``: wait and close (backstops).
@@ -263,7 +274,11 @@ class GoCkptCallback(Callback):
             self._remove_deferred()
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
+        # Only where other code runs here that may swap weights in (SWA transfers its average
+        # through .data): otherwise the copy of a save requested at the epoch's end (stock's
+        # ModelCheckpoint default) goes on under the first step, as at any other step.
+        if _may_edit_at_epoch_start(trainer, self):
+            self._flush()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush()
@@ -783,6 +798,19 @@ class GoCkptCallback(Callback):
             metrics = handle.outcome(0).log_dict()
             for logger in trainer.loggers:
                 logger.log_metrics(metrics=metrics, step=step)
+
+
+def _may_edit_at_epoch_start(trainer: Trainer, own: Callback) -> bool:
+    """Whether a callback (other than Lightning's that only show or log: progress bars, the
+    learning-rate monitor, the accumulation scheduler) or the module defines
+    ``on_train_epoch_start``: code that may change weights outside ``optimizer.step()``."""
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if cb is own or isinstance(cb, (_BatchEnd, *_SHOW_AT_EPOCH_START)):
+            continue
+        if type(cb).on_train_epoch_start is not Callback.on_train_epoch_start:
+            return True
+    module = trainer.lightning_module
+    return module is not None and type(module).on_train_epoch_start is not LightningModule.on_train_epoch_start
 
 
 class _BatchEnd(Callback):

@@ -1514,3 +1514,53 @@ def test_another_gockptio_loads_a_checkpoint_the_running_fit_has_in_flight(tmp_p
     # What it read is what the checkpoint holds now, the fit done.
     assert_bitwise_equal(got["step=8.ckpt"]["state_dict"],
                          GoCkptIO().load_checkpoint(str(tmp_path / "step=8.ckpt"))["state_dict"], "loaded")
+
+
+@pytest.mark.parametrize("editor", [False, True])
+def test_an_epoch_end_save_overlaps_the_next_step_unless_code_may_edit_weights_at_the_epoch_start(
+        tmp_path, editor):
+    """Every epoch start finished the copies in flight (in case a callback swaps weights in
+    there through ``.data``, as SWA does): the copy of a save requested at the epoch's end,
+    stock's ModelCheckpoint default, never overlapped the next step. Now only where another
+    callback or the module defines ``on_train_epoch_start``; there the checkpoint still holds
+    the weights before the swap, as stock's."""
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+
+    class Swap(Callback):  # writes the weights through .data, as weight averaging does
+        def on_train_epoch_start(self, trainer, pl_module):
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.data.mul_(0.5)
+
+    got: list = []
+
+    class Grab(Callback):
+        def on_train_end(self, trainer, pl_module):  # after GoCkpt's, which waits for them all
+            cb = getattr(trainer.strategy.checkpoint_io, "_callback", None)
+            if cb is not None:
+                got.extend(cb.engine.metrics)
+
+    def run(root, io):
+        pl.seed_everything(0, verbose=False)
+        cbs = [Grab(), TQDMProgressBar(), ModelCheckpoint(dirpath=str(root), filename="{step}", save_top_k=-1)]
+        trainer = pl.Trainer(default_root_dir=str(root), max_epochs=3, limit_train_batches=4, accelerator="cpu",
+                             logger=False, enable_progress_bar=True, enable_model_summary=False,
+                             callbacks=cbs + ([Swap()] if editor else []), plugins=[io] if io else None)
+        trainer.fit(TinyNet())
+
+    run(tmp_path / "ours", GoCkptIO(mode="lazy"))
+    saves = sorted(got, key=lambda m: m.requested_step)
+    assert len(saves) == 3
+    # (Once a swap was seen, later saves are copied at their request: mode async, no flush.)
+    for m in saves[:1] if editor else saves[:2]:  # the last one is finished when training ends
+        assert ("flush" in m.stall_by_phase_s) == editor, m.stall_by_phase_s
+    if editor:
+        run(tmp_path / "stock", None)
+        names = sorted(os.listdir(tmp_path / "stock"))
+        assert names == sorted(os.listdir(tmp_path / "ours")) and len(names) == 3
+        for name in names:
+            ours = GoCkptIO().load_checkpoint(str(tmp_path / "ours" / name))
+            stock = torch.load(tmp_path / "stock" / name, weights_only=False)
+            assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
