@@ -25,25 +25,16 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 VARIANTS = ("none", "torch", "async", "gockpt", "none")
 
 
-def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: str) -> None:
-    """Train one variant in this (forked) process and write its measurements to ``result_path``."""
-    import resource
-    import warnings
-
+def lightning_module(model: Any, optimizer: Any, loader: Any) -> Any:
+    """A LightningModule training ``model`` (a ``workload`` language model) with ``optimizer``
+    on ``loader``."""
     import lightning.pytorch as pl
-    import torch
-    from workload import PRESETS, build_training, lm_loss, make_dataloader, text_datasets
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    preset = PRESETS[args.preset]
-    model, optimizer, _ = build_training("fp32", args.preset, seed=0)
-    train, _ = text_datasets(args.data, seq_len=preset.seq_len)
-    loader = make_dataloader(train, args.batch_size or preset.batch_size, seed=0)
+    from workload import lm_loss
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -58,6 +49,25 @@ def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: 
 
         def train_dataloader(self):
             return loader
+
+    return Module()
+
+
+def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: str) -> None:
+    """Train one variant in this (forked) process and write its measurements to ``result_path``."""
+    import resource
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch
+    from workload import PRESETS, build_training, make_dataloader, text_datasets
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    preset = PRESETS[args.preset]
+    model, optimizer, _ = build_training("fp32", args.preset, seed=0)
+    train, _ = text_datasets(args.data, seq_len=preset.seq_len)
+    loader = make_dataloader(train, args.batch_size or preset.batch_size, seed=0)
 
     plugins = None
     if variant == "async":
@@ -74,7 +84,7 @@ def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: 
         enable_checkpointing=variant != "none", default_root_dir=root, plugins=plugins, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     start = time.perf_counter()
-    trainer.fit(Module())
+    trainer.fit(lightning_module(model, optimizer, loader))
     wall = time.perf_counter() - start
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state += sum(t.numel() * t.element_size() for st in optimizer.state.values()

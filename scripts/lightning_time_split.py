@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from bench_lightning import lightning_module  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from workload import PRESETS, build_training, lm_loss, make_dataloader, text_datasets  # noqa: E402
+from workload import PRESETS, build_training, make_dataloader, text_datasets  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH = 6, 10
 
@@ -51,20 +52,6 @@ def main(variant: str) -> None:
     train, _ = text_datasets(None, seq_len=preset.seq_len)
     loader = make_dataloader(train, preset.batch_size, seed=0)
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = model
-
-        def training_step(self, batch, batch_idx):
-            return lm_loss(self.net, batch)
-
-        def configure_optimizers(self):
-            return optimizer
-
-        def train_dataloader(self):
-            return loader
-
     plugins = None
     if variant == "gockpt":
         from lightning_gockpt import GoCkptIO
@@ -78,7 +65,7 @@ def main(variant: str) -> None:
         enable_checkpointing=variant != "none", default_root_dir=root, plugins=plugins, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[times])
     t0 = time.perf_counter()
-    trainer.fit(Module())
+    trainer.fit(lightning_module(model, optimizer, loader))
     t1 = time.perf_counter()
     starts = [t for e, t in times.events if e == "start"]
     ends = [t for e, t in times.events if e == "end"]
