@@ -807,7 +807,8 @@ def _may_edit_at_epoch_start(trainer: Trainer, own: Callback) -> bool:
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if cb is own or isinstance(cb, (_BatchEnd, *_SHOW_AT_EPOCH_START)):
             continue
-        if type(cb).on_train_epoch_start is not Callback.on_train_epoch_start:
+        # Not found on its type (a callback-like object): it may define it, so it counts.
+        if getattr(type(cb), "on_train_epoch_start", None) is not Callback.on_train_epoch_start:
             return True
     module = trainer.lightning_module
     return module is not None and type(module).on_train_epoch_start is not LightningModule.on_train_epoch_start

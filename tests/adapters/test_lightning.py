@@ -1564,3 +1564,20 @@ def test_an_epoch_end_save_overlaps_the_next_step_unless_code_may_edit_weights_a
             ours = GoCkptIO().load_checkpoint(str(tmp_path / "ours" / name))
             stock = torch.load(tmp_path / "stock" / name, weights_only=False)
             assert_bitwise_equal(ours["state_dict"], stock["state_dict"], name)
+
+
+def test_a_callback_that_is_a_mock_counts_as_code_at_the_epoch_start(tmp_path):
+    # Lightning's own tests pass Mock(spec=Callback) callbacks: whether one defines
+    # on_train_epoch_start is not found on its type, and asking raised AttributeError at the
+    # first epoch start. It counts as one that may edit weights there.
+    from unittest.mock import Mock
+
+    import lightning.pytorch as pl
+    from _lightning_train import TinyNet
+    from lightning.pytorch.callbacks import Callback
+
+    cb = Mock(spec=Callback, model=Callback())
+    pl.Trainer(default_root_dir=str(tmp_path), max_steps=2, accelerator="cpu", logger=False,
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[cb],
+               plugins=[GoCkptIO(mode="lazy")]).fit(TinyNet())
+    assert cb.on_train_epoch_start.called
