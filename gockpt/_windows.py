@@ -15,7 +15,7 @@ import logging
 import statistics
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -788,8 +788,7 @@ class Windows:
             s.edited = w.edited()
         s.watch = None
         if s.edited:
-            base = s.slot.data.data_ptr()
-            stale = {s.views[e.key].data_ptr() - base for i in s.edited for e in s.layout.units[i].entries}
+            stale = _unit_offsets(s, s.edited)
             s.slot.held.forget(stale)
             s.to_remember = [r for r in s.to_remember if r[0] not in stale]
             self.edits_between_updates = True  # later saves are copied at their request
@@ -847,11 +846,9 @@ class Windows:
         if self._when_changed and units:
             # The replay will write these views: a frozen parameter unfrozen during the save,
             # whose view was kept (not copied, so not waited for on a borrowed slot).
-            views = [s.views[e.key] for i in units for e in s.layout.units[i].entries]
-            base = s.slot.data.data_ptr()
-            s.slot.held.forget(v.data_ptr() - base for v in views)
+            s.slot.held.forget(_unit_offsets(s, units))
             if s.borrowed is not None and not s.borrowed.done:
-                self._wait_drain(s, views)
+                self._wait_drain(s, [s.views[e.key] for i in units for e in s.layout.units[i].entries])
         turn = s.grad_turn
         s.grad_turn ^= 1
         t0 = perf_counter()
@@ -877,8 +874,7 @@ class Windows:
         host copies forward, so ``s`` takes them live at its capture, on the training thread
         (:attr:`SaveRecord.live_units`)."""
         s.live_units.update(units)
-        base = s.slot.data.data_ptr()
-        s.slot.held.forget(s.views[e.key].data_ptr() - base for i in units for e in s.layout.units[i].entries)
+        s.slot.held.forget(_unit_offsets(s, units))
         if not self._warned_sparse:
             self._warned_sparse = True
             names = ", ".join(s.layout.units[i].param_entry.key for i in units[:3])
@@ -1302,3 +1298,9 @@ class Windows:
                 if stored.get(name) != storage_key(local(t)):
                     return True
         return n != len(stored)
+
+
+def _unit_offsets(s: SaveRecord, units: Iterable[int]) -> set[int]:
+    """The slot offsets (bytes) of the views of ``units``' tensors in ``s``'s snapshot."""
+    base = s.slot.data.data_ptr()
+    return {s.views[e.key].data_ptr() - base for i in units for e in s.layout.units[i].entries}

@@ -239,18 +239,19 @@ class Engine:
         t0 = perf_counter()
         parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False
-        if self._claim_key(parent) not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
+        key = self._claim_key(parent)
+        if key not in self._cleaned_dirs and getattr(writer, "claim_directory", True):
             setup = True
             # One writing process per directory, then scratch files of writers killed mid-save.
             claim = claim_directory(parent, self.config.storage_options,
                                     timeout_s=self.config.storage_timeout_s)
             self._claims.append(claim)
             cleanup_staging(parent, self.config.storage_options)
-            self._cleaned_dirs.add(self._claim_key(parent))
+            self._cleaned_dirs.add(key)
         # The run its manifest records: the first save here reads the directory's newest.
-        read = self._claim_key(parent) not in self._runs
-        run = self.run_for(parent)
-        setup |= read and self._claim_key(parent) in self._runs
+        known = key in self._runs
+        run = self._run_for(key, parent)
+        setup |= not known and key in self._runs  # it read the directory just now
         built = self._planner.layouts_built
         layout, model_sd = self._planner.current_layout()
         # One-time costs (a directory claimed, a layout enumerated, the replay self-check) are
@@ -550,7 +551,10 @@ class Engine:
         directory. A staging directory (a sharded part's) holds no checkpoints and is not read,
         nor is a directory without the ``latest`` pointer (``update_latest=False``: its first
         save would read every manifest there): those take the start. Training thread."""
-        key = self._claim_key(directory)
+        return self._run_for(self._claim_key(directory), directory)
+
+    def _run_for(self, key: str, directory: str) -> int:
+        """:meth:`run_for` of ``directory``, whose :meth:`_claim_key` is ``key``."""
         run = self._runs.get(key)
         if run is not None:
             return run

@@ -293,7 +293,8 @@ HPC_NAME = re.compile(r"hpc_ckpt_\d+\.ckpt")
 
 def is_hpc_path(path: str, trainer: Any) -> bool:
     """Whether ``path`` is the checkpoint Lightning's SLURM signal handler saves
-    (``<default_root_dir>/hpc_ckpt_<n>.ckpt``), which must be durable when the save returns."""
+    (``<default_root_dir>/hpc_ckpt_<n>.ckpt``), which must be durable when the save returns.
+    ``trainer`` None: False. Raises nothing."""
     if trainer is None or not HPC_NAME.fullmatch(os.path.basename(path)):
         return False
     root = str(getattr(trainer, "default_root_dir", ""))
@@ -304,7 +305,12 @@ def tidy_hpc(directory: str, storage_options: Any) -> None:
     """Clear what a killed run's hpc saves left in ``default_root_dir`` (local): the scratch
     entries of dead writers and empty ``hpc_ckpt_<n>.ckpt`` directories. Lightning resumes a
     requeued job from the highest ``<n>`` among the names there that hold ``hpc_ckpt_``, digits
-    of a scratch name included; call before it looks (at Trainer construction)."""
+    of a scratch name included; call before it looks (at Trainer construction). Nothing is
+    done for a remote ``directory``.
+
+    Raises:
+        OSError: listing or removing failed (a placeholder filled meanwhile is kept, no error).
+    """
     from gockpt.fsutil import SCRATCH_RE
     from gockpt.storage import cleanup_staging
 
