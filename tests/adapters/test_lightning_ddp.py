@@ -71,6 +71,11 @@ class Probe(Callback):
         assert max(steps) >= self.newest, (self.newest, os.listdir(f"{self.root}/top"))
         self.newest = max(steps)
 
+    def on_train_end(self, trainer, pl_module):
+        # Once more after GoCkpt's callback (first in the list) has waited for every save: on a
+        # slow disk none may have been durable at a batch start before the run stopped.
+        self.on_train_batch_start(trainer, pl_module, None, 0)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         path = f"{self.root}/a/step={EVERY}.ckpt"
         if trainer.is_global_zero and trainer.global_step == EVERY + 1 and self.mode == "gockpt_o":
