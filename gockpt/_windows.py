@@ -15,7 +15,7 @@ import logging
 import statistics
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -498,13 +498,26 @@ class Windows:
             self.fail(s, CheckpointTornError(f"{s.path}: not written: {why}"))
         return len(pending)
 
-    def flush(self, version: int, at_end: bool = False) -> None:
-        """Finish the copy windows of every pending save at step ``version``.
+    def flush(self, version: int, at_end: bool = False, only: Callable[[SaveRecord], bool] | None = None) -> None:
+        """Finish the copy windows of every pending save at step ``version`` (``only``: of
+        those it selects).
 
         A save not yet captured whose state the live tensors cannot give as one step's (the run
         stopped inside an update, or before its step boundary: see :meth:`_not_one_step`)
         fails with :class:`CheckpointTornError`, logged as a warning, instead of being written
         torn."""
+        if only is not None:
+            chosen = [s for s in self.saves if only(s)]
+            if not chosen:
+                return
+            before = list(self.saves)
+            self.saves[:] = chosen
+            try:
+                self.flush(version, at_end)
+            finally:
+                left = {id(s) for s in self.saves}  # the chosen ones flush kept (none, usually)
+                self.saves[:] = [s for s in before if id(s) in left or all(s is not c for c in chosen)]
+            return
         why = self._not_one_step(version, at_end)
         if why is not None:
             self.abandon_uncaptured(why)  # never a torn checkpoint, never an error for the run
@@ -541,6 +554,26 @@ class Windows:
             # The capture inside it counts as its own phases ("capture", "static_copy").
             s.metrics.add_stall("flush", perf_counter() - tf - (s.metrics.stall_s - counted))
             self.finalize(s)
+
+    def finish_captured(self) -> None:
+        """Finish the saves already captured that still copy their last block (waits for that
+        copy; such a save is then handed to the pipeline): a write about to come into the live
+        tensors (a load into part of the model) is then no edit after their capture."""
+        for s in list(self.saves):
+            if not s.captured:
+                continue
+            try:
+                if s.phase is Phase.COPYING:
+                    t0 = perf_counter()
+                    s.tickets[s.window].wait()
+                    s.metrics.add_stall("window_end", perf_counter() - t0)
+                    self._check_window(s)
+                s.phase = Phase.COPIED
+            except BaseException as e:  # noqa: BLE001 - fails this checkpoint only
+                self.fail(s, e)
+                continue
+            if s.window == s.num_blocks - 1:
+                self.finalize(s)
 
     # ------------------------------------------------------------------ hand-off
 
@@ -1130,12 +1163,21 @@ class Windows:
             current = prune_model(current, part)
         live, stored = self._tracked_keys(s.layout)
         live = dict(live)
+        replaced = []
         for i, (u, keys) in enumerate(zip(s.layout.units, stored)):
             # rare: written or replaced during the windows, or given a sparse gradient
-            if i in s.edited or i in s.live_units or self._dirty(u, keys):
+            if i in s.edited or i in s.live_units or self._dirty(u, keys) \
+                    or self._swapped(u, keys, current):
                 live.pop(keys[0], None)
                 for k in keys[1].values():
                     live.pop(k, None)
+                if i not in s.edited and i not in s.live_units:
+                    replaced.append(i)
+        if replaced:
+            # Their live values go into the slot views too (_sync_edited): views a writer builds
+            # files from must not keep the copies of the tensors the model no longer holds.
+            s.live_units |= set(replaced)
+            s.slot.held.forget(_unit_offsets(s, replaced))
         pairs = []
         st = self._stash
         stash = st.values if st is not None and st.updates == self._updates and id(s) in st.saves else {}
@@ -1286,6 +1328,17 @@ class Windows:
             # optimizer state after load_state_dict) must not outlive it here.
             cached = self._keys_cache = (weakref.ref(layout), live, stored)
         return cached[1], cached[2]
+
+    @staticmethod
+    def _swapped(u: Unit, keys: tuple[tuple, dict[str, tuple]], current: dict[str, Any]) -> bool:
+        """Whether the model's state_dict (``current``) holds another tensor than ``u``'s under
+        its key: a parameter replaced by a new object during the windows (``load_state_dict(...,
+        assign=True)``, an attribute set); the unit's host copy is of the one it replaced."""
+        key = u.param_entry.key
+        if not key.startswith("model."):
+            return False
+        t = current.get(key[len("model."):])
+        return isinstance(t, torch.Tensor) and storage_key(t) != keys[0]
 
     def _dirty(self, u: Unit, keys: tuple[tuple, dict[str, tuple]]) -> bool:
         """Whether ``u``'s optimizer state is no longer the tensors its host copy was taken from

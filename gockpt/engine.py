@@ -147,8 +147,12 @@ class Engine:
             self._windows.wrap_zero_grad(o)
         self._hooks.append(model.register_forward_pre_hook(EngineHook(self._on_forward)))
         # load_state_dict overwrites live tensors in place: pending copies finish first.
+        # A load into the whole model (a restore, a rollback) ends the saves in flight at the
+        # state before it; one into a part of it (a target network's sync, a refreshed teacher)
+        # belongs to the step, as an edit does (_before_part_load).
         for m in model.modules():
-            self._hooks.append(m.register_load_state_dict_pre_hook(EngineHook(self._before_load)))
+            self._hooks.append(m.register_load_state_dict_pre_hook(
+                EngineHook(self._before_load if m is model else self._before_part_load)))
         for o in self.optimizers:
             self._hooks.append(o.register_load_state_dict_pre_hook(EngineHook(self._before_load)))
         self._exit_token = _exit.register(self._close_at_exit)
@@ -578,6 +582,18 @@ class Engine:
         self._windows.note_load()
         if any(not s.handed_off for s in self._windows.saves):
             self._flush_windows()
+
+    def _before_part_load(self) -> None:
+        # Not a restore: the step's own edit. The saves requested at an earlier step and still
+        # to be captured take the units it writes (or replaces) live at their capture (EditWatch, Windows._swapped), so their
+        # checkpoint holds the step as a blocking save at its end would; captured ones still
+        # copying their last block finish that copy first, which the load must not reach.
+        self._windows.note_load()
+        # A save requested at this very step holds that request's state: taken before the load,
+        # as stock's blocking save at the request was.
+        self._windows.flush(self.version, only=lambda s: not s.captured
+                            and s.metrics.requested_step == self.version)
+        self._windows.finish_captured()
 
     def _on_forward(self) -> None:
         self._windows.forward_start(self.version)

@@ -795,3 +795,32 @@ def test_a_save_whose_last_window_waits_for_the_boundary_is_exact(tmp_path, how)
     assert_state_equal({k: v for k, v in state.model_state_dict.items() if k in names},
                        {k: v for k, v in want["model"].items() if k in names})
     assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
+
+
+@pytest.mark.parametrize("mode", ["gockpt", "gockpt_o"])
+@pytest.mark.parametrize("module", ["hidden", "norm"])
+@pytest.mark.parametrize("assign", [False, True], ids=["in_place", "assign"])
+def test_a_submodule_loaded_inside_the_windows_is_in_the_checkpoint_of_that_step(
+        tmp_path, mode, module, assign):
+    # A step that ends by loading weights into part of the model (a target network's sync, a
+    # teacher refreshed from a file): the checkpoint of that step holds them, as a blocking save
+    # at its end does, whether the load writes in place or swaps in new tensors (assign=True).
+    model, opt, sched, scaler = make("adamw")
+    torch.manual_seed(5)
+    source = getattr(make("adamw", seed=5)[0], module).state_dict()
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=4, max_overlap_steps=4))
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 6:  # copying blocks over steps 7..9 when the load comes
+            handles.append(eng.save(str(tmp_path / f"ckpt-{it}")))
+        if it in (7, 8):
+            getattr(model, module).load_state_dict(source, assign=assign)
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 12, on_step_end=on_step_end)
+    eng.close()
+    m = handles[0].result()
+    assert m.captured_step - m.requested_step == 3
+    _assert_holds_live(m, live)

@@ -1239,3 +1239,61 @@ def test_a_save_finished_by_a_later_request_holds_step_and_rng_of_that_request(t
         assert torch.equal(g["torch_manual_seed"], w["torch_manual_seed"]), name
         assert child.differences(load_file(str(got / "model.safetensors")),
                                  load_file(str(want / "model.safetensors"))) == [], name
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint_in_model", "assign"])
+def test_a_frozen_submodule_reloaded_inside_the_windows_is_in_model_safetensors(tmp_path, how):
+    # A frozen teacher refreshed from a file at a step inside a multi-step save's windows (new
+    # Parameter objects): model.safetensors, built from the host slot, holds the refreshed
+    # weights, as stock's save_state at the captured step does.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import load_checkpoint_in_model
+    from safetensors.torch import save_file
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = torch.nn.Linear(16, 16)
+            self.teacher = torch.nn.Linear(16, 16)
+            self.teacher.requires_grad_(False)
+
+        def forward(self, x):
+            return self.student(x) + self.teacher(x)
+
+    def run(ours: bool, root: Path) -> dict[int, Path]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        net = Net()
+        model, opt = acc.prepare(net, torch.optim.AdamW(net.student.parameters(), lr=1e-2))
+        root.mkdir()
+        teacher_file = root / "teacher.safetensors"
+        save_file({k: torch.full_like(v, 7.0) for k, v in net.teacher.state_dict().items()}, str(teacher_file))
+        if ours:
+            attach(acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3))
+        g = torch.Generator().manual_seed(1)
+        saved = {}
+        for step in range(1, 9):
+            acc.backward(model(torch.randn(8, 16, generator=g)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            if step == 6:
+                if how == "assign":
+                    net.teacher.load_state_dict(load_file(str(teacher_file)), assign=True)
+                else:
+                    load_checkpoint_in_model(net.teacher, str(teacher_file))
+            if (step == 5) if ours else True:
+                saved[step] = Path(acc.save_state(str(root / f"step{step}")))
+        acc.end_training()
+        return saved
+
+    stock = run(False, tmp_path / "stock")
+    ours = run(True, tmp_path / "ours")[5]
+    captured = json.loads((ours / "gockpt.json").read_text())["captured_step"]
+    assert captured > 5  # a step after the request's, at or after the refresh
+    got, want = load_file(str(ours / "model.safetensors")), load_file(str(stock[captured] / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
