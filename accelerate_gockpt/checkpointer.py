@@ -147,6 +147,9 @@ class GoCkptCheckpointer:
         final, root = self._resolve_dir(output_dir)
         assert self._rep is not None
         acc = self.accelerator
+        # The path as stock returns it: the folder as named (relative stays relative).
+        shown = (os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}")
+                 if root is not None else os.fspath(output_dir))
         if isinstance(self._rep, _sharded.ShardedSaves):  # FSDP2: every process saves its shards
             self._rep.save(final, iteration=acc.save_iteration, exact_step=self._exact_step, rotate_root=root,
                            total_limit=acc.project_configuration.total_limit if root else None)
@@ -178,15 +181,17 @@ class GoCkptCheckpointer:
                 raise hook_error
         self.accelerator.project_configuration.iteration += 1
         self._log_published()
-        return Path(final)
+        return Path(shown)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
         """``Accelerator.load_state``, after finishing pending saves; restores the iteration.
 
         With ``input_dir=None`` and automatic naming it loads the highest-numbered checkpoint
-        (every one there is complete). Afterwards ``project_configuration.iteration`` is one
-        past the loaded checkpoint's, so the next ``save_state`` does not collide with it.
+        (every one there is complete). Afterwards ``project_configuration.iteration`` is at
+        least one past the loaded checkpoint's, so the next ``save_state`` does not collide with
+        it; it never goes back (a rollback to an older folder saves the next one under a new
+        number, as stock's unchanged counter does).
 
         Before Accelerate's loader reads the folder, a folder GoCkpt wrote is checked against
         its manifest (sizes, and checksums with ``verify_on_load``), and a FIFO, device or
@@ -207,8 +212,9 @@ class GoCkptCheckpointer:
         self._stop()  # load_state_dict replaces optimizer state tensors: re-enumerate them
         try:
             if input_dir is not None and self._sharded and _sharded.is_sharded_checkpoint(os.fspath(input_dir)):
-                pc.iteration = 1 + _sharded.load(acc, os.fspath(input_dir), self._models[0], self._optimizers,
-                                                 verify=self._config.verify_on_load)
+                number = _sharded.load(acc, os.fspath(input_dir), self._models[0], self._optimizers,
+                                       verify=self._config.verify_on_load)
+                pc.iteration = max(pc.iteration, number + 1)
                 return
             if input_dir is not None and os.path.isdir(input_dir):
                 # Accelerate's loader checks no checksum and opens a FIFO as a file.
@@ -222,7 +228,9 @@ class GoCkptCheckpointer:
         number = folder_number(os.fspath(input_dir), _publish.SIDECAR_FORMAT, "iteration",
                                from_name=pc.automatic_checkpoint_naming)
         if number is not None:
-            pc.iteration = number + 1
+            # Never back: after a rollback to an older folder the next save is a new number
+            # (stock leaves the counter where it was).
+            pc.iteration = max(pc.iteration, number + 1)
 
     def wait(self, timeout_s: float | None = None) -> list[gockpt.CheckpointMetrics]:
         """Finish every pending checkpoint now and block until published.

@@ -1297,3 +1297,56 @@ def test_a_frozen_submodule_reloaded_inside_the_windows_is_in_model_safetensors(
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
+
+@pytest.mark.parametrize("ours", [False, True], ids=["stock", "gockpt"])
+def test_a_rollback_with_automatic_naming_saves_under_the_next_number_and_returns_stocks_path(
+        tmp_path, monkeypatch, ours):
+    # Roll back to an older checkpoint in the same process, train, save: stock's counter stays
+    # where it was, so the save is checkpoint_4; save_state returns the folder as stock names
+    # it (project_dir relative here, so the path is too).
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    monkeypatch.chdir(tmp_path)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir="proj",
+                                                                    automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 8)
+    model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters()))
+    if ours:
+        attach(acc, GoCkptPlugin(mode="lazy"))
+    paths = []
+    for _ in range(4):
+        acc.backward(model(torch.randn(4, 8)).sum())
+        opt.step()
+        opt.zero_grad()
+        paths.append(acc.save_state())
+    assert paths == [Path("proj/checkpoints") / f"checkpoint_{i}" for i in range(4)]
+    acc.load_state("proj/checkpoints/checkpoint_1")
+    assert acc.project_configuration.iteration == 4
+    acc.backward(model(torch.randn(4, 8)).sum())
+    opt.step()
+    assert acc.save_state() == Path("proj/checkpoints/checkpoint_4")
+    acc.end_training()
+    assert sorted(os.listdir("proj/checkpoints")) == [f"checkpoint_{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["stock", "gockpt"])
+def test_save_state_returns_a_relative_folder_as_given(tmp_path, monkeypatch, ours):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.chdir(tmp_path)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    net = torch.nn.Linear(8, 8)
+    model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters()))
+    if ours:
+        attach(acc, GoCkptPlugin(mode="lazy"))
+    assert acc.save_state("rel/ck") == Path("rel/ck")
+    acc.end_training()
+    assert "model.safetensors" in os.listdir("rel/ck")
