@@ -241,6 +241,7 @@ class Engine:
         check_save_path(path, update_latest=self.config.update_latest,
                         framework_names=getattr(writer, "framework_names", None))
         t0 = perf_counter()
+        self.finish_enclosing(path)
         parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False
         key = self._claim_key(parent)
@@ -395,6 +396,31 @@ class Engine:
         """
         self._flush_windows()
         self._pipeline.raise_errors()
+
+    def finish_enclosing(self, path: str | os.PathLike[str]) -> None:
+        """Before a checkpoint at ``path`` is requested (:meth:`save` calls it; a writer that
+        makes its staging folder before the request calls it first): the saves in flight whose
+        folder holds ``path`` (``ck`` for ``ck/sub``) are finished, captured now and waited
+        for until durable or failed (a stall of this request's). Their publish puts each
+        folder in place whole, which a staging folder made inside it would stop; stock's
+        blocking saves write them in that order too. A failure of theirs is raised as a
+        background error, later.
+
+        Raises:
+            KeyboardInterrupt and the like while waiting (the saves go on).
+        """
+        path = path_key(path)
+        enclosing = [s for s in self._all if not s.handle.done()
+                     and path.startswith(s.handle.path.rstrip("/") + "/")]
+        if not enclosing:
+            return
+        self._flush_windows()
+        for s in enclosing:
+            try:
+                s.handle.outcome(None)
+            except BaseException:  # noqa: BLE001 - raised by raise_errors, as any save's
+                if not s.handle.done():
+                    raise
 
     def wait(self, timeout_s: float | None = None) -> list[CheckpointMetrics]:
         """Finish every pending checkpoint now and block until all are durable.

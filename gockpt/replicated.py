@@ -117,6 +117,9 @@ class ReplicatedEngine:
             seq, self._seq = self._seq, self._seq + 1
             staging = None
             try:
+                # A folder in flight that holds this one is published first: the staging
+                # folder made next would be inside it (Engine.finish_enclosing).
+                self.engine.finish_enclosing(path)
                 staging, writer = prepare()
                 waiting = [(q, h) for q, h in self._pending if h.captured_step is None]
                 handle = self.engine.save(path, exact_step=exact_step, writer=writer, state_fn=state_fn,

@@ -1339,3 +1339,30 @@ def test_a_rollback_a_clock_ahead_and_a_lost_pointer_keep_latest_on_the_newest_r
     run = gockpt.storage.read_manifest(*gockpt.storage.url_to_fs(first.path, None))["meta"]["run"]
     assert not gockpt.storage.advance_latest(first.path, first.captured_step, run=run)
     assert gockpt.latest_checkpoint(str(root)) == str(root / "n2")
+
+
+@pytest.mark.parametrize("mode", ["async", "lazy", "gockpt"])
+def test_a_checkpoint_inside_the_folder_of_one_in_flight_leaves_both(tmp_path, mode):
+    # save("ck") then, before it is published, save("ck/sub"): stock's blocking saves write
+    # both; the nested one's staging folder inside ck must not stop ck's publish.
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode=mode, min_overlap_steps=3, max_overlap_steps=3,
+                                          update_latest=False))
+    live, handles = {}, []
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 2:
+            handles.append(eng.save(str(tmp_path / "ck")))
+        if it == 3:
+            handles.append(eng.save(str(tmp_path / "ck" / "sub"), exact_step=True))
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 8, on_step_end=on_step_end)
+    eng.close()
+    for h in handles:
+        m = h.result()
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
+        assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
+    assert "sub" in os.listdir(tmp_path / "ck")

@@ -1350,3 +1350,30 @@ def test_save_state_returns_a_relative_folder_as_given(tmp_path, monkeypatch, ou
     assert acc.save_state("rel/ck") == Path("rel/ck")
     acc.end_training()
     assert "model.safetensors" in os.listdir("rel/ck")
+
+
+def test_save_state_inside_a_folder_still_being_written_leaves_both(tmp_path):
+    # save_state("ck") then save_state("ck/sub") at the next step, before ck is published:
+    # stock writes both; the nested staging folder must not make ck's publish fail.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64)
+    model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters()))
+    attach(acc, GoCkptPlugin(exact_step=True))
+    for step in range(4):
+        acc.backward(model(torch.randn(8, 64)).sum())
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            acc.save_state(str(tmp_path / "ck"))
+        if step == 2:
+            acc.save_state(str(tmp_path / "ck" / "sub"))
+    acc.end_training()
+    for folder in (tmp_path / "ck", tmp_path / "ck" / "sub"):
+        assert {"model.safetensors", "optimizer.bin"} <= set(os.listdir(folder))
+    assert "sub" in os.listdir(tmp_path / "ck")
