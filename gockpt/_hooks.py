@@ -8,6 +8,7 @@ hook instead: the copy is not the tracked model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,15 +21,20 @@ class InertHook:
 
 
 class EngineHook:
-    """Calls ``fn()`` (ignoring the hook's arguments; returns None, as every hook here must)."""
+    """Calls ``fn()`` (ignoring the hook's arguments; returns None, as every hook here must).
 
-    __slots__ = ("fn",)
+    Inert in a forked child: the engine's threads did not follow it there, so a hook that
+    waited for them (a copy in flight) would wait forever."""
+
+    __slots__ = ("fn", "pid")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
+        self.pid = os.getpid()
 
     def __call__(self, *_a: Any, **_k: Any) -> None:
-        self.fn()
+        if os.getpid() == self.pid:
+            self.fn()
 
     def __deepcopy__(self, memo: dict) -> InertHook:
         return InertHook()
@@ -56,6 +62,8 @@ class StepPreHook(EngineHook):
         self.without_closure = without_closure
 
     def __call__(self, _opt: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if os.getpid() != self.pid:  # a forked child (see EngineHook)
+            return None
         self.fn()
         if self.after_closure is None:  # an optimizer that may write weights before its closure
             return None

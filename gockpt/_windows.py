@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import statistics
 import warnings
 import weakref
@@ -985,9 +986,12 @@ class Windows:
                             (p, p.register_hook(self._guard_hook(p, ticket, shared)), shared))
 
     def _guard_hook(self, p: torch.Tensor, ticket: CopyTicket, shared: bool):
+        pid = os.getpid()
+
         def hook(grad: torch.Tensor) -> None:
             # A gradient set to None is not written into again, unless its buffer is shared.
-            if (shared or p.grad is not None) and not ticket.done():
+            # (Not in a forked child: no copy thread there ends the ticket.)
+            if (shared or p.grad is not None) and not ticket.done() and os.getpid() == pid:
                 t0 = perf_counter()
                 try:
                     ticket.wait()
@@ -1053,8 +1057,11 @@ class Windows:
         # An in-place zero_grad(set_to_none=False) would overwrite gradients still being copied
         # in gockpt_o mode; wait for those copies first.
         original = opt.zero_grad
+        pid = os.getpid()
 
         def zero_grad(set_to_none: bool = True) -> None:
+            if os.getpid() != pid:  # a forked child: the copies are the parent's
+                return original(set_to_none=set_to_none)
             if not set_to_none:
                 self.release_guards(wait=True)
             original(set_to_none=set_to_none)

@@ -47,6 +47,7 @@ from ._pointer import MAX_RUN
 from ._record import Phase, SaveRecord, make_record
 from ._windows import Windows
 from .config import GoCkptConfig
+from .errors import CheckpointCancelledError
 from .fsutil import SCRATCH_RE, is_local, path_key, url_to_fs
 from .fsutil import split as split_path
 from .handle import CheckpointMetrics, SaveHandle
@@ -116,6 +117,7 @@ class Engine:
         self._seq = itertools.count()
         self._all: list[SaveRecord] = []  # every save whose handle may not be resolved yet
         self._closed = False
+        self._pid = os.getpid()  # a forked child has none of its threads (_check_process)
         self._skips = 0  # requests skipped for want of a free host slot (when_full="skip")
         self._deleter = BackgroundDeleter()  # deletes removed checkpoints' files
         self._cleaned_dirs: set[str] = set()
@@ -223,13 +225,15 @@ class Engine:
             A :class:`SaveHandle`; ``result()`` gives :class:`CheckpointMetrics`.
 
         Raises:
-            RuntimeError: the engine is closed; a background error of an earlier checkpoint.
+            RuntimeError: the engine is closed, or belongs to the parent of this forked process;
+                a background error of an earlier checkpoint.
             ValueError: unknown mode; ``host_buffer_bytes`` too small for one checkpoint;
                 ``path`` names no directory (``/``), or a name GoCkpt keeps
                 (:func:`gockpt.storage.check_save_path`).
             FileExistsError: ``path`` is a local directory that is not empty and holds no
                 checkpoint: a save would replace it whole.
         """
+        self._check_process()
         if self._closed:
             raise RuntimeError("engine is closed")
         self._pipeline.raise_errors()
@@ -357,6 +361,7 @@ class Engine:
             boundary, not an optimizer update, is where the engine raises them, so no update is
             skipped by one.
         """
+        self._check_process()
         self._windows.step_end(self.version)
         self._pipeline.raise_errors()
 
@@ -367,6 +372,7 @@ class Engine:
         error: an exception here would skip the update (they are raised at ``step_end``, the
         next request, ``wait`` and ``close``).
         """
+        self._check_process()
         self._windows.window_end(self.version)
 
     def abandon_uncaptured(self, reason: str) -> int:
@@ -386,14 +392,15 @@ class Engine:
 
         Call at a step boundary before code that changes parameters, buffers or optimizer state
         outside ``optimizer.step()`` (weight averaging swapping weights in through ``.data``, an
-        in-place ``copy_``; ``load_state_dict`` of the model, any of its submodules or the
-        optimizers does it by itself): afterwards no pending checkpoint reads the live tensors. A
+        in-place ``copy_``; ``load_state_dict`` of the whole model or an optimizer does it by
+        itself, one into a submodule is taken as an edit of its step): afterwards no pending checkpoint reads the live tensors. A
         checkpoint whose captured step was not reached yet is captured at the current step
         (``state_fn`` is called now). Persisting goes on in the background.
 
         Raises:
             A background error of an earlier checkpoint.
         """
+        self._check_process()
         self._flush_windows()
         self._pipeline.raise_errors()
 
@@ -440,6 +447,7 @@ class Engine:
         Raises:
             The first background error; TimeoutError after ``timeout_s`` seconds.
         """
+        self._check_process()
         t0 = perf_counter()
         # Called while an exception propagates (a finally, __exit__, Lightning's exception
         # handler) or at exit after an uncaught one: the loop may have stopped between an
@@ -501,19 +509,38 @@ class Engine:
         self._planner.forget_layout()
         return state.extra
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this GoCkpt engine belongs to process {self._pid}, the parent of this forked "
+                "one (its copy and persist threads are not here): build an engine in this "
+                "process to checkpoint from it")
+
     def close(self) -> None:
-        """Finish pending checkpoints, remove hooks, stop threads.
+        """Finish pending checkpoints, remove hooks, stop threads. In a forked child of the
+        engine's process it only marks the engine closed (the parent's saves are the parent's).
 
         Raises:
             The first background error not raised before.
         """
         if self._closed:
             return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         _exit.unregister(self._exit_token)
         try:
             self.wait()
         finally:
             self._closed = True
+            # Interrupted (Ctrl-C inside the wait): saves still in their windows are failed and
+            # resolved before the pipeline stops, so no handle is left pending for good.
+            for s in [s for s in self._windows.saves if not s.handed_off]:
+                try:
+                    self._windows.fail(s, CheckpointCancelledError(
+                        f"{s.path}: not written: the engine was closed before its state was taken"))
+                except Exception:  # noqa: BLE001 - closing goes on
+                    log.exception("gockpt: could not cancel checkpoint %s", s.path)
             for h in self._hooks:
                 h.remove()
             for o in self.optimizers:

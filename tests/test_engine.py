@@ -1366,3 +1366,90 @@ def test_a_checkpoint_inside_the_folder_of_one_in_flight_leaves_both(tmp_path, m
         assert_state_equal(state.model_state_dict, live[m.captured_step]["model"])
         assert_state_equal(state.optimizer_state_dicts[0], live[m.captured_step]["optim"])
     assert "sub" in os.listdir(tmp_path / "ck")
+
+
+def test_an_interrupted_close_leaves_no_handle_pending(tmp_path):
+    # Ctrl-C while close() waits for a gradient copy in flight (gockpt_o, an emulated slow
+    # link): the save still in its copy windows is cancelled and its handle resolves; nothing
+    # waits on it for good.
+    import signal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=4, max_overlap_steps=4,
+                                          host_link_bytes_per_s=1e5))
+
+    def step(zero: bool = True) -> None:
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        if zero:
+            opt.zero_grad()
+        eng.step_end()
+
+    for _ in range(3):
+        step()
+    h = eng.save(str(tmp_path / "c"))
+    step(zero=False)  # a guarded gradient copy (~66 KB at 100 KB/s) in flight
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            eng.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(gockpt.CheckpointCancelledError):
+        h.result(timeout_s=30)
+    try:  # returns, or raises that error once more; never waits out its timeout
+        eng.wait(timeout_s=30)
+    except gockpt.CheckpointCancelledError:
+        pass
+    assert not gockpt.is_complete(str(tmp_path / "c"))
+
+
+def test_a_forked_child_steps_without_the_parents_engine_and_is_told_it_has_none(
+        tmp_path, one_thread_fresh_selfcheck):
+    # A process forked while a save copies its blocks (the copy thread stays in the parent):
+    # the child's training steps do not wait for the parent's copies, and its use of the engine
+    # raises a clear error; the parent's checkpoint is written as if nothing forked. (One
+    # intra-op thread: torch's OpenMP pool does not survive a fork, engine or not.)
+    model, opt, sched, scaler = make("adamw")
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=3, max_overlap_steps=3,
+                                          host_link_bytes_per_s=2e5))
+    train(model, opt, sched, scaler, 3, on_step_end=lambda it: eng.step_end())
+    want = snapshot(model, opt)
+    h = eng.save(str(tmp_path / "c"), exact_step=True)
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if all of it holds
+        code = 1
+        try:
+            train(model, opt, sched, scaler, 5, start_iter=3)
+            try:
+                eng.save(str(tmp_path / "child"))
+            except RuntimeError as e:
+                code = 0 if "forked" in str(e) else 2
+            eng.close()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the parent's engine")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    m = h.result()
+    state = gockpt.load_checkpoint(m.path)
+    assert_state_equal(state.model_state_dict, want["model"])
+    assert_state_equal(state.optimizer_state_dicts[0], want["optim"])
+    assert not (tmp_path / "child").exists()
+    eng.close()
