@@ -225,7 +225,12 @@ def persist(req: PersistRequest) -> PersistResult:
         # prints it readably.
         manifest_bytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         _check_cancel(req)
-        _guard(req, target.manifest_path, lambda _m: req.before_publish(target), b"")
+        try:  # the writer's own check: its errors as they are, a storage one's as one
+            req.before_publish(target)
+        except (CheckpointError, OSError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise storage.storage_error(e, req.path, None) from e
         _check_cancel(req)
         with _trace.phase("manifest", len(manifest_bytes)):
             _guard(req, target.manifest_path, target.prepare, manifest_bytes)

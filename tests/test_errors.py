@@ -6,6 +6,7 @@ import errno
 import pickle
 
 import pytest
+import torch
 
 import gockpt
 from gockpt import errors
@@ -104,3 +105,31 @@ def test_a_failed_save_is_raised_at_a_boundary_never_inside_an_update(read_handl
     finally:
         fault.hook = None
         eng.close()  # nothing left to raise
+
+
+@pytest.mark.parametrize("where", ["files", "before_publish"])
+def test_a_writers_own_error_is_raised_as_itself(tmp_path, where):
+    # A CheckpointWriter's check before the publish fails the save with its own exception, as an
+    # error in its files() does, not as a storage failure of manifest.json.
+    class Refused(Exception):
+        pass
+
+    class Writer(gockpt.writer.CheckpointWriter):
+        def files(self, snapshot):
+            if where == "files":
+                raise Refused("files")
+            return {}
+
+        def before_publish(self, snapshot):
+            if where == "before_publish":
+                raise Refused("before_publish")
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode="sync"))
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with pytest.raises(Refused, match=where):
+        eng.save(str(tmp_path / "c"), writer=Writer())
+    eng.close()
+    assert not (tmp_path / "c").exists()
