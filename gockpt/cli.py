@@ -185,10 +185,32 @@ def _describe(info: dict) -> str:
     return "\n".join(f"{name:<15} {value}" for name, value in rows)
 
 
+def _named_by_latest(path: str, options: dict) -> str | None:
+    """The checkpoint ``path``'s ``latest`` pointer names where it has a manifest (complete or
+    damaged); None where ``path`` is a checkpoint, or has no valid pointer."""
+    from ._pointer import read_pointer
+
+    if storage.has_manifest(path, options):
+        return None
+    fs, local = storage.url_to_fs(path, options)
+    pointer = read_pointer(fs, local, strict=False) if fs.isdir(local) else None
+    if pointer is None:
+        return None
+    named = path.rstrip("/") + "/" + pointer["name"]
+    return named if storage.has_manifest(named, options) else None
+
+
 def _verify(args: argparse.Namespace, options: dict) -> int:
     from tqdm import tqdm
 
     path = _resolve(args.path, options)
+    named = _named_by_latest(args.path, options)
+    if named is not None and named != path:
+        # The newest checkpoint is damaged: that is what a verify of the folder must report,
+        # not pass over it for an older one.
+        print(f"gockpt: {args.path}: its 'latest' names {named}, which is not complete; "
+              "verifying it", file=sys.stderr)
+        path = named
     info = describe_checkpoint(path, options)
     with tqdm(total=info["total_bytes"], unit="B", unit_scale=True, desc="verify", disable=None,
               file=sys.stderr) as bar:

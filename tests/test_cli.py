@@ -526,3 +526,28 @@ def test_another_programs_manifest_json_does_not_block_an_output_beside_it(runs,
     code, _, err = _in_process(capsys, "convert", str(runs["ours"]), str(webapp / "out2.ckpt"),
                                "--to", "lightning")
     assert code == 1 and "converting there would change" in err, err
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_verify_of_a_folder_reports_the_newest_checkpoint_damaged(tmp_path, capsys, damage):
+    # `verify DIR` checks the checkpoint `latest` names: a truncated shard (no longer complete)
+    # fails it as a flipped byte does, instead of passing over it to an older one.
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    with gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode="sync")) as eng:
+        for i in range(2):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            eng.save(str(tmp_path / f"step-{i}"))
+    shard = next((tmp_path / "step-1").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[:-4]
+    else:
+        data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, err = _in_process(capsys, "verify", str(tmp_path))
+    assert code == 1, (out, err)
+    assert f"FAILED {shard}" in out
+    assert "step-0" not in out
