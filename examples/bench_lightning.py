@@ -14,7 +14,13 @@ newest is kept, the one before deleted). An epoch is ``--interval`` batches
 
 Reported per variant: peak RSS (``ru_maxrss``) above the smaller ``none`` run, in checkpoint sizes
 (weights + optimizer state), and the wall time of ``fit`` above the mean ``none`` run per
-checkpoint, the difference of two processes (the main table's per-step stall is finer).
+checkpoint, the difference of two processes (the main table's per-step stall is finer). That
+time is split three ways (a callback times every batch): before the first batch (set-up), the
+loop (first batch start to last batch end: the steps and the epoch ends' saves) and after the
+last batch (until ``fit`` returns: every variant waits there until the checkpoint of the last
+epoch end is written). A non-blocking save can hide the loop's share, not the wait for the last
+checkpoint: that is bounded below by the time to write one checkpoint, given beside it from the
+main benchmark's raw write+fsync bandwidth when known.
 """
 
 from __future__ import annotations
@@ -53,6 +59,28 @@ def lightning_module(model: Any, optimizer: Any, loader: Any) -> Any:
     return Module()
 
 
+class _Times:
+    """perf_counter at every batch start and end (a Lightning callback, built lazily so this
+    module imports without Lightning)."""
+
+    @staticmethod
+    def make() -> Any:
+        import lightning.pytorch as pl
+
+        class Times(pl.Callback):
+            def __init__(self) -> None:
+                self.starts: list[float] = []
+                self.ends: list[float] = []
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.starts.append(time.perf_counter())
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.ends.append(time.perf_counter())
+
+        return Times()
+
+
 def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: str) -> None:
     """Train one variant in this (forked) process and write its measurements to ``result_path``."""
     import resource
@@ -79,13 +107,17 @@ def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: 
 
         plugins = [GoCkptIO()]
     epochs = max(1, args.steps // args.interval)
+    times = _Times.make()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=args.interval,
         enable_checkpointing=variant != "none", default_root_dir=root, plugins=plugins, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[times])
     start = time.perf_counter()
     trainer.fit(lightning_module(model, optimizer, loader))
-    wall = time.perf_counter() - start
+    end = time.perf_counter()
+    wall = end - start
+    steps = [b - a for a, b in zip(times.starts, times.ends, strict=True)]
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state += sum(t.numel() * t.element_size() for st in optimizer.state.values()
                  for t in st.values() if isinstance(t, torch.Tensor))
@@ -93,6 +125,8 @@ def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: 
         "variant": variant, "wall_s": wall, "checkpoints": epochs if variant != "none" else 0,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "state_bytes": state, "global_step": trainer.global_step,
+        "before_s": times.starts[0] - start, "loop_s": times.ends[-1] - times.starts[0],
+        "after_s": end - times.ends[-1], "steps_s": sum(steps),
     }))
 
 
@@ -118,8 +152,9 @@ LABELS = {"none": "no checkpoint", "torch": "TorchCheckpointIO (stock)", "async"
           "gockpt": "GoCkptIO()"}
 
 
-def section(results: list[dict], interval: int) -> str:
-    """The markdown section of these results."""
+def section(results: list[dict], interval: int, write_gbps: float | None = None) -> str:
+    """The markdown section of these results; ``write_gbps``: the machine's raw write+fsync
+    bandwidth (GB/s) measured in the same run, for the floor of the wait after the last batch."""
     nones = [r for r in results if r["variant"] == "none"]
     base_rss = min(r["peak_rss_bytes"] for r in nones)
     base_wall = statistics.mean(r["wall_s"] for r in nones)
@@ -131,16 +166,46 @@ def section(results: list[dict], interval: int) -> str:
         f"steps, `save_top_k=1`), {results[0]['global_step']} steps, each variant in its own process "
         f"(`examples/bench_lightning.py`); checkpoint size {size / 1e6:.0f} MB (weights + AdamW state). "
         "Fit time includes waiting for the last checkpoint to be written, as every variant does "
-        "before `fit` returns.",
+        "before `fit` returns. Fit is split into the time before the first batch, the loop (first "
+        "batch start to last batch end: the steps and the saves at the epoch ends) and the time "
+        "after the last batch (the wait for the last checkpoint).",
         "",
-        "| variant | fit (s) | wall above none / ckpt (s) | peak RSS (MB) | peak RSS above none (ckpts) |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | fit (s) | wall above none / ckpt (s) | before 1st batch (s) | loop (s) | "
+        "of it, steps (s) | loop above none / ckpt (s) | after last batch (s) | peak RSS (MB) "
+        "| peak RSS above none (ckpts) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    has_split = all("loop_s" in r for r in results)
+    base_loop = statistics.mean(r["loop_s"] for r in nones) if has_split else 0.0
+    base_after = statistics.mean(r["after_s"] for r in nones) if has_split else 0.0
     for r in results:
-        extra = "-" if not r["checkpoints"] else f"{(r['wall_s'] - base_wall) / r['checkpoints']:.3f}"
-        lines.append(f"| {LABELS[r['variant']]} | {r['wall_s']:.2f} | {extra} | "
+        n = r["checkpoints"]
+        extra = "-" if not n else f"{(r['wall_s'] - base_wall) / n:.3f}"
+        if has_split:
+            loop_extra = "-" if not n else f"{(r['loop_s'] - base_loop) / n:.3f}"
+            split = (f"{r['before_s']:.2f} | {r['loop_s']:.2f} | {r['steps_s']:.2f} | {loop_extra} | "
+                     f"{r['after_s']:.2f}")
+        else:
+            split = "- | - | - | - | -"
+        lines.append(f"| {LABELS[r['variant']]} | {r['wall_s']:.2f} | {extra} | {split} | "
                      f"{r['peak_rss_bytes'] / 1e6:.0f} | {(r['peak_rss_bytes'] - base_rss) / size:.2f} |")
     spread = (max(r["wall_s"] for r in nones) - min(r["wall_s"] for r in nones))
+    count = max(1, max(r["checkpoints"] for r in results))
     lines += ["", f"Noise: the two `none` runs differ by {spread:.2f} s of fit time "
-              f"({spread / max(1, max(r['checkpoints'] for r in results)):.3f} s per checkpoint).", ""]
+              f"({spread / count:.3f} s per checkpoint)"]
+    if has_split:
+        loop_spread = max(r["loop_s"] for r in nones) - min(r["loop_s"] for r in nones)
+        lines[-1] += f", by {loop_spread:.2f} s of loop time ({loop_spread / count:.3f} s per checkpoint)."
+        if write_gbps:
+            floor = size / (write_gbps * 1e9)
+            tails = ", ".join(f"{LABELS[r['variant']]} {r['after_s'] - base_after:.2f} s"
+                              for r in results if r["checkpoints"] and r["variant"] != "torch")
+            lines += ["", f"After the last batch, above none: {tails}. A save that does not block "
+                      f"the loop cannot end sooner than the last checkpoint's write: {floor:.2f} s for "
+                      f"{size / 1e6:.0f} MB at this machine's raw write+fsync bandwidth "
+                      f"({write_gbps:.2f} GB/s, main table), {floor / count:.3f} s per checkpoint "
+                      f"over this run's {count}."]
+    else:
+        lines[-1] += "."
+    lines.append("")
     return "\n".join(lines)

@@ -1258,7 +1258,8 @@ def main() -> None:
     if lightning_results:
         import bench_lightning
 
-        table += "\n" + bench_lightning.section(lightning_results, args.interval)
+        table += "\n" + bench_lightning.section(lightning_results, args.interval,
+                                                 raw.get("write_fsync_gbps"))
     out = Path(args.out)
     report = {"meta": meta, "raw": raw, "results": results, "targets": targets(results),
               "lightning_defaults": lightning_results}

@@ -17,7 +17,8 @@
 # Environment (defaults): PEERS=/tmp/peers (scratch: extracted tests, logs), VENV=/tmp/peervenv
 # (separate venv: the peers' test deps, e.g. tensorboard, change Lightning's default logger, so
 # they stay out of the project's .venv), MIRRORS=/work/.mirror, LIGHTNING_REF=2.6.5,
-# ACCELERATE_REF=v1.14.0, PEER_TIMEOUT=120 (seconds per test), PEER_WALL=5400 (seconds in all).
+# ACCELERATE_REF=v<the installed Accelerate's version> (its tests come from the sdist on the package
+# index when the mirror has no such tag), PEER_TIMEOUT=120 (seconds per test), PEER_WALL=5400 (seconds in all).
 # GOCKPT_SNAPSHOT=<git ref> (e.g. HEAD): test that commit's gockpt/, lightning_gockpt/,
 # accelerate_gockpt/ (exported to $PEERS/gockpt-src-<sha>, put first on PYTHONPATH, the built
 # native .so copied in) instead of the live, editable work tree - for a long run while others
@@ -37,7 +38,6 @@ PEERS=${PEERS:-/tmp/peers}
 VENV=${VENV:-/tmp/peervenv}
 MIRRORS=${MIRRORS:-/work/.mirror}
 LIGHTNING_REF=${LIGHTNING_REF:-2.6.5}
-ACCELERATE_REF=${ACCELERATE_REF:-v1.14.0}
 mkdir -p "$PEERS"
 
 # --- the venv: torch pinned first (never a CUDA build), our package editable (live edits),
@@ -95,7 +95,19 @@ if [[ $PEER == lightning ]]; then
         --ignore=tests_pytorch/checkpointing/test_legacy_checkpoints.py
     )
 else
-    extract "$MIRRORS/huggingface+accelerate/repo" "$ACCELERATE_REF" "$PEERS/accelerate" tests
+    # The tests of the Accelerate release installed: a new release reaches users before our mirror
+    # has its tag, so fall back to the release's sdist (it ships tests/).
+    ACCELERATE_REF=${ACCELERATE_REF:-v$("$VENV/bin/python" -c 'import accelerate; print(accelerate.__version__)')}
+    if git --git-dir="$MIRRORS/huggingface+accelerate/repo" rev-parse -q --verify "$ACCELERATE_REF^{commit}" >/dev/null 2>&1; then
+        extract "$MIRRORS/huggingface+accelerate/repo" "$ACCELERATE_REF" "$PEERS/accelerate" tests
+    elif [[ ! -f $PEERS/accelerate/.extracted-$ACCELERATE_REF ]]; then
+        rm -rf "$PEERS/accelerate" "$PEERS/accelerate-sdist" && mkdir -p "$PEERS/accelerate" "$PEERS/accelerate-sdist"
+        "$VENV/bin/pip" download -q --no-deps --no-binary :all: -d "$PEERS/accelerate-sdist" "accelerate==${ACCELERATE_REF#v}" \
+            || { echo "no tag $ACCELERATE_REF in the mirror and no sdist on the index" >&2; exit 1; }
+        tar -xzf "$PEERS"/accelerate-sdist/accelerate-*.tar.gz -C "$PEERS/accelerate" --strip-components=1 --wildcards '*/tests' \
+            || { echo "extracting the sdist's tests failed" >&2; exit 1; }
+        touch "$PEERS/accelerate/.extracted-$ACCELERATE_REF"
+    fi
     RUNDIR=$PEERS/accelerate
     SELECTION=(tests/test_state_checkpointing.py tests/test_accelerator.py)
 fi

@@ -251,3 +251,34 @@ def test_bench_replay_wait_predicts_the_waits_of_an_emulated_slow_replay():
     assert float(predicted) == pytest.approx(float(replay_wait) + float(alone), abs=2e-3)
     # auto prices those waits: it never plans a capture that waits for a buffer.
     assert int(rows["auto"][0].split(",")[-1]) <= 3 and float(rows["auto"][2]) == 0.0
+
+
+def test_bench_lightning_splits_fit_and_reports_the_last_checkpoints_floor(tmp_path, monkeypatch):
+    # Lightning's defaults section: fit split into set-up, loop and the wait after the last
+    # batch, in-process at the tiny size (one checkpoint per epoch of 2 steps).
+    import argparse
+    import multiprocessing
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    import bench_lightning
+    args = argparse.Namespace(preset="tiny", data=None, batch_size=None, steps=4, interval=2)
+    results = []
+    for i, variant in enumerate(("none", "gockpt", "none")):
+        path = tmp_path / f"{i}.json"
+        bench_lightning.run_variant(args, variant, str(tmp_path / f"run{i}"), str(path))
+        results.append(json.loads(path.read_text()))
+    for r in results:
+        assert r["global_step"] == 4
+        assert r["before_s"] > 0 and r["loop_s"] > 0 and r["after_s"] >= 0
+        assert r["steps_s"] <= r["loop_s"]
+        assert math.isclose(r["before_s"] + r["loop_s"] + r["after_s"], r["wall_s"], rel_tol=0.05)
+    assert [r["checkpoints"] for r in results] == [0, 2, 0]
+    text = bench_lightning.section(results, 2, write_gbps=1.0)
+    row = next(line for line in text.splitlines() if line.startswith("| GoCkptIO()"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert len(cells) == 10
+    loop_extra = (results[1]["loop_s"] - (results[0]["loop_s"] + results[2]["loop_s"]) / 2) / 2
+    assert float(cells[6]) == pytest.approx(loop_extra, abs=0.0011)
+    floor = results[0]["state_bytes"] / 1e9
+    assert f"{floor:.2f} s for" in text and "GoCkptIO() " in text.split("After the last batch")[1]
+    assert multiprocessing.parent_process() is None  # ran here, not in a fork
