@@ -404,6 +404,18 @@ class Engine:
         self._flush_windows()
         self._pipeline.raise_errors()
 
+    def finish_captured(self) -> None:
+        """Wait for the copies of checkpoints whose step was already taken (the last block of
+        a multi-step save, copied while the loop goes on); they go on to be written.
+
+        Call after a step boundary and before code that may change weights outside
+        ``optimizer.step()`` there (a module's batch-end hook): a write into a block still being
+        copied after its step was taken fails that checkpoint (it could not hold its step).
+        The wait is counted as stall. Cheap where nothing is being copied.
+        """
+        self._check_process()
+        self._windows.finish_captured()
+
     def finish_enclosing(self, path: str | os.PathLike[str]) -> None:
         """Before a checkpoint at ``path`` is requested (:meth:`save` calls it; a writer that
         makes its staging folder before the request calls it first): the saves in flight whose

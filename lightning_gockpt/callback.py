@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ProgressBar,
+    ThroughputMonitor,
 )
 from torch import nn, optim
 
@@ -36,6 +37,8 @@ log = logging.getLogger("lightning_gockpt")
 
 # Lightning's callbacks whose on_train_epoch_start changes no tensor of the model or optimizers.
 _SHOW_AT_EPOCH_START = (ProgressBar, LearningRateMonitor, GradientAccumulationScheduler)
+# ... and whose on_train_batch_start changes none.
+_SHOW_AT_BATCH = (ProgressBar, LearningRateMonitor, ThroughputMonitor)
 
 # One writer | an engine on every rank (sharded, DDP shares) | DeepSpeed's files.
 _Handle = SaveHandle | ShardedHandle | StagedHandle
@@ -134,6 +137,7 @@ class GoCkptCallback(Callback):
         # deferred removals compare them at every batch end.
         self._dir_keys: weakref.WeakKeyDictionary[_Handle, str] = weakref.WeakKeyDictionary()
         self._num_batches = 0
+        self._edits_after_batch_end = False  # see _may_edit_after_batch_end (on_train_start)
         # (engine version, the fit loop's state) at the first batch end of the latest version
         # reached while a save was still to be captured, and the version at the previous batch
         # end (see _batch_end, state_fn).
@@ -214,6 +218,7 @@ class GoCkptCallback(Callback):
                 if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
                     cleanup_staging(str(cb.dirpath), self.io.config.storage_options)
                     tidy_placeholders(str(cb.dirpath), self.io.config.storage_options)
+        self._edits_after_batch_end = _may_edit_after_batch_end(trainer, self)
         if self.engine is None:
             self.engine = self._build(trainer)
             # A run can end without teardown (an exception in a ddp_spawn worker runs no hook):
@@ -254,6 +259,11 @@ class GoCkptCallback(Callback):
         if self.engine is not None:
             trainer = self._trainer
             self.engine.step_end()
+            if self._edits_after_batch_end and hasattr(self.engine, "finish_captured"):
+                # The module's batch-end hook (run after every callback's) or the next batch's
+                # start hooks may change weights: the block a save taken just now still copies
+                # is finished first, as stock's save here read it before them.
+                self.engine.finish_captured()
             if trainer is not None and trainer.should_stop:
                 # A callback stopped the run here (a Timer, a custom stop): the loop may end
                 # before the batch end a save in flight was to be captured at, and its state
@@ -812,6 +822,23 @@ def _may_edit_at_epoch_start(trainer: Trainer, own: Callback) -> bool:
             return True
     module = trainer.lightning_module
     return module is not None and type(module).on_train_epoch_start is not LightningModule.on_train_epoch_start
+
+
+def _may_edit_after_batch_end(trainer: Trainer, own: Callback) -> bool:
+    """Whether code that runs after GoCkpt's batch end and before the next forward may change
+    weights outside ``optimizer.step()``: the module's ``on_train_batch_end`` or
+    ``on_train_batch_start``, or a callback's ``on_train_batch_start`` (other than Lightning's
+    that only show or log, and the checkpoint callbacks)."""
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if cb is own or isinstance(cb, (_BatchEnd, Checkpoint, *_SHOW_AT_BATCH)):
+            continue
+        # Not found on its type (a callback-like object): it may define it, so it counts.
+        if getattr(type(cb), "on_train_batch_start", None) is not Callback.on_train_batch_start:
+            return True
+    module = trainer.lightning_module
+    return module is not None and (
+        type(module).on_train_batch_end is not LightningModule.on_train_batch_end
+        or type(module).on_train_batch_start is not LightningModule.on_train_batch_start)
 
 
 class _BatchEnd(Callback):

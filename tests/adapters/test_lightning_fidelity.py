@@ -93,6 +93,11 @@ class Net(pl.LightningModule):
             self.trainer.save_checkpoint(f"{self.trainer.default_root_dir}/module-{self.global_step}.ckpt")
         if self.feature == "clamp_after_batch":
             self._clamp()
+        if self.feature == "edit_at_capture" and self.global_step == 6:
+            # Once, at the batch end where the save requested at step 4 is captured (K = 3),
+            # after GoCkpt's callback took its step (a one-off re-initialisation).
+            with torch.no_grad():
+                self.body[-1].weight.fill_(0.01)
         if self.feature in ("clamp_late", "data_clamp_late") and self.global_step >= 5:
             # From step 5 on, inside the copy windows of the save requested at step 4: in place
             # (the version counters move), or through .data, WGAN style (they do not).
@@ -324,6 +329,22 @@ def test_weights_first_edited_inside_a_saves_windows_are_checkpointed_as_stock(t
     step = first["global_step"]
     assert step == 4 + (0 if mode == "lazy" else 2)
     _run(tmp_path / "s", feature, max_steps=12, ckpt_every_steps=2)
+    for name, want in ((f"step={step}.ckpt", "step=4.ckpt"), ("step=8.ckpt", "step=8.ckpt"),
+                       ("step=12.ckpt", "step=12.ckpt")):
+        _same_as_stock(tmp_path / "g" / want, tmp_path / "s" / name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_edit_in_the_modules_batch_end_at_the_captured_step_loses_no_checkpoint(tmp_path, mode):
+    """The module's on_train_batch_end (after every callback's) edits weights once, at the step
+    a multi-step save is captured at: that checkpoint is written, equal to stock's file of its
+    step, and so are the later ones."""
+    _run(tmp_path / "g", "edit_at_capture", io=_io(mode), max_steps=12, ckpt_every_steps=4)
+    assert sorted(p.name for p in (tmp_path / "g").glob("step=*.ckpt")) == \
+        ["step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    step = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)["global_step"]
+    assert step == 4 + (0 if mode == "lazy" else 2)
+    _run(tmp_path / "s", "edit_at_capture", max_steps=12, ckpt_every_steps=2)
     for name, want in ((f"step={step}.ckpt", "step=4.ckpt"), ("step=8.ckpt", "step=8.ckpt"),
                        ("step=12.ckpt", "step=12.ckpt")):
         _same_as_stock(tmp_path / "g" / want, tmp_path / "s" / name)
