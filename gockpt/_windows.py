@@ -556,6 +556,16 @@ class Windows:
             s.metrics.add_stall("flush", perf_counter() - tf - (s.metrics.stall_s - counted))
             self.finalize(s)
 
+    def note_part_load(self) -> None:
+        """A load into part of the model is about to write live tensors: the buffers stashed
+        at this step's boundary are no longer this step's (the load belongs to it). The next
+        forward of their owners stashes them again; a capture before it reads them live."""
+        self.note_load()
+        if self._stash is not None:
+            self._stash = None
+            if self._stash_keys and any(not s.captured for s in self.saves):
+                self._hook_owners()
+
     def finish_captured(self) -> None:
         """Finish the saves already captured that still copy their last block (waits for that
         copy; such a save is then handed to the pipeline): a write about to come into the live

@@ -196,7 +196,9 @@ def _named_by_latest(path: str, options: dict) -> str | None:
     pointer = read_pointer(fs, local, strict=False) if fs.isdir(local) else None
     if pointer is None:
         return None
-    named = path.rstrip("/") + "/" + pointer["name"]
+    from .fsutil import join_user
+
+    named = join_user(path, pointer["name"])  # spelled as latest_checkpoint spells it
     return named if storage.has_manifest(named, options) else None
 
 

@@ -245,7 +245,8 @@ class Engine:
         check_save_path(path, update_latest=self.config.update_latest,
                         framework_names=getattr(writer, "framework_names", None))
         t0 = perf_counter()
-        self.finish_enclosing(path)
+        if not getattr(writer, "staging", None):  # a writer with its staging folder made already
+            self.finish_enclosing(path)           # calls it itself, before making it
         parent = split_path(path)[0]  # "/ckpt": the root, not the working directory
         setup = False
         key = self._claim_key(parent)
@@ -416,6 +417,15 @@ class Engine:
         self._check_process()
         self._windows.finish_captured()
 
+    def _enclosing(self, path: str | os.PathLike[str]) -> list[SaveRecord]:
+        key = path_key(path)
+        return [s for s in self._all if not s.handle.done()
+                and key.startswith(s.handle.path.rstrip("/") + "/")]
+
+    def enclosing_in_flight(self, path: str | os.PathLike[str]) -> list[str]:
+        """The checkpoints in flight (not yet durable or failed) whose folder holds ``path``."""
+        return [s.handle.path for s in self._enclosing(path)]
+
     def finish_enclosing(self, path: str | os.PathLike[str]) -> None:
         """Before a checkpoint at ``path`` is requested (:meth:`save` calls it; a writer that
         makes its staging folder before the request calls it first): the saves in flight whose
@@ -428,9 +438,7 @@ class Engine:
         Raises:
             KeyboardInterrupt and the like while waiting (the saves go on).
         """
-        path = path_key(path)
-        enclosing = [s for s in self._all if not s.handle.done()
-                     and path.startswith(s.handle.path.rstrip("/") + "/")]
+        enclosing = self._enclosing(path)
         if not enclosing:
             return
         self._flush_windows()
@@ -653,7 +661,7 @@ class Engine:
         # to be captured take the units it writes (or replaces) live at their capture (EditWatch, Windows._swapped), so their
         # checkpoint holds the step as a blocking save at its end would; captured ones still
         # copying their last block finish that copy first, which the load must not reach.
-        self._windows.note_load()
+        self._windows.note_part_load()
         # A save requested at this very step holds that request's state: taken before the load,
         # as stock's blocking save at the request was.
         self._windows.flush(self.version, only=lambda s: not s.captured

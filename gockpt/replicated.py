@@ -118,8 +118,17 @@ class ReplicatedEngine:
             staging = None
             try:
                 # A folder in flight that holds this one is published first: the staging
-                # folder made next would be inside it (Engine.finish_enclosing).
-                self.engine.finish_enclosing(path)
+                # folder made next would be inside it (Engine.finish_enclosing). Not with
+                # other processes: that publish waits for their shares, which they write only
+                # after this request's exchange; the request is refused instead, on every
+                # process, and the enclosing save goes on.
+                if self._broadcast is None:
+                    self.engine.finish_enclosing(path)
+                elif enclosing := self.engine.enclosing_in_flight(path):
+                    raise ValueError(
+                        f"{path}: inside the folder of checkpoint {enclosing[0]}, still being "
+                        "written; with several processes it must be complete first (wait for "
+                        "it, e.g. the plugin's wait(), before saving inside it)")
                 staging, writer = prepare()
                 waiting = [(q, h) for q, h in self._pending if h.captured_step is None]
                 handle = self.engine.save(path, exact_step=exact_step, writer=writer, state_fn=state_fn,

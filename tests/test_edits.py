@@ -824,3 +824,40 @@ def test_a_submodule_loaded_inside_the_windows_is_in_the_checkpoint_of_that_step
     m = handles[0].result()
     assert m.captured_step - m.requested_step == 3
     _assert_holds_live(m, live)
+
+
+@pytest.mark.parametrize("then", ["optimizer_load", "flush", "wait", "next_step"])
+def test_a_submodule_load_after_the_boundary_then_a_capture_holds_its_buffers_too(tmp_path, then):
+    # A load into a batch norm (parameters and running statistics) after the step's boundary,
+    # then a capture at that step (an optimizer load, flush or wait), or at the next one: the
+    # buffers stashed at the boundary are not that step's any more; the checkpoint holds the
+    # loaded parameters and buffers together, as a blocking save right there does.
+    model, opt, sched, scaler = make("adamw")
+    src = make("adamw", seed=5)[0]
+    with torch.no_grad():
+        src.norm.running_mean.add_(3.0)
+        src.norm.running_var.mul_(2.0)
+    source = src.norm.state_dict()
+    eng = Engine(model, opt, GoCkptConfig(mode="gockpt", min_overlap_steps=4, max_overlap_steps=4))
+    handles, live = [], {}
+
+    def on_step_end(it: int) -> None:
+        eng.step_end()
+        if it == 6:
+            handles.append(eng.save(str(tmp_path / "ckpt")))
+        if it == 7:
+            model.norm.load_state_dict(source)
+            live[eng.version] = snapshot(model, opt)
+            if then == "optimizer_load":
+                opt.load_state_dict(opt.state_dict())
+            elif then == "flush":
+                eng.flush()
+            elif then == "wait":
+                eng.wait()
+        live.setdefault(eng.version, snapshot(model, opt))
+
+    train(model, opt, sched, scaler, 12, on_step_end=on_step_end)
+    eng.close()
+    m = handles[0].result()
+    assert m.captured_step == m.requested_step + (3 if then == "next_step" else 1)
+    _assert_holds_live(m, live)
