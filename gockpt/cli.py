@@ -189,6 +189,7 @@ def _named_by_latest(path: str, options: dict) -> str | None:
     """The checkpoint ``path``'s ``latest`` pointer names where it has a manifest (complete or
     damaged); None where ``path`` is a checkpoint, or has no valid pointer."""
     from ._pointer import read_pointer
+    from .fsutil import join_user
 
     if storage.has_manifest(path, options):
         return None
@@ -196,8 +197,6 @@ def _named_by_latest(path: str, options: dict) -> str | None:
     pointer = read_pointer(fs, local, strict=False) if fs.isdir(local) else None
     if pointer is None:
         return None
-    from .fsutil import join_user
-
     named = join_user(path, pointer["name"])  # spelled as latest_checkpoint spells it
     return named if storage.has_manifest(named, options) else None
 

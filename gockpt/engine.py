@@ -148,10 +148,9 @@ class Engine:
             self._hooks.append(o.register_step_post_hook(EngineHook(partial(self._on_post_hook, i))))
             self._windows.wrap_zero_grad(o)
         self._hooks.append(model.register_forward_pre_hook(EngineHook(self._on_forward)))
-        # load_state_dict overwrites live tensors in place: pending copies finish first.
-        # A load into the whole model (a restore, a rollback) ends the saves in flight at the
-        # state before it; one into a part of it (a target network's sync, a refreshed teacher)
-        # belongs to the step, as an edit does (_before_part_load).
+        # load_state_dict overwrites live tensors in place. One into the whole model (a restore,
+        # a rollback) ends the saves in flight at the state before it; one into a part of it (a
+        # target network's sync, a refreshed teacher) belongs to the step, as an edit does.
         for m in model.modules():
             self._hooks.append(m.register_load_state_dict_pre_hook(
                 EngineHook(self._before_load if m is model else self._before_part_load)))
@@ -394,9 +393,10 @@ class Engine:
         Call at a step boundary before code that changes parameters, buffers or optimizer state
         outside ``optimizer.step()`` (weight averaging swapping weights in through ``.data``, an
         in-place ``copy_``; ``load_state_dict`` of the whole model or an optimizer does it by
-        itself, one into a submodule is taken as an edit of its step): afterwards no pending checkpoint reads the live tensors. A
-        checkpoint whose captured step was not reached yet is captured at the current step
-        (``state_fn`` is called now). Persisting goes on in the background.
+        itself, one into a submodule is taken as an edit of its step): afterwards no pending
+        checkpoint reads the live tensors. A checkpoint whose captured step was not reached yet
+        is captured at the current step (``state_fn`` is called now). Persisting goes on in
+        the background.
 
         Raises:
             A background error of an earlier checkpoint.
@@ -658,9 +658,10 @@ class Engine:
 
     def _before_part_load(self) -> None:
         # Not a restore: the step's own edit. The saves requested at an earlier step and still
-        # to be captured take the units it writes (or replaces) live at their capture (EditWatch, Windows._swapped), so their
-        # checkpoint holds the step as a blocking save at its end would; captured ones still
-        # copying their last block finish that copy first, which the load must not reach.
+        # to be captured take the units it writes (or replaces) live at their capture
+        # (EditWatch, Windows._swapped), so their checkpoint holds the step as a blocking save
+        # at its end would; captured ones still copying their last block finish that copy
+        # first, which the load must not reach.
         self._windows.note_part_load()
         # A save requested at this very step holds that request's state: taken before the load,
         # as stock's blocking save at the request was.
