@@ -204,14 +204,15 @@ def _named_by_latest(path: str, options: dict) -> str | None:
 def _verify(args: argparse.Namespace, options: dict) -> int:
     from tqdm import tqdm
 
-    path = _resolve(args.path, options)
     named = _named_by_latest(args.path, options)
-    if named is not None and named != path:
+    if named is not None and not storage.is_complete(named, options):
         # The newest checkpoint is damaged: that is what a verify of the folder must report,
         # not pass over it for an older one.
         print(f"gockpt: {args.path}: its 'latest' names {named}, which is not complete; "
               "verifying it", file=sys.stderr)
         path = named
+    else:
+        path = _resolve(args.path, options)
     info = describe_checkpoint(path, options)
     with tqdm(total=info["total_bytes"], unit="B", unit_scale=True, desc="verify", disable=None,
               file=sys.stderr) as bar:
