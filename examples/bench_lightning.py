@@ -59,26 +59,28 @@ def lightning_module(model: Any, optimizer: Any, loader: Any) -> Any:
     return Module()
 
 
-class _Times:
-    """perf_counter at every batch start and end (a Lightning callback, built lazily so this
-    module imports without Lightning)."""
+def batch_times() -> Any:
+    """A Lightning callback noting ``time.perf_counter()`` (seconds) at every batch start and
+    end (``starts``, ``ends``) and at the end of training (``train_end``). Lightning is
+    imported here, so that this module imports without it."""
+    import lightning.pytorch as pl
 
-    @staticmethod
-    def make() -> Any:
-        import lightning.pytorch as pl
+    class Times(pl.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.ends: list[float] = []
+            self.train_end: float | None = None
 
-        class Times(pl.Callback):
-            def __init__(self) -> None:
-                self.starts: list[float] = []
-                self.ends: list[float] = []
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.starts.append(time.perf_counter())
 
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                self.starts.append(time.perf_counter())
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ends.append(time.perf_counter())
 
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.ends.append(time.perf_counter())
+        def on_train_end(self, trainer, pl_module):
+            self.train_end = time.perf_counter()
 
-        return Times()
+    return Times()
 
 
 def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: str) -> None:
@@ -107,7 +109,7 @@ def run_variant(args: argparse.Namespace, variant: str, root: str, result_path: 
 
         plugins = [GoCkptIO()]
     epochs = max(1, args.steps // args.interval)
-    times = _Times.make()
+    times = batch_times()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=args.interval,
         enable_checkpointing=variant != "none", default_root_dir=root, plugins=plugins, logger=False,

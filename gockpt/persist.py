@@ -227,9 +227,9 @@ def persist(req: PersistRequest) -> PersistResult:
         _check_cancel(req)
         try:  # the writer's own check: its errors as they are, a storage one's as one
             req.before_publish(target)
-        except (CheckpointError, OSError) as e:
-            if isinstance(e, CheckpointError):
-                raise
+        except CheckpointError:
+            raise
+        except OSError as e:
             raise storage.storage_error(e, req.path, None) from e
         _check_cancel(req)
         with _trace.phase("manifest", len(manifest_bytes)):

@@ -21,27 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from bench_lightning import lightning_module  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from bench_lightning import batch_times, lightning_module  # noqa: E402
 from workload import PRESETS, build_training, make_dataloader, text_datasets  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH = 6, 10
-
-
-class Times(Callback):
-    """(event, perf_counter) at every batch start and end and at the end of training."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, float]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.events.append(("start", time.perf_counter()))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.events.append(("end", time.perf_counter()))
-
-    def on_train_end(self, trainer, pl_module):
-        self.events.append(("train_end", time.perf_counter()))
 
 
 def main(variant: str) -> None:
@@ -59,7 +42,7 @@ def main(variant: str) -> None:
         plugins = [GoCkptIO()]
     root = os.path.join(tempfile.gettempdir(), f"gockpt_time_split_{variant}")
     shutil.rmtree(root, ignore_errors=True)
-    times = Times()
+    times = batch_times()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=EPOCHS, limit_train_batches=STEPS_PER_EPOCH,
         enable_checkpointing=variant != "none", default_root_dir=root, plugins=plugins, logger=False,
@@ -67,9 +50,7 @@ def main(variant: str) -> None:
     t0 = time.perf_counter()
     trainer.fit(lightning_module(model, optimizer, loader))
     t1 = time.perf_counter()
-    starts = [t for e, t in times.events if e == "start"]
-    ends = [t for e, t in times.events if e == "end"]
-    train_end = next(t for e, t in times.events if e == "train_end")
+    starts, ends, train_end = times.starts, times.ends, times.train_end
     steps = [b - a for a, b in zip(starts, ends, strict=True)]
     gaps = [starts[i + 1] - ends[i] for i in range(len(ends) - 1)]
     epoch_gaps = [round(g, 3) for i, g in enumerate(gaps) if (i + 1) % STEPS_PER_EPOCH == 0]
