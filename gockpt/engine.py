@@ -412,7 +412,12 @@ class Engine:
         Call after a step boundary and before code that may change weights outside
         ``optimizer.step()`` there (a module's batch-end hook): a write into a block still being
         copied after its step was taken fails that checkpoint (it could not hold its step).
-        The wait is counted as stall. Cheap where nothing is being copied.
+        The wait is counted as stall (seconds, ``CheckpointMetrics.stall_s``); cheap where
+        nothing is being copied. The last block is the one GoCkpt §4.2 copies after the
+        captured step's boundary.
+
+        Raises:
+            RuntimeError: the engine belongs to the parent of this forked process.
         """
         self._check_process()
         self._windows.finish_captured()
@@ -423,7 +428,8 @@ class Engine:
                 and key.startswith(s.handle.path.rstrip("/") + "/")]
 
     def enclosing_in_flight(self, path: str | os.PathLike[str]) -> list[str]:
-        """The checkpoints in flight (not yet durable or failed) whose folder holds ``path``."""
+        """The checkpoints in flight (not yet durable or failed) whose folder holds ``path``,
+        spelled as their handles spell them (:func:`gockpt.fsutil.path_key`). Raises nothing."""
         return [s.handle.path for s in self._enclosing(path)]
 
     def finish_enclosing(self, path: str | os.PathLike[str]) -> None:
