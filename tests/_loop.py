@@ -2,13 +2,12 @@
 
 Clipping, a per-step LR scheduler, bf16 autocast, gradient accumulation over two micro-batches,
 a GradScaler-skipped step (an injected inf), dropout (RNG) and BatchNorm (buffers). Used by the
-engine tests in-process and by the crash test as a subprocess (``python tests/_loop.py ...``).
+engine tests in-process and by the crash test in a child process (:func:`crash_child`).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 
 import torch
 from torch import nn
@@ -104,11 +103,12 @@ def assert_state_equal(got: dict, want: dict, where: str = "") -> None:
         assert got == want or (got != got and want != want), f"{where}: {got!r} != {want!r}"
 
 
-if __name__ == "__main__":
-    # Crash-test child: train forever, saving every few steps, printing each durable step.
+def crash_child(root: str, mode: str, report) -> None:
+    """The crash test's child: train forever, saving every other step into six rotating
+    folders, calling ``report(step)`` with each checkpoint's captured step once it is durable."""
     import gockpt
 
-    root, mode = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
     model, opt, sched, scaler = make("adamw")
     eng = gockpt.Engine(model, opt, gockpt.GoCkptConfig(mode=mode, min_overlap_steps=2,
                                                         max_overlap_steps=3, max_shard_bytes=4096))
@@ -120,6 +120,7 @@ if __name__ == "__main__":
             handles.append(eng.save(f"{root}/ckpt-{it % 6}", state_fn=lambda: {"it": it}))
         for h in [h for h in handles if h.done()]:
             handles.remove(h)
-            print("durable", h.result().captured_step, flush=True)
+            report(h.result().captured_step)
 
     train(model, opt, sched, scaler, 10**9, on_step_end=step_end)
+

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import _loop
 import pytest
 import torch
+from _dist import process
 
 import gockpt
 from gockpt.load import read_checkpoint
@@ -24,24 +25,25 @@ HERE = Path(__file__).parent
 
 
 def _kill_after(root: Path, mode: str, durable_lines: int, jitter_s: float) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_loop.py"), str(root), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])},
-    )
+    """Run :func:`_loop.crash_child` in a child process; SIGKILL it ``jitter_s`` after its
+    ``durable_lines``-th checkpoint is durable."""
+    recv, send = multiprocessing.Pipe(duplex=False)
+    proc = process(_loop.crash_child, args=(str(root), mode, send.send))
+    proc.start()
+    send.close()
     try:
         seen = 0
         deadline = time.monotonic() + 60
         while seen < durable_lines and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "training process ended early"
-            seen += line.startswith("durable")
+            assert recv.poll(max(0.0, deadline - time.monotonic())), "no checkpoint was durable in 60 s"
+            recv.recv()
+            seen += 1
         # The kill moment: a random point in the save stream (not a race we wait out).
         time.sleep(jitter_s)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.kill()
+        proc.join()
+        recv.close()
 
 
 @pytest.mark.slow

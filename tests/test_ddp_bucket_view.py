@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 from _loop import assert_state_equal
 
 import gockpt
@@ -70,4 +70,4 @@ def _worker(rank: int, port: int, root: str, set_to_none: bool) -> None:
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_bucket_view_gradients_are_not_written_while_they_are_copied(tmp_path, set_to_none):
-    mp.spawn(_worker, args=(_port(), str(tmp_path), set_to_none), nprocs=1)
+    spawn(_worker, args=(_port(), str(tmp_path), set_to_none), nprocs=1)

@@ -594,12 +594,14 @@ def test_a_k_agreed_with_other_ranks_is_planned_and_priced_as_this_rank_runs_it(
 def test_replays_still_queued_at_a_request_reach_its_plan(tmp_path, planned_costs):
     # Two host slots and a slow replay (emulated): the second save is requested while the
     # first one's replays are still queued; its costs carry them (Costs.replay_backlog_s).
+    # Each update's replay sleeps several steps long, so that the queue at a request does not
+    # depend on how fast this machine steps.
     seen = planned_costs
     model, opt, sched, scaler = _deep(width=64)
     state = sum(p.numel() * 4 * 3 for p in model.parameters())  # AdamW: param + two moments
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", min_overlap_steps=4, max_overlap_steps=4,
                                           host_buffer_bytes=64 << 20, max_inflight=2,
-                                          replay_bytes_per_s=state / 0.3))
+                                          replay_bytes_per_s=state / 3))
     handles = []
 
     def on_step_end(it: int) -> None:

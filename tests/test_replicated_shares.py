@@ -13,8 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _dist import end_rank
+from _dist import end_rank, spawn
 from test_sharded import _equal, _full, _init, _port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,7 +110,7 @@ def test_ddp_ranks_share_the_write_and_resume_exact(tmp_path):
     of the state, the parts together hold every tensor once, a fresh 2-rank run resumes
     bit-identical, and one process assembles the live state at the captured step."""
     root = str(tmp_path)
-    mp.spawn(_train_worker, args=(2, _port(), root), nprocs=2)
+    spawn(_train_worker, args=(2, _port(), root), nprocs=2)
     exp = [torch.load(f"{root}/expected-{r}.pt") for r in range(2)]
     for name, (target, state) in exp[0]["live"].items():
         path = f"{root}/{name}"
@@ -144,7 +143,7 @@ def test_ddp_ranks_share_the_write_and_resume_exact(tmp_path):
         flat.update({f"optim.state.{p}.{k}": v for p, st in full.optimizer_state.items() for k, v in st.items()})
         _equal(flat, state, f"{name} loaded by 1 process")
         assert full.param_groups[0][0]["lr"] == 1e-2
-    mp.spawn(_resume_worker, args=(2, _port(), root), nprocs=2)
+    spawn(_resume_worker, args=(2, _port(), root), nprocs=2)
 
 
 def test_partition_is_balanced_deterministic_and_covers_every_tensor():
@@ -260,4 +259,4 @@ def test_replicated_ranks_with_different_states_refuse_to_save(tmp_path):
     """Ranks whose states differ would not partition alike: every rank raises, nothing is
     written. So do ranks whose replicas may differ (a layer DDP does not average now trains,
     the learning rates differ): each rank's share would come from another copy."""
-    mp.spawn(_mismatch_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+    spawn(_mismatch_worker, args=(2, _port(), str(tmp_path)), nprocs=2)

@@ -15,8 +15,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _dist import end_rank
+from _dist import end_rank, spawn
 from torch import nn
 
 import gockpt
@@ -156,7 +155,7 @@ def test_fsdp2_resume_exact_and_reshard(tmp_path):
     """lazy and gockpt_o (K=3) checkpoints of a 2-rank FSDP2 run: a 2-rank resume ends bit-identical
     to the uninterrupted run; 1 and 4 processes load the same full weights and optimizer state."""
     root = str(tmp_path)
-    mp.spawn(_resume_worker, args=(2, _port(), root), nprocs=2)
+    spawn(_resume_worker, args=(2, _port(), root), nprocs=2)
     expected = torch.load(f"{root}/expected.pt")
     assert set(expected["live"]) == {"lazy", "gockpt_o"}
     for name, (target, state) in expected["live"].items():
@@ -168,7 +167,7 @@ def test_fsdp2_resume_exact_and_reshard(tmp_path):
         assert full.param_groups[0][0]["lr"] == 1e-2
         with pytest.raises(ValueError, match="sharded"):
             gockpt.load_checkpoint(f"{root}/{name}")
-    mp.spawn(_reload_worker, args=(4, _port(), root), nprocs=4)
+    spawn(_reload_worker, args=(4, _port(), root), nprocs=4)
 
 
 class _FailingWriter(CheckpointWriter):
@@ -237,7 +236,7 @@ def _fault_worker(rank: int, world: int, port: int, root: str) -> None:
 def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):
     """An error on one rank's part: no complete checkpoint, the previous one stays latest and loads."""
     root = str(tmp_path)
-    mp.spawn(_fault_worker, args=(2, _port(), root), nprocs=2)
+    spawn(_fault_worker, args=(2, _port(), root), nprocs=2)
     assert load_full(f"{root}/ck-1").captured_step == 2
     assert load_full(f"{root}/ck-3").captured_step == 4
     assert not os.path.exists(f"{root}/ck-2")
@@ -278,7 +277,7 @@ def test_a_part_overtaken_on_one_rank_alone_is_not_committed_and_fails_no_rank(t
     not committed, the previous one stays the latest, and neither rank raises, at a step
     boundary or at ``wait`` (rank 0's part overtaken: its commit removed the stage while rank 1
     was still writing, a storage error on rank 1; rank 1's: every rank raised)."""
-    mp.spawn(_overtaken_worker, args=(2, _port(), str(tmp_path), victim), nprocs=2)
+    spawn(_overtaken_worker, args=(2, _port(), str(tmp_path), victim), nprocs=2)
     assert load_full(f"{tmp_path}/first").captured_step == 1
     assert load_full(f"{tmp_path}/after").captured_step == 6
 
@@ -322,7 +321,7 @@ def test_a_failed_run_does_not_wait_out_the_commit_timeout_for_a_stuck_rank(tmp_
     close abandons that commit once the part shows no progress (stock exits at once), leaving
     no checkpoint and no staging."""
     root = str(tmp_path)
-    mp.spawn(_abandon_worker, args=(2, _port(), root), nprocs=2)
+    spawn(_abandon_worker, args=(2, _port(), root), nprocs=2)
     assert not gockpt.is_complete(f"{root}/ck")
     assert gockpt.latest_checkpoint(root) is None
     assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == []
@@ -390,7 +389,7 @@ def test_a_plain_tensor_no_shard_holds_is_kept_in_the_parts_of_a_sharded_checkpo
     part's state tree now and loaded from there, exactly. A sharded tensor of such a kind (a
     complex parameter), or a plain one an optimizer updates, is still refused with an error
     naming it."""
-    mp.spawn(_unstorable_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+    spawn(_unstorable_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
     full = load_full(f"{tmp_path}/ck")
     assert full.model_state_dict["freqs"].dtype == torch.complex64
     assert torch.equal(full.model_state_dict["freqs"], torch.polar(torch.ones(4), torch.arange(4.0)))
@@ -505,7 +504,7 @@ def test_ranks_whose_shares_fit_different_numbers_of_host_slots_finish_saves_in_
     ``wait`` raised on every rank. Now every rank finishes it there; with
     ``when_full="skip"`` every rank skips the new one; and a request failing on one rank alone
     still finishes the save in flight on every rank."""
-    mp.spawn(_slots_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+    spawn(_slots_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
     assert load_full(f"{tmp_path}/ck2").captured_step == 4
     assert load_full(f"{tmp_path}/skip11").captured_step > 0
     assert not os.path.exists(f"{tmp_path}/skip12") and not os.path.exists(f"{tmp_path}/refused")

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from _dist import end_rank
+from _dist import end_rank, spawn
 
 import gockpt
 from gockpt.dcp import load_full, load_sharded
@@ -67,5 +66,5 @@ def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_pat
     assert full.extra == {"version": 3}
     # Every rank of a fresh run resumes the previous checkpoint.
     out = str(tmp_path / "resumed")
-    mp.spawn(_resume, args=(2, _port(), root, out), nprocs=2, join=True)
+    spawn(_resume, args=(2, _port(), root, out), nprocs=2)
     assert [Path(f"{out}-{r}").read_text() for r in range(2)] == ["ck-1 3", "ck-1 3"]

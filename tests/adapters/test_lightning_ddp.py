@@ -1,7 +1,7 @@
 """``GoCkptIO`` under Lightning DDP, 2 processes over gloo: the ranks share the write (issue 13).
 
-Each test spawns its ranks once (``torch.multiprocessing.spawn``; Lightning sees an external
-launcher through ``LOCAL_RANK``; a spawn costs seconds of imports on 2 cores): they train the
+Each test spawns its ranks once (``_dist.spawn``, from a fork server that has the imports
+done; Lightning sees an external launcher through ``LOCAL_RANK``): they train the
 uninterrupted stock DDP run (a stock ``.ckpt`` at every step), the GoCkpt run that checkpoints
 mid-epoch, and then, with a new Trainer and a new model, resume from that checkpoint with
 ``fit(ckpt_path=...)``. Then this process resumes, with one device, from the GoCkpt checkpoint
@@ -19,8 +19,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _dist import end_rank
+from _dist import end_rank, spawn
 from _lightning_train import assert_bitwise_equal, fit, results
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from test_lightning_fidelity import Net
@@ -148,7 +147,7 @@ def test_ddp_ranks_share_the_write_and_resume_exactly(tmp_path, mode):
     links to the last one."""
     root = str(tmp_path)
     captured = EVERY + K[mode] - 1
-    mp.spawn(_worker, args=(_port(), root, mode), nprocs=2)
+    spawn(_worker, args=(_port(), root, mode), nprocs=2)
     path = f"{root}/a/step={EVERY}.ckpt"
     _assert_shared(path, captured)
     assert set(os.listdir(f"{root}/a")) == {f"step={EVERY}.ckpt", f"step={STOP}.ckpt", "last.ckpt"}
@@ -215,67 +214,45 @@ def test_ddp_spawn_shares_the_write(tmp_path, monkeypatch):
     assert_bitwise_equal(last["state_dict"], {k: v.detach() for k, v in model.state_dict().items()}, "weights")
 
 
+def _last_worker(rank: int, port: int, root: str, mode: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    io = GoCkptIO() if mode == "auto" else _io(mode)
+    fit(root, io=io, max_steps=4, ckpt_every=1, save_top_k=1, save_last=True, strategy="ddp", devices=2)
+    end_rank()
+
+
 @pytest.mark.parametrize("mode", ["auto", "gockpt_o"])
-def test_ddp_saves_last_ckpt_over_itself_at_every_step(tmp_path, monkeypatch, mode):
+def test_ddp_saves_last_ckpt_over_itself_at_every_step(tmp_path, mode):
     """``save_last=True`` under DDP: each save of ``last.ckpt`` replaces the one before, whose
     folder holds both ranks' parts and markers (a GoCkpt checkpoint, not someone's folder)."""
-    monkeypatch.setenv("MASTER_PORT", str(_port()))
-    io = GoCkptIO() if mode == "auto" else _io(mode)
-    fit(str(tmp_path), io=io, max_steps=4, ckpt_every=1, save_top_k=1, save_last=True,
-        strategy="ddp_spawn", devices=2)
+    spawn(_last_worker, args=(_port(), str(tmp_path), mode), nprocs=2)
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=4.ckpt"]
     last = GoCkptIO().load_checkpoint(str(tmp_path / "last.ckpt"))
     assert last["global_step"] == 4
 
 
-def test_ddp_optimizers_sharing_a_parameter_checkpoint_as_stock(tmp_path, monkeypatch):
-    """Two optimizers over the same parameters under ``ddp_spawn``: no unit layout to share
-    out, so rank 0 takes each checkpoint whole at its request; it equals stock DDP's bit for bit."""
-    import lightning.pytorch as pl
-    from test_lightning_fidelity import Net
-
-    def run(root, io):
-        monkeypatch.setenv("MASTER_PORT", str(_port()))
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(
-            default_root_dir=root, max_steps=8, accelerator="cpu", devices=2, strategy="ddp_spawn",
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=4)],
-            plugins=[io] if io is not None else None)
-        trainer.fit(Net("shared"))
-
-    run(str(tmp_path / "g"), _io("gockpt_o"))
-    run(str(tmp_path / "s"), None)
-    ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)
-    stock = torch.load(tmp_path / "s" / "step=4.ckpt", weights_only=False)
+def test_ddp_optimizers_sharing_a_parameter_checkpoint_as_stock(mid_run_changes):
+    """Two optimizers over the same parameters under DDP: no unit layout to share out, so rank
+    0 takes each checkpoint whole at its request; it equals stock DDP's bit for bit."""
+    root = mid_run_changes
+    ours = GoCkptIO().load_checkpoint(f"{root}/shared/g/step=4.ckpt", weights_only=False)
+    stock = torch.load(f"{root}/shared/s/step=4.ckpt", weights_only=False)
     assert ours["global_step"] == stock["global_step"] == 4
     assert_bitwise_equal(ours["state_dict"], stock["state_dict"], "state_dict")
     assert_bitwise_equal(ours["optimizer_states"], stock["optimizer_states"], "optimizer_states")
 
 
-def test_ddp_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(tmp_path, monkeypatch):
-    """A complex parameter (AdamW state complex too) and a complex buffer under ``ddp_spawn``
-    with the ranks sharing the write: no shard holds them, so they are stored whole in the
-    pickled part (once, by rank 0); a checkpoint held at a later step (K = 3)
-    equals stock DDP's file of that step bit for bit."""
-    import lightning.pytorch as pl
-    from test_lightning_fidelity import Net
-
-    def run(root, io, every):
-        monkeypatch.setenv("MASTER_PORT", str(_port()))
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(
-            default_root_dir=root, max_steps=8, accelerator="cpu", devices=2, strategy="ddp_spawn",
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", save_top_k=-1, every_n_train_steps=every)],
-            plugins=[io] if io is not None else None)
-        trainer.fit(Net("complex"))
-
-    run(str(tmp_path / "g"), _io("gockpt_o"), 4)
-    run(str(tmp_path / "s"), None, 1)
-    ours = GoCkptIO().load_checkpoint(str(tmp_path / "g" / "step=4.ckpt"), weights_only=False)
+def test_ddp_state_the_shards_cannot_hold_is_saved_as_stock_saves_it(mid_run_changes):
+    """A complex parameter (AdamW state complex too) and a complex buffer under DDP with the
+    ranks sharing the write: no shard holds them, so they are stored whole in the pickled part
+    (once, by rank 0); a checkpoint held at a later step (K = 3) equals stock DDP's file of
+    that step bit for bit."""
+    root = mid_run_changes
+    ours = GoCkptIO().load_checkpoint(f"{root}/complex/g/step=4.ckpt", weights_only=False)
     assert ours["global_step"] > 4  # held at a later step: the capture there is what is tested
-    stock = torch.load(tmp_path / "s" / f"step={ours['global_step']}.ckpt", weights_only=False)
+    stock = torch.load(f"{root}/complex/s/step={ours['global_step']}.ckpt", weights_only=False)
     assert ours["state_dict"]["rot"].dtype == torch.complex64
     for key in ("state_dict", "optimizer_states"):
         assert_bitwise_equal(ours[key], stock[key], key)
@@ -367,9 +344,12 @@ class _UnfreezeSwapNet(_RankDataNet):
             self.trainer.optimizers = [torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)]
 
 
-#: Runs whose state changes mid-run (test_ddp_mid_run_*): module, max_steps, GoCkpt's
-#: every_n_train_steps, extra Trainer arguments. Stock saves at every step.
+#: Runs under 2-rank DDP (test_ddp_mid_run_*, and two whose state the ranks cannot share
+#: out): module, max_steps, GoCkpt's every_n_train_steps, extra Trainer arguments. Stock saves
+#: at every step.
 _CHANGES = {
+    "shared": (lambda: Net("shared"), 8, 4, {}),
+    "complex": (lambda: Net("complex"), 8, 4, {}),
     "swap": (lambda: _SwapNet(6), 14, 5, {}),
     "swap_to_shared": (lambda: _SwapToSharedNet(3), 11, 1, {}),
     "accumulation": (lambda: Net("batch_norm"), 8, 3, {"accumulate_grad_batches": 2, "callbacks": [_MidSave()]}),
@@ -403,7 +383,7 @@ def mid_run_changes(tmp_path_factory) -> str:
     """The runs of :data:`_CHANGES` under 2-rank DDP with the ranks sharing the write, GoCkptIO
     (gockpt_o, K=3) and stock, in one spawn (each spawn costs seconds of imports)."""
     root = str(tmp_path_factory.mktemp("changes"))
-    mp.spawn(_changes_worker, args=(_port(), root), nprocs=2)
+    spawn(_changes_worker, args=(_port(), root), nprocs=2)
     return root
 
 
@@ -521,7 +501,7 @@ def _weights_only_worker(rank: int, port: int, root: str) -> None:
 def weights_only_run(tmp_path_factory) -> str:
     """Stock DDP and GoCkptIO DDP (gockpt_o, K=3), both ``ModelCheckpoint(save_weights_only=True)``."""
     root = str(tmp_path_factory.mktemp("weights_only"))
-    mp.spawn(_weights_only_worker, args=(_port(), root), nprocs=2)
+    spawn(_weights_only_worker, args=(_port(), root), nprocs=2)
     return root
 
 

@@ -14,8 +14,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _dist import end_rank
+from _dist import end_rank, spawn
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_lightning_sharded import Net, _equal, _full, _port, _Record
@@ -71,7 +70,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 def saved(tmp_path_factory) -> str:
     """The 2-process run: its checkpoint folder and the gathered state after every step."""
     root = str(tmp_path_factory.mktemp("reshard"))
-    mp.spawn(_worker, args=(2, _port(), root), nprocs=2)
+    spawn(_worker, args=(2, _port(), root), nprocs=2)
     return root
 
 
@@ -93,7 +92,7 @@ def test_model_parallel_checkpoint_of_2_ranks_resumes_with_4(saved):
     every weight, and gathered they are the state of step 6, optimizer and LR included."""
     captured = EVERY + K - 1
     ref = torch.load(f"{saved}/ref.pt")[captured]
-    mp.spawn(_worker, args=(4, _port(), saved), nprocs=4)
+    spawn(_worker, args=(4, _port(), saved), nprocs=4)
     restored = torch.load(f"{saved}/restored-4.pt")
     assert restored["step"] == captured
     _equal(restored["tensors"], ref["tensors"], "4 processes")

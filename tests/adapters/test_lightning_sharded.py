@@ -14,8 +14,7 @@ import socket
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _dist import end_rank
+from _dist import end_rank, spawn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -223,7 +222,7 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
     (the model alone). The model's complex buffer (which every save refused
     before) is kept in the parts and restored."""
     root = str(tmp_path)
-    mp.spawn(_worker, args=(_port(), root, mode, "train"), nprocs=2)
+    spawn(_worker, args=(_port(), root, mode, "train"), nprocs=2)
     ref = torch.load(f"{root}/ref.pt")
     path = f"{root}/ckpt/step={EVERY}.ckpt"
     full = load_full(path)
@@ -242,7 +241,7 @@ def test_model_parallel_mid_epoch_resume_is_exact(tmp_path, mode):
     assert load_full(f"{root}/ckpt/step={STOP}.ckpt").captured_step == STOP
     assert os.listdir(f"{root}/top") == [f"top-step={STOP}.ckpt"]
     assert load_full(f"{root}/top/top-step={STOP}.ckpt").captured_step == STOP
-    mp.spawn(_worker, args=(_port(), root, mode, "resume"), nprocs=2)
+    spawn(_worker, args=(_port(), root, mode, "resume"), nprocs=2)
     validated = torch.load(f"{root}/validated.pt")  # Trainer.validate(ckpt_path=...): the model
     _equal(validated, {k: v for k, v in ref[captured]["tensors"].items() if k.startswith("model.")},
            "validate")
@@ -309,7 +308,7 @@ def test_model_parallel_optimizers_replaced_mid_run_are_followed(tmp_path, swap)
     step 5's save before its captured step, and it is not written (it was torn; the DDP test
     test_ddp_mid_run_optimizers_replaced_are_followed runs that case, through the same code)."""
     root = str(tmp_path)
-    mp.spawn(_swap_worker, args=(_port(), root, swap), nprocs=2)
+    spawn(_swap_worker, args=(_port(), root, swap), nprocs=2)
     ref = torch.load(f"{root}/ref.pt")
     names = sorted(os.listdir(f"{root}/ckpt"))
     assert names == (["step=10.ckpt", "step=5.ckpt"] if swap == 3 else ["step=10.ckpt"])

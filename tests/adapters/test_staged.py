@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 
 from gockpt import GoCkptConfig
 from lightning_gockpt.staged import StagedAdapterEngine
@@ -184,7 +184,7 @@ def _port() -> int:
 def test_a_rank_that_dies_before_its_files_leaves_no_checkpoint(tmp_path):
     """Rank 1 is gone after its request: rank 0 gives up after commit_timeout_s, nothing is
     published at the path and no staging directory is left."""
-    mp.spawn(_two_ranks, args=(_port(), str(tmp_path), "dies"), nprocs=2)
+    spawn(_two_ranks, args=(_port(), str(tmp_path), "dies"), nprocs=2)
     assert (tmp_path / "outcome-0").read_text().startswith("timeout: ")
     assert "rank 1" in (tmp_path / "outcome-0").read_text()
     assert sorted(os.listdir(tmp_path)) == ["outcome-0"]
@@ -193,7 +193,7 @@ def test_a_rank_that_dies_before_its_files_leaves_no_checkpoint(tmp_path):
 def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     """Rank 0's write fails (disk full): nothing is published, and the collective wait raises on
     both ranks (rank 1 names rank 0's error) instead of leaving one waiting for the other."""
-    mp.spawn(_two_ranks, args=(_port(), str(tmp_path), "fails"), nprocs=2)
+    spawn(_two_ranks, args=(_port(), str(tmp_path), "fails"), nprocs=2)
     assert (tmp_path / "outcome-0").read_text().startswith("OSError: [Errno 28]")
     assert (tmp_path / "outcome-1").read_text().startswith("RuntimeError: gockpt: a checkpoint failed on "
                                                            "another rank: rank 0: OSError")
@@ -203,7 +203,7 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
 def test_two_ranks_write_one_checkpoint(tmp_path):
     """Both ranks write into rank 0's staging directory (a shared filesystem): the checkpoint
     holds both ranks' files, and both ranks' waits return."""
-    mp.spawn(_two_ranks, args=(_port(), str(tmp_path), "shared"), nprocs=2)
+    spawn(_two_ranks, args=(_port(), str(tmp_path), "shared"), nprocs=2)
     assert sorted(os.listdir(tmp_path / "step.ckpt")) == ["r0.pt", "r1.pt"]
     assert (tmp_path / "outcome-0").read_text() == "no error"
     assert (tmp_path / "outcome-1").read_text() == "no error"
