@@ -8,6 +8,5 @@ python3 -m venv .venv
 .venv/bin/pip install -q -e ".[lightning,accelerate,examples,test]"
 # Two workers: most of the suite's time is spent in subprocesses (training ranks, killed jobs)
 # whose parent only waits, so a second worker uses the core it leaves idle. GOCKPT_TEST_WORKERS=0
-# runs the tests in one process. loadgroup: the tests sharing a training run built once per
-# module (tests/conftest.py, _SHARED_RUNS) go to one worker.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${GOCKPT_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# runs the tests in one process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${GOCKPT_TEST_WORKERS:-2}" "$@"

@@ -48,7 +48,10 @@ def process(fn: Callable, args: tuple = ()) -> multiprocessing.Process:
     torch, gockpt and lightning already: it starts in a fraction of a second, and is still a
     fresh process (nothing of the test's own process, such as threads, engines or process
     groups, is inherited); the working directory, ``sys.path`` and environment are the test's
-    at the call, as under ``start_method="spawn"``."""
+    at the call, as under ``start_method="spawn"``. Unlike a spawned process: what the
+    preloaded modules read when imported (``OMP_NUM_THREADS`` for torch's thread count) and
+    the umask are the server's, and ``atexit`` hooks do not run at its exit (threads'
+    ``threading._register_atexit`` hooks do)."""
     return _fork_server().Process(target=_in_env, args=(dict(os.environ), fn, *args))
 
 

@@ -232,15 +232,3 @@ def faulty_store(request, tmp_path, monkeypatch):
     yield Store(root, kind="memory"), fault
     faultfs.clear_memory(root)
 
-
-#: Module-scoped fixtures that run training (seconds to tens of seconds on 2 cores): the tests
-#: using one run on one xdist worker (``--dist loadgroup``), so that it is built once.
-_SHARED_RUNS = {"runs", "gockpt_accelerate_folder", "mid_run_changes", "weights_only_run", "saved",
-                "reference"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        for name in sorted(_SHARED_RUNS.intersection(getattr(item, "fixturenames", ()))):
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))

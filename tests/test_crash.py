@@ -36,7 +36,11 @@ def _kill_after(root: Path, mode: str, durable_lines: int, jitter_s: float) -> N
         deadline = time.monotonic() + 60
         while seen < durable_lines and time.monotonic() < deadline:
             assert recv.poll(max(0.0, deadline - time.monotonic())), "no checkpoint was durable in 60 s"
-            recv.recv()
+            try:
+                recv.recv()
+            except EOFError:
+                proc.join(5)
+                pytest.fail(f"training process ended early (exit code {proc.exitcode})")
             seen += 1
         # The kill moment: a random point in the save stream (not a race we wait out).
         time.sleep(jitter_s)

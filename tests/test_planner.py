@@ -319,7 +319,7 @@ def test_each_window_reports_how_early_its_copy_ended(tmp_path, slow_link):
     model, opt, sched, scaler = _deep(width=64)  # about 1.2 MB of state
     eng = Engine(model, opt, GoCkptConfig(mode="gockpt_o", max_overlap_steps=4,
                                           min_overlap_steps=4,
-                                          host_link_bytes_per_s=4e6 if slow_link else None))
+                                          host_link_bytes_per_s=2e6 if slow_link else None))
     handles = []
 
     def on_step_end(it: int) -> None:
@@ -335,7 +335,7 @@ def test_each_window_reports_how_early_its_copy_ended(tmp_path, slow_link):
         assert m.num_overlap_steps == 4 and len(m.window_margins_s) == 4
         waited = sum(max(0.0, -x) for x in m.window_margins_s)
         assert m.stall_by_phase_s["window_end"] >= waited
-        if slow_link:  # 1.2 MB at 4 MB/s, in windows of a few ms: the last window waits
+        if slow_link:  # 1.2 MB at 2 MB/s, in windows of a few ms (or 100 ms on a loaded machine)
             assert m.window_margins_s[-1] < -0.1 and waited > 0.1
         else:
             assert all(x > 0 for x in m.window_margins_s)
