@@ -180,12 +180,15 @@ class _Writer:
 
     def add(self, src: np.ndarray) -> None:
         if not self.direct:
-            _write_all(self.fd, src)
+            self._write_buffered(src)
             return
         assert self.buf is not None
         addr = src.__array_interface__["data"][0]
         pos = 0
         while pos < len(src):
+            if not self.direct:  # a write of this piece was refused or short: go on buffered
+                self._write_buffered(src[pos:])
+                return
             left = len(src) - pos
             # The file offset is aligned where the bounce buffer holds whole pages; bytes that
             # start on a page there go to the device from ``src`` itself.
@@ -203,6 +206,13 @@ class _Writer:
             pos += n
             if self.fill == len(self.buf):
                 self._flush(self.fill)
+
+    def _write_buffered(self, src: np.ndarray) -> None:
+        """Write ``src`` at the file position, after what the bounce buffer still holds (bytes
+        of earlier pieces, left there when a direct write turned the file buffered)."""
+        if self.fill:
+            self._flush(self.fill)
+        _write_all(self.fd, src)
 
     def _write_from(self, view: np.ndarray) -> int:
         """Write page-aligned ``view`` (whole pages) straight to the file; the bytes taken.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import gc
 import logging
 import mmap
@@ -15,7 +17,7 @@ import torch
 import xxhash
 
 import gockpt
-from gockpt import _direct
+from gockpt import _direct, cli
 
 _SIZES = [17, 4096, _direct.BOUNCE_BYTES, _direct.BOUNCE_BYTES + 5, 123_457, 0, 3]
 
@@ -102,6 +104,74 @@ def test_checkpoint_shards_bypass_the_page_cache(tmp_path, direct_io):
     ck = gockpt.load_checkpoint(path)
     for k, v in model.state_dict().items():
         assert torch.equal(ck.model_state_dict[k], v), k
+
+
+class _PickyDevice:
+    """``os.write`` as a filesystem answers it that accepts ``O_DIRECT`` at ``fcntl`` and then
+    refuses (``EINVAL``) a direct write whose length or file offset is not a multiple of
+    8192 bytes ("refuse"), or writes only half of each direct write ("short"); buffered
+    writes as usual. The seam is the system call the writer makes, as an ``LD_PRELOAD``
+    shim would see it."""
+
+    def __init__(self, how: str) -> None:
+        self.how, self.refused, self.short = how, 0, 0
+        self.write = os.write
+
+    def __call__(self, fd: int, data) -> int:
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            return self.write(fd, data)
+        n = memoryview(data).nbytes
+        if self.how == "refuse" and (n % 8192 or os.lseek(fd, 0, os.SEEK_CUR) % 8192):
+            self.refused += 1
+            raise OSError(errno.EINVAL, "Invalid argument")
+        if self.how == "short" and n > _direct.ALIGN:
+            self.short += 1
+            return self.write(fd, memoryview(data).cast("B")[: n // 2 // _direct.ALIGN * _direct.ALIGN])
+        return self.write(fd, data)
+
+
+@pytest.mark.parametrize("how", ["refuse", "short"])
+def test_a_direct_write_refused_or_short_mid_file_leaves_the_bytes_in_order(tmp_path, monkeypatch, how):
+    """A direct write refused (``EINVAL``) or short in the middle of a file turns the rest of
+    it buffered: the bytes still in the bounce buffer are written before the next ones, so the
+    file is the pieces in order with the checksum of its own bytes; a checkpoint saved that
+    way loads bit-identical and ``gockpt verify`` passes."""
+    if not _direct_allowed(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT: nothing is written direct here")
+    device = _PickyDevice(how)
+    monkeypatch.setattr(os, "write", device)
+    # A shard's header, then its data from a page-aligned host buffer, lined up with the file's
+    # pages (as plan_slot places it), in chunks of 3 whole pages and a tail: the pages go
+    # straight from the buffer (a direct write of 12288 bytes: refused, or short), the tail
+    # through the bounce buffer.
+    header = b"h" * 4100
+    chunk = (_direct.ALIGN - 4) + 3 * _direct.ALIGN + 100
+    slot = _direct.aligned_empty(4 + 6 * chunk)
+    data = slot[4:].numpy()
+    data[:] = np.random.default_rng(1).integers(0, 256, len(data), dtype=np.uint8)
+    pieces = [header, *(memoryview(data[i:i + chunk]) for i in range(0, len(data), chunk))]
+    digest = xxhash.xxh3_64()
+    path = str(tmp_path / "shard")
+    n = _direct.write_file(path, iter(pieces), lambda: None, digest)
+    written = open(path, "rb").read()
+    assert device.refused + device.short > 0
+    assert n == len(written) and written == header + data.tobytes()
+    assert digest.hexdigest() == xxhash.xxh3_64(written).hexdigest()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 301), torch.nn.Linear(301, 7))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    config = gockpt.GoCkptConfig(mode="sync", direct_io=True, max_shard_bytes=300_001, chunk_bytes=5003)
+    with gockpt.Engine(model, opt, config) as eng:
+        eng.save(ckpt).result()
+    monkeypatch.undo()
+    loaded = gockpt.load_checkpoint(ckpt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.model_state_dict[k], v), k
+    assert cli.main(["verify", ckpt]) == 0
 
 
 @pytest.mark.parametrize("lined_up", [True, False])
