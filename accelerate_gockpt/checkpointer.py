@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from torch import nn
 
 import gockpt
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("accelerate_gockpt")
 
-_PATCHED = ("save_state", "load_state", "accumulate", "end_training")
+_PATCHED = ("save_state", "load_state", "accumulate", "end_training", "skip_first_batches")
 
 
 class GoCkptCheckpointer:
@@ -94,6 +94,7 @@ class GoCkptCheckpointer:
         accelerator.load_state = self.load_state
         accelerator.accumulate = self._accumulate
         accelerator.end_training = self._end_training
+        accelerator.skip_first_batches = self._skip_first_batches
         # Stock save_state is done when it returns: a script whose last call is save_state()
         # (no end_training) still gets its checkpoint, finished when the process exits.
         self._exit_token = _exit.register(self._close_at_exit)
@@ -185,7 +186,8 @@ class GoCkptCheckpointer:
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
-        """``Accelerator.load_state``, after finishing pending saves; restores the iteration.
+        """``Accelerator.load_state``, after finishing pending saves (on every process: the
+        folder it loads is published for all of them); restores the iteration.
 
         With ``input_dir=None`` and automatic naming it loads the highest-numbered checkpoint
         (every one there is complete). Afterwards ``project_configuration.iteration`` is at
@@ -201,14 +203,18 @@ class GoCkptCheckpointer:
             FileNotFoundError: automatic naming and no checkpoint in ``project_dir/checkpoints``.
             gockpt.CheckpointCorruptError: a file of the folder is corrupt or not a regular file
                 (named in the message); nothing was loaded.
+            RuntimeError: a pending checkpoint failed on another process (this one's own
+                error, with its type, where it had one).
             What ``Accelerator.load_state`` raises.
         """
         self._check_open()
-        self.wait()
+        self._wait_everywhere()
         acc = self.accelerator
         pc = acc.project_configuration
         if input_dir is None and pc.automatic_checkpoint_naming:
             input_dir = latest_numbered(os.path.join(acc.project_dir, "checkpoints"))
+        elif input_dir is not None:
+            input_dir = os.path.expanduser(os.fspath(input_dir))  # as stock's loader takes it
         self._stop()  # load_state_dict replaces optimizer state tensors: re-enumerate them
         try:
             if input_dir is not None and self._sharded and _sharded.is_sharded_checkpoint(os.fspath(input_dir)):
@@ -233,7 +239,9 @@ class GoCkptCheckpointer:
             pc.iteration = max(pc.iteration, number + 1)
 
     def wait(self, timeout_s: float | None = None) -> list[gockpt.CheckpointMetrics]:
-        """Finish every pending checkpoint now and block until published.
+        """Finish every pending checkpoint now and block until published (the main process;
+        another returns once its own files of them are written: :meth:`load_state` also waits
+        for the main process).
 
         Checkpoints still in their copy windows are captured at the current step. Call on
         every process at the same point (each one takes its RNG state there).
@@ -248,6 +256,26 @@ class GoCkptCheckpointer:
         out = self._rep.wait(timeout_s) if self._rep is not None else []
         self._log_published()
         return out
+
+    def _wait_everywhere(self) -> None:
+        """:meth:`wait` on every process, then until every process has: the main process
+        publishes the checkpoints, so a folder one of them reads next is there for all of
+        them. An error of one process's wait is raised on each (its own where it has one)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            self.wait()
+            return
+        error: BaseException | None = None
+        try:
+            self.wait()
+        except Exception as e:  # the others learn of it below rather than wait for this one
+            error = e
+        failed = [m for m in gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+                  if m is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"gockpt: a pending checkpoint failed on another process: {failed[0]}")
 
     def _log_published(self) -> None:
         # Training thread: trackers are not thread-safe. One entry per published checkpoint.
@@ -389,16 +417,26 @@ class GoCkptCheckpointer:
         removed by :meth:`close`) to call the boundary first.
         """
         for dl in self.accelerator._dataloaders:
-            if any(n in vars(dl) for n in _LOADER_HOOKS):
-                continue  # hooked already
-            hooked = False
-            for name in _LOADER_HOOKS:
-                original = getattr(dl, name, None)
-                if callable(original):
-                    setattr(dl, name, _with_boundary(original, self._boundary))
-                    hooked = True
-            if hooked:
-                self._hooked_loaders.append(dl)
+            self._hook_loader(dl)
+
+    def _hook_loader(self, dl: Any) -> None:
+        if any(n in vars(dl) for n in _LOADER_HOOKS):
+            return  # hooked already
+        hooked = False
+        for name in _LOADER_HOOKS:
+            original = getattr(dl, name, None)
+            if callable(original):
+                setattr(dl, name, _with_boundary(original, self._boundary))
+                hooked = True
+        if hooked:
+            self._hooked_loaders.append(dl)
+
+    def _skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        # The loader it returns (a resumed epoch's) is not among the prepared ones: hooked too.
+        skipped = self._originals["skip_first_batches"](dataloader, num_batches=num_batches)
+        if not self._closed:
+            self._hook_loader(skipped)
+        return skipped
 
     def _unhook_loaders(self) -> None:
         for dl in self._hooked_loaders:

@@ -349,6 +349,22 @@ def test_iteration_is_restored_from_a_plain_accelerate_checkpoint(tmp_path):
     ckpt.close()
 
 
+def test_a_multi_step_checkpoint_captured_at_the_end_of_a_resumed_epoch_holds_its_rng(tmp_path):
+    # A resumed run's first epoch goes through accelerator.skip_first_batches, whose loader
+    # Accelerate keeps nowhere: its end is still the boundary of the epoch's last step, not
+    # the next epoch's first batch (after that epoch's iterator drew its seed from the RNG).
+    plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2)  # 2 tensors
+    [ours] = _augmented_run(tmp_path / "g", (31,), plugin, skip=5, stop=36)
+    updates = json.loads((ours / "gockpt.json").read_text())["captured_step"]
+    assert updates == 32 - 5  # the last batch of the resumed epoch (32 batches an epoch)
+    [stock] = _augmented_run(tmp_path / "s", (32,), skip=5, stop=36)
+    assert child.differences(load_file(ours / "model.safetensors"),
+                             load_file(stock / "model.safetensors"), "model") == []
+    a, b = (torch.load(p / "random_states_0.pkl", weights_only=False) for p in (ours, stock))
+    assert torch.equal(a["torch_manual_seed"], b["torch_manual_seed"])
+    assert a["random_state"] == b["random_state"]
+
+
 @pytest.mark.parametrize(("writer", "damage"), [("gockpt", "flipped_byte"), ("gockpt", "truncated"),
                                                 ("gockpt", "fifo"), ("accelerate", "fifo"),
                                                 ("gockpt_hooked", "flipped_byte"), ("gockpt_hooked", "none")])
@@ -396,6 +412,34 @@ def test_load_state_refuses_a_damaged_folder_and_loads_nothing(tmp_path, writer,
     with pytest.raises(gockpt.CheckpointCorruptError, match="model.safetensors"):
         fresh.acc.load_state(folder)
     assert child.digest(fresh) == before  # nothing was loaded
+    ckpt.close()
+
+
+def test_load_state_checks_and_numbers_a_folder_named_from_the_home_directory(tmp_path, monkeypatch):
+    # Accelerate's load_state expands "~" itself: the folder checked against its manifest, and
+    # whose iteration is restored, is that same one.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="sync"))
+    child.train(run, 2)
+    folder = Path(run.acc.save_state())
+    ckpt.close()
+    home_path = "~/" + str(folder.relative_to(tmp_path))
+    fresh = child.build(str(tmp_path / "other"), seed=4)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
+    fresh.acc.load_state(home_path)
+    assert child.digest(fresh) == child.digest(run)
+    assert fresh.acc.project_configuration.iteration == 1  # checkpoint_0's, plus one
+    ckpt.close()
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    fresh = child.build(str(tmp_path / "other"), seed=4)
+    before = child.digest(fresh)
+    ckpt = attach(fresh.acc, GoCkptPlugin(mode="sync"))
+    with pytest.raises(gockpt.CheckpointCorruptError, match="model.safetensors"):
+        fresh.acc.load_state(home_path)
+    assert child.digest(fresh) == before
     ckpt.close()
 
 
@@ -512,7 +556,10 @@ class _Augmented(torch.utils.data.Dataset):
         return torch.full((4,), float(i)) + 0.1 * torch.randn(4)
 
 
-def _augmented_run(project_dir, save_after, plugin=None):
+def _augmented_run(project_dir, save_after, plugin=None, *, skip=0, stop=12):
+    """Train on :class:`_Augmented` from batch ``skip + 1`` (a resumed run: the first epoch
+    through ``accelerator.skip_first_batches``) to batch ``stop``; ``save_state`` after each
+    batch number in ``save_after``; the folders."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
@@ -528,14 +575,19 @@ def _augmented_run(project_dir, save_after, plugin=None):
     model, opt, dl = acc.prepare(model, opt, dl)
     ckpt = attach(acc, plugin) if plugin is not None else None
     paths = []
-    for n, x in enumerate(dl, 1):
-        with acc.accumulate(model):
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        if n in save_after:
-            paths.append(acc.save_state())
-        if n == 12:
+    n = skip
+    for loader in [acc.skip_first_batches(dl, skip), dl] if skip else [dl]:
+        for x in loader:
+            with acc.accumulate(model):
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            n += 1
+            if n in save_after:
+                paths.append(acc.save_state())
+            if n == stop:
+                break
+        if n == stop:
             break
     if ckpt is not None:
         ckpt.close()

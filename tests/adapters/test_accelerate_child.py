@@ -196,10 +196,23 @@ def _ddp(project_dir: str, mode: str) -> None:
                                         publish_timeout_s=60))
     live: dict[int, dict] = {}
 
+    # BatchNorm statistics are per process under DDP (each forward takes rank 0's); a
+    # checkpoint holds the main process's, as Accelerate's does.
+    buffers = {k for k, _ in run.acc.unwrap_model(run.model).named_buffers()} if rank else set()
+
     def on_batch_end(r: Run) -> None:
         live[r.progress.batches] = snapshot(r)
         if r.progress.batches in (2, 5, 8):
             r.acc.save_state()
+        if r.progress.batches == 8:
+            # Loaded at once, the save still pending: every process loads this one (published
+            # by the main process), which holds the state it has now; not the one before.
+            r.acc.load_state()
+            got, want = ({**x, "model": {k: v for k, v in x["model"].items() if k not in buffers}}
+                         for x in (snapshot(r), live[8]))
+            wrong = differences(got, want, "load_state() after save_state()")
+            if wrong:
+                raise SystemExit(f"rank {rank}: " + "; ".join(wrong[:5]))
 
     train(run, 14, on_batch_end=on_batch_end)
     final = snapshot(run)
@@ -218,9 +231,6 @@ def _ddp(project_dir: str, mode: str) -> None:
         resumed.append(c)
         got = snapshot(fresh)
         errors += differences(got["rng"], live[c]["rng"], f"{name}:rng")
-        # BatchNorm statistics are per process under DDP (each forward takes rank 0's); the
-        # checkpoint holds the main process's, as Accelerate's does.
-        buffers = {k for k, _ in run.acc.unwrap_model(run.model).named_buffers()} if rank else set()
         model = {k: v for k, v in got["model"].items() if k not in buffers}
         errors += differences(model, {k: live[c]["model"][k] for k in model}, f"{name}:model")
         errors += differences(got["optim"], live[c]["optim"], f"{name}:optim")
