@@ -16,8 +16,9 @@ at a page-aligned file offset, they are written straight from the caller's memor
 the host slots are page-aligned (:func:`aligned_empty`) and each shard's data placed in its slot
 at the address its file offset needs (:func:`gockpt.snapshot.plan_slot`), so only the header and
 the page that joins it to the data pass through the bounce buffer. Where the filesystem refuses
-``O_DIRECT`` (tmpfs, some network filesystems: ``EINVAL`` at ``fcntl`` or at the first write)
-the rest of the file is written buffered, with the same bytes and the same checksum.
+``O_DIRECT`` (tmpfs on older kernels, some network filesystems: ``EINVAL`` at ``fcntl`` or at
+any write, as from a device that wants a larger alignment) or writes a direct write short, the
+rest of the file is written buffered, in order, with the same bytes and the same checksum.
 
 This is written by hand: neither fsspec nor the standard library offers aligned direct I/O.
 
@@ -208,8 +209,8 @@ class _Writer:
                 self._flush(self.fill)
 
     def _write_buffered(self, src: np.ndarray) -> None:
-        """Write ``src`` at the file position, after what the bounce buffer still holds (bytes
-        of earlier pieces, left there when a direct write turned the file buffered)."""
+        """Write ``src`` at the file position, after any bytes of earlier pieces the bounce
+        buffer still holds (so that a file turned buffered keeps its order)."""
         if self.fill:
             self._flush(self.fill)
         _write_all(self.fd, src)
@@ -226,7 +227,7 @@ class _Writer:
             _set_direct(self.fd, False)
             _write_all(self.fd, view)
             return len(view)
-        if n != len(view):  # short: finish buffered, from an aligned position
+        if n != len(view):  # short: the rest buffered, from where the device stopped
             self.direct = False
             _set_direct(self.fd, False)
             _write_all(self.fd, view[n:])
@@ -245,7 +246,7 @@ class _Writer:
                 n = 0  # the device wants a larger alignment: the rest goes buffered
                 self.direct = False
                 _set_direct(self.fd, False)
-            if n != nbytes:  # a short direct write leaves the position aligned; finish buffered
+            if n != nbytes:  # short (or refused): the rest buffered, from where it stopped
                 self.direct = False
                 _set_direct(self.fd, False)
                 view = view[n:]
