@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("accelerate_gockpt")
 
-_PATCHED = ("save_state", "load_state", "accumulate", "end_training", "skip_first_batches")
+_PATCHED = ("save_state", "load_state", "accumulate", "end_training")
 
 
 class GoCkptCheckpointer:
@@ -86,7 +87,8 @@ class GoCkptCheckpointer:
         self._staging = StagingFolders()
         self._closed = False
         self._stopping = False
-        self._hooked_loaders: list[Any] = []
+        self._hooked_loaders: list[weakref.ref] = []
+        self._requests_since_sync = 0  # save_state calls since load_state last synchronised
         self._start()
         self._hook_loaders()
         self._originals = {name: getattr(accelerator, name) for name in _PATCHED}
@@ -94,7 +96,6 @@ class GoCkptCheckpointer:
         accelerator.load_state = self.load_state
         accelerator.accumulate = self._accumulate
         accelerator.end_training = self._end_training
-        accelerator.skip_first_batches = self._skip_first_batches
         # Stock save_state is done when it returns: a script whose last call is save_state()
         # (no end_training) still gets its checkpoint, finished when the process exits.
         self._exit_token = _exit.register(self._close_at_exit)
@@ -143,8 +144,9 @@ class GoCkptCheckpointer:
             (``gockpt.CheckpointStorageError`` ..., or what a pre-hook raised).
         """
         self._check_open()
+        self._requests_since_sync += 1  # every process calls save_state: the same count on each
         self._follow_prepared()
-        self._hook_loaders()  # a loader prepared since: its boundary too
+        self._hook_loaders()  # a loader prepared since, or iterating now: its boundary too
         final, root = self._resolve_dir(output_dir)
         assert self._rep is not None
         acc = self.accelerator
@@ -188,6 +190,10 @@ class GoCkptCheckpointer:
                    **load_model_func_kwargs: Any) -> None:
         """``Accelerator.load_state``, after finishing pending saves (on every process: the
         folder it loads is published for all of them); restores the iteration.
+
+        With several processes, where ``save_state`` was called since the last ``load_state``,
+        call it on every process (it waits for all of them); otherwise it runs no collective,
+        as stock's, and may be called on the main process alone.
 
         With ``input_dir=None`` and automatic naming it loads the highest-numbered checkpoint
         (every one there is complete). Afterwards ``project_configuration.iteration`` is at
@@ -262,9 +268,12 @@ class GoCkptCheckpointer:
         publishes the checkpoints, so a folder one of them reads next is there for all of
         them. An error of one process's wait is raised on each (its own where it has one)."""
         acc = self.accelerator
-        if acc.num_processes == 1:
+        if acc.num_processes == 1 or not self._requests_since_sync:
+            # Nothing requested since the last time: no collective (stock's load_state has
+            # none, and a script may call it on the main process alone).
             self.wait()
             return
+        self._requests_since_sync = 0
         error: BaseException | None = None
         try:
             self.wait()
@@ -415,8 +424,14 @@ class GoCkptCheckpointer:
         loaders call ``_update_state_dict()`` when asked for a batch, before fetching the next
         one, and ``end()`` when asked past the last: both are wrapped (instance attributes,
         removed by :meth:`close`) to call the boundary first.
+
+        A loader from ``skip_first_batches`` (the first epoch of a resumed run, the
+        accelerator's method or the module's function) is not among the prepared ones: it is
+        hooked while it iterates (Accelerate's gradient state holds it then), at a request.
         """
-        for dl in self.accelerator._dataloaders:
+        acc = self.accelerator
+        active = getattr(acc.gradient_state, "dataloader_references", None) or ()
+        for dl in [*acc._dataloaders, *(a for a in active if a is not None)]:
             self._hook_loader(dl)
 
     def _hook_loader(self, dl: Any) -> None:
@@ -428,19 +443,13 @@ class GoCkptCheckpointer:
             if callable(original):
                 setattr(dl, name, _with_boundary(original, self._boundary))
                 hooked = True
-        if hooked:
-            self._hooked_loaders.append(dl)
-
-    def _skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        # The loader it returns (a resumed epoch's) is not among the prepared ones: hooked too.
-        skipped = self._originals["skip_first_batches"](dataloader, num_batches=num_batches)
-        if not self._closed:
-            self._hook_loader(skipped)
-        return skipped
+        if hooked:  # weakly: a loader the script drops goes (with its worker processes)
+            self._hooked_loaders.append(weakref.ref(dl))
 
     def _unhook_loaders(self) -> None:
-        for dl in self._hooked_loaders:
-            for name in _LOADER_HOOKS:
+        for ref in self._hooked_loaders:
+            dl = ref()
+            for name in _LOADER_HOOKS if dl is not None else ():
                 vars(dl).pop(name, None)
         self._hooked_loaders = []
 
@@ -454,7 +463,7 @@ class GoCkptCheckpointer:
             return os.path.join(root, f"checkpoint_{pc.iteration}"), root
         if output_dir is None:
             raise ValueError("save_state needs output_dir unless automatic_checkpoint_naming is set")
-        return os.path.abspath(os.path.expanduser(os.fspath(output_dir))), None
+        return os.path.abspath(os.fspath(output_dir)), None  # no "~" expansion, as stock
 
     def _prepare(self, final: str, root: str | None,
                  safe_serialization: bool) -> tuple[str, _publish.AccelerateWriter]:

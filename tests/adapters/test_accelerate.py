@@ -349,12 +349,13 @@ def test_iteration_is_restored_from_a_plain_accelerate_checkpoint(tmp_path):
     ckpt.close()
 
 
-def test_a_multi_step_checkpoint_captured_at_the_end_of_a_resumed_epoch_holds_its_rng(tmp_path):
-    # A resumed run's first epoch goes through accelerator.skip_first_batches, whose loader
-    # Accelerate keeps nowhere: its end is still the boundary of the epoch's last step, not
-    # the next epoch's first batch (after that epoch's iterator drew its seed from the RNG).
+@pytest.mark.parametrize("skip_with", ["method", "function"])
+def test_a_multi_step_checkpoint_captured_at_the_end_of_a_resumed_epoch_holds_its_rng(tmp_path, skip_with):
+    # A resumed run's first epoch goes through skip_first_batches, whose loader Accelerate
+    # keeps nowhere: its end is still the boundary of the epoch's last step, not the next
+    # epoch's first batch (after that epoch's iterator drew its seed from the RNG).
     plugin = GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2)  # 2 tensors
-    [ours] = _augmented_run(tmp_path / "g", (31,), plugin, skip=5, stop=36)
+    [ours] = _augmented_run(tmp_path / "g", (31,), plugin, skip=5, stop=36, skip_with=skip_with)
     updates = json.loads((ours / "gockpt.json").read_text())["captured_step"]
     assert updates == 32 - 5  # the last batch of the resumed epoch (32 batches an epoch)
     [stock] = _augmented_run(tmp_path / "s", (32,), skip=5, stop=36)
@@ -363,6 +364,31 @@ def test_a_multi_step_checkpoint_captured_at_the_end_of_a_resumed_epoch_holds_it
     a, b = (torch.load(p / "random_states_0.pkl", weights_only=False) for p in (ours, stock))
     assert torch.equal(a["torch_manual_seed"], b["torch_manual_seed"])
     assert a["random_state"] == b["random_state"]
+
+
+def test_a_loader_hooked_for_a_save_is_not_kept_alive_by_it(tmp_path):
+    # Stock frees a skip_first_batches loader (and its worker processes) once the script
+    # drops it; the step-boundary hooks a save put on it do not keep it.
+    import gc
+    import weakref
+
+    run = child.build(str(tmp_path / "run"))
+    ckpt = attach(run.acc, GoCkptPlugin(mode="gockpt", min_overlap_steps=2, max_overlap_steps=2))
+    loader = run.acc.skip_first_batches(run.dl, 1)
+    for x, y in loader:
+        with run.acc.accumulate(run.model):
+            run.acc.backward(torch.nn.functional.mse_loss(run.model(x), y))
+            run.opt.step()
+            run.opt.zero_grad()
+        run.acc.save_state()
+        break
+    assert "_update_state_dict" in vars(loader)  # hooked at the request
+    ckpt.wait()
+    gone = weakref.ref(loader)
+    del loader, x, y
+    gc.collect()
+    assert gone() is None
+    ckpt.close()
 
 
 @pytest.mark.parametrize(("writer", "damage"), [("gockpt", "flipped_byte"), ("gockpt", "truncated"),
@@ -556,10 +582,12 @@ class _Augmented(torch.utils.data.Dataset):
         return torch.full((4,), float(i)) + 0.1 * torch.randn(4)
 
 
-def _augmented_run(project_dir, save_after, plugin=None, *, skip=0, stop=12):
+def _augmented_run(project_dir, save_after, plugin=None, *, skip=0, stop=12, skip_with="method"):
     """Train on :class:`_Augmented` from batch ``skip + 1`` (a resumed run: the first epoch
-    through ``accelerator.skip_first_batches``) to batch ``stop``; ``save_state`` after each
-    batch number in ``save_after``; the folders."""
+    through ``accelerator.skip_first_batches``, or ``accelerate.skip_first_batches`` with
+    ``skip_with="function"``) to batch ``stop``; ``save_state`` after each batch number in
+    ``save_after``; the folders."""
+    import accelerate
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
@@ -576,7 +604,8 @@ def _augmented_run(project_dir, save_after, plugin=None, *, skip=0, stop=12):
     ckpt = attach(acc, plugin) if plugin is not None else None
     paths = []
     n = skip
-    for loader in [acc.skip_first_batches(dl, skip), dl] if skip else [dl]:
+    skipper = acc.skip_first_batches if skip_with == "method" else accelerate.skip_first_batches
+    for loader in [skipper(dl, skip), dl] if skip else [dl]:
         for x in loader:
             with acc.accumulate(model):
                 model(x).pow(2).mean().backward()
@@ -1400,8 +1429,13 @@ def test_save_state_returns_a_relative_folder_as_given(tmp_path, monkeypatch, ou
     if ours:
         attach(acc, GoCkptPlugin(mode="lazy"))
     assert acc.save_state("rel/ck") == Path("rel/ck")
+    # Stock's save_state does not expand "~" (its load_state does): a folder named "~" here.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert acc.save_state("~/ck") == Path("~/ck")
     acc.end_training()
     assert "model.safetensors" in os.listdir("rel/ck")
+    assert "model.safetensors" in os.listdir(tmp_path / "~" / "ck")
+    assert not (tmp_path / "home").exists()
 
 
 def test_save_state_inside_a_folder_still_being_written_leaves_both(tmp_path):

@@ -213,6 +213,10 @@ def _ddp(project_dir: str, mode: str) -> None:
             wrong = differences(got, want, "load_state() after save_state()")
             if wrong:
                 raise SystemExit(f"rank {rank}: " + "; ".join(wrong[:5]))
+            # Nothing requested since: no collective, as stock's load_state, which a script
+            # may call on the main process alone (the same folder: nothing changes).
+            if r.acc.is_main_process:
+                r.acc.load_state()
 
     train(run, 14, on_batch_end=on_batch_end)
     final = snapshot(run)
