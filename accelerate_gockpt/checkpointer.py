@@ -391,6 +391,8 @@ class GoCkptCheckpointer:
             return
         rep.boundary()
         self._note_boundary()
+        if getattr(rep, "capture_pending", True):  # a loader begun since the request: its end too
+            self._hook_loaders()
 
     def _note_boundary(self, *, request: bool = False) -> None:
         """At a request, or the first boundary since an update while a save is still to be
@@ -427,7 +429,8 @@ class GoCkptCheckpointer:
 
         A loader from ``skip_first_batches`` (the first epoch of a resumed run, the
         accelerator's method or the module's function) is not among the prepared ones: it is
-        hooked while it iterates (Accelerate's gradient state holds it then), at a request.
+        hooked while it iterates (Accelerate's gradient state holds it then), at a request and
+        at each boundary while a save is still to be captured.
         """
         acc = self.accelerator
         active = getattr(acc.gradient_state, "dataloader_references", None) or ()
@@ -521,7 +524,12 @@ _LOADER_HOOKS = ("_update_state_dict", "end")
 
 
 def _with_boundary(original: Any, boundary: Any) -> Any:
+    # The loader's own method weakly: the hook is an attribute of that loader, and a strong
+    # reference would make a cycle that keeps a dropped loader (and its worker processes) alive
+    # until the cyclic collector runs.
+    method = weakref.WeakMethod(original)
+
     def hooked(*args: Any, **kwargs: Any) -> Any:
         boundary()
-        return original(*args, **kwargs)
+        return method()(*args, **kwargs)
     return hooked

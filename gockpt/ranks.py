@@ -72,7 +72,7 @@ def write_share(staging: str, name: str, state: Any) -> bool:
 
 def describe_request(seq: int, staging: str | None = None, handle: SaveHandle | None = None,
                      waiting: Sequence[tuple[int, SaveHandle]] = (),
-                     error: BaseException | None = None) -> dict[str, Any]:
+                     error: BaseException | None = None, version: int | None = None) -> dict[str, Any]:
     """The writer's account of request ``seq`` for the other processes (step 1 of the module doc).
 
     Args:
@@ -82,14 +82,17 @@ def describe_request(seq: int, staging: str | None = None, handle: SaveHandle | 
         waiting: ``(seq, handle)`` of earlier requests not yet captured before this one; those
             captured by it (a flush for want of a slot) are captured now on every process.
         error: what the request raised on the writer.
+        version: the writer's engine's update count at the request (the step all processes
+            are at).
 
     Returns:
-        ``{"seq", "staging", "target", "now", "skipped", "error"}``: ``target`` the update at
-        which it is captured (GoCkpt §4.2: requested + K - 1), ``now`` the requests captured at
+        ``{"seq", "staging", "target", "version", "now", "skipped", "error"}``: ``target`` the
+        update at which it is captured (GoCkpt §4.2: requested + K - 1) and ``version`` the
+        update count now, both counted by the writer's engine; ``now`` the requests captured at
         this call.
     """
-    desc: dict[str, Any] = {"seq": seq, "staging": staging, "target": None, "now": [],
-                            "skipped": False, "error": error}
+    desc: dict[str, Any] = {"seq": seq, "staging": staging, "target": None, "version": version,
+                            "now": [], "skipped": False, "error": error}
     if handle is not None:
         now = [q for q, h in waiting if h.captured_step is not None]
         if handle.captured_step is not None:
@@ -187,7 +190,9 @@ class RankCapture:
     def follow(self, desc: dict[str, Any]) -> None:
         """Apply the writer's descriptor (:func:`exchange_request`): register, capture, check."""
         if not desc["skipped"]:
-            self.add(desc["seq"], desc["staging"], desc["target"])
+            # The writer's engine counts from the optimizers' step state (a resumed Adam starts
+            # at its step), this process from its attach: the target as updates from now.
+            self.add(desc["seq"], desc["staging"], self.version + desc["target"] - desc["version"])
         self.capture(desc["now"])
         self.check()
 

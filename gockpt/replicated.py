@@ -140,7 +140,7 @@ class ReplicatedEngine:
             else:
                 handle.add_done_callback(lambda h: self._on_done(h, staging))
                 self._pending.append((seq, handle))
-                desc = describe_request(seq, staging, handle, waiting)
+                desc = describe_request(seq, staging, handle, waiting, version=self.engine.version)
                 desc["blocking"] = blocking
         else:
             assert self._capture is not None

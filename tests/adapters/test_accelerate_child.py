@@ -202,7 +202,7 @@ def _ddp(project_dir: str, mode: str) -> None:
 
     def on_batch_end(r: Run) -> None:
         live[r.progress.batches] = snapshot(r)
-        if r.progress.batches in (2, 5, 8):
+        if r.progress.batches in (2, 5, 8, 10):  # 10: after a load_state (engines restarted)
             r.acc.save_state()
         if r.progress.batches == 8:
             # Loaded at once, the save still pending: every process loads this one (published
