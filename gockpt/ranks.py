@@ -161,14 +161,18 @@ class RankCapture:
         optimizers: the torch optimizers (post-hooks count updates as the engine does).
         take: returns this process's share (any ``torch.save``-able object, or the file's bytes).
         name: the file name of the share in the staging directory (e.g. one per rank).
+        model: the module the writer's engine checkpoints: a ``load_state_dict`` into it or
+            into an optimizer ends the pending checkpoints here, as it does on the writer (every
+            process loads at the same point); one into a part of it ends those requested at
+            this update.
     """
 
     def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer],
-                 take: Callable[[], Any], name: str) -> None:
+                 take: Callable[[], Any], name: str, model: nn.Module | None = None) -> None:
         self.version = 0
         self._take = take
         self._name = name
-        self._pending: dict[int, tuple[str, int]] = {}
+        self._pending: dict[int, tuple[str, int, int]] = {}  # seq -> staging, target, requested
         self._futures: list[Future[bool]] = []
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gockpt-rank-share")
         self._hooks = []
@@ -177,6 +181,11 @@ class RankCapture:
             self._hooks.append(o.register_step_pre_hook(EngineHook(self.boundary)))
         for m in models:
             self._hooks.append(m.register_forward_pre_hook(EngineHook(self.boundary)))
+        for m in model.modules() if model is not None else ():
+            self._hooks.append(m.register_load_state_dict_pre_hook(
+                EngineHook(self._before_load if m is model else self._before_part_load)))
+        for o in optimizers if model is not None else ():
+            self._hooks.append(o.register_load_state_dict_pre_hook(EngineHook(self._before_load)))
 
     @property
     def pending(self) -> bool:
@@ -184,8 +193,9 @@ class RankCapture:
         return bool(self._pending)
 
     def add(self, seq: int, staging: str, target: int) -> None:
-        """Register checkpoint ``seq`` of the writer, captured at update ``target``."""
-        self._pending[seq] = (staging, target)
+        """Register checkpoint ``seq`` of the writer, requested now, captured at update
+        ``target``."""
+        self._pending[seq] = (staging, target, self.version)
 
     def follow(self, desc: dict[str, Any]) -> None:
         """Apply the writer's descriptor (:func:`exchange_request`): register, capture, check."""
@@ -198,7 +208,7 @@ class RankCapture:
 
     def boundary(self) -> None:
         """A step boundary: take the state of checkpoints whose target is the current update."""
-        for seq, (_, target) in list(self._pending.items()):
+        for seq, (_, target, _) in list(self._pending.items()):
             if target == self.version:
                 self._capture(seq)
 
@@ -240,8 +250,16 @@ class RankCapture:
     def _on_update(self) -> None:
         self.version += 1
 
+    def _before_load(self) -> None:
+        # As the writer's engine (Engine._before_load): a restore ends every pending capture.
+        self.capture(list(self._pending))
+
+    def _before_part_load(self) -> None:
+        # As Engine._before_part_load: the requests of this very update are taken before it.
+        self.capture([q for q, (_, _, requested) in self._pending.items() if requested == self.version])
+
     def _capture(self, seq: int) -> None:
-        staging, _ = self._pending.pop(seq)
+        staging, _, _ = self._pending.pop(seq)
         state = self._take()
         self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._futures.append(self._writer.submit(self._write, staging, state))

@@ -78,7 +78,8 @@ class ReplicatedEngine:
             self._hooks = [m.register_forward_pre_hook(EngineHook(self.boundary)) for m in boundary_modules]
         else:
             assert share is not None and share_name, "a share and its file name"
-            self._capture = RankCapture(boundary_modules or [model], optimizers, share, share_name)
+            self._capture = RankCapture(boundary_modules or [model], optimizers, share, share_name,
+                                        model=model)
 
     @property
     def saves(self) -> list[SaveHandle]:

@@ -196,3 +196,50 @@ def test_a_sync_save_of_two_processes_is_durable_when_it_returns_and_its_failure
             rep.close()
         except BaseException:  # noqa: BLE001 - the failed save's error, raised once more at close
             pass
+
+
+def _stepping(model, opt, n: int) -> None:
+    for _ in range(n):
+        model(torch.randn(2, 3)).sum().backward()  # forward pre-hook: a boundary
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_target_counts_updates_from_the_request_whatever_the_writers_count(tmp_path):
+    # The writer's engine counts updates from the optimizers' step state (a resumed Adam: 8
+    # here), this process from its attach (0): the share is taken K-1 = 2 updates after the
+    # request, as the writer captures.
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken = []
+    rank = RankCapture([model], [opt], lambda: taken.append(rank.version) or {}, "random_states_1.pkl")
+    rank.follow({"seq": 0, "staging": str(tmp_path), "target": 10, "version": 8, "now": [],
+                 "skipped": False})
+    _stepping(model, opt, 3)
+    assert taken == [2]
+    rank.close()
+
+
+@pytest.mark.parametrize("into", ["model", "optimizer", "part"])
+def test_a_load_at_the_request_takes_the_share_there_as_the_writer_does(tmp_path, into):
+    # Every process loads at the same point; the writer's engine captures the saves still
+    # pending at a load into the whole model or an optimizer, and the ones requested at this
+    # very update at a load into a part: so does this process.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken = []
+    rank = RankCapture([model], [opt], lambda: taken.append(rank.version) or {}, "random_states_1.pkl",
+                       model=model)
+    _stepping(model, opt, 1)
+    rank.follow({"seq": 0, "staging": str(tmp_path), "target": 3, "version": 1, "now": [],
+                 "skipped": False})
+    _stepping(model, opt, 1)
+    rank.follow({"seq": 1, "staging": str(tmp_path), "target": 4, "version": 2, "now": [],
+                 "skipped": False})
+    target = {"model": model, "optimizer": opt, "part": model[1]}[into]
+    target.load_state_dict(target.state_dict())
+    # A restore ends both; a part's load the one requested at this update (2) alone.
+    assert taken == ([2, 2] if into != "part" else [2])
+    _stepping(model, opt, 2)
+    assert taken == ([2, 2] if into != "part" else [2, 3])
+    rank.close()

@@ -831,7 +831,7 @@ def test_two_processes_under_accelerate_launch(tmp_path, mode):
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
     for res in results:
         assert res["errors"] == [], res
-        assert res["names"] == ["checkpoint_2", "checkpoint_3"]  # total_limit=2
+        assert res["names"] == ["checkpoint_3", "checkpoint_4"]  # total_limit=2
     assert results[0]["resumed_batches"] == results[1]["resumed_batches"]
     for name in results[0]["names"]:
         files = set(os.listdir(tmp_path / "checkpoints" / name))
@@ -840,8 +840,8 @@ def test_two_processes_under_accelerate_launch(tmp_path, mode):
         # Accelerate keeps the model it was given in _models (DDP wraps it afterwards) and
         # saves that one's keys.
         assert keys and not any(k.startswith("module.") for k in keys)
-    r0 = torch.load(tmp_path / "checkpoints" / "checkpoint_2" / "random_states_0.pkl", weights_only=False)
-    r1 = torch.load(tmp_path / "checkpoints" / "checkpoint_2" / "random_states_1.pkl", weights_only=False)
+    r0 = torch.load(tmp_path / "checkpoints" / "checkpoint_4" / "random_states_0.pkl", weights_only=False)
+    r1 = torch.load(tmp_path / "checkpoints" / "checkpoint_4" / "random_states_1.pkl", weights_only=False)
     assert not torch.equal(r0["torch_manual_seed"], r1["torch_manual_seed"])  # each rank its own
 
 

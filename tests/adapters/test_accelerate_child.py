@@ -202,8 +202,13 @@ def _ddp(project_dir: str, mode: str) -> None:
 
     def on_batch_end(r: Run) -> None:
         live[r.progress.batches] = snapshot(r)
-        if r.progress.batches in (2, 5, 8, 10):  # 10: after a load_state (engines restarted)
+        if r.progress.batches in (2, 5, 8, 10, 12):  # 10, 12: after a load_state (engines restarted)
             r.acc.save_state()
+        if r.progress.batches == 12:
+            # A load into the whole model at the request's step, on every process (a re-sync):
+            # the save just requested is taken before it, on every process.
+            inner = r.acc.unwrap_model(r.model)
+            inner.load_state_dict({k: v.clone() for k, v in inner.state_dict().items()})
         if r.progress.batches == 8:
             # Loaded at once, the save still pending: every process loads this one (published
             # by the main process), which holds the state it has now; not the one before.
