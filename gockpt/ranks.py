@@ -202,7 +202,9 @@ class RankCapture:
         if not desc["skipped"]:
             # The writer's engine counts from the optimizers' step state (a resumed Adam starts
             # at its step), this process from its attach: the target as updates from now.
-            self.add(desc["seq"], desc["staging"], self.version + desc["target"] - desc["version"])
+            # (A descriptor without the writer's count: the target as it is.)
+            writer_now = desc["version"] if desc.get("version") is not None else self.version
+            self.add(desc["seq"], desc["staging"], self.version + desc["target"] - writer_now)
         self.capture(desc["now"])
         self.check()
 
