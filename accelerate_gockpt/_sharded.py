@@ -128,6 +128,11 @@ class ShardedSaves:
         self._harvest()
         return handle
 
+    @property
+    def capture_pending(self) -> bool:
+        """Whether a save of this process is still to take its state (not yet captured)."""
+        return any(h.captured_step is None and not h.done() for h in self._handles)
+
     def boundary(self) -> None:
         """A step boundary no hook sees (the start of an accumulation context)."""
         self.sharded.step_end()

@@ -391,7 +391,7 @@ class GoCkptCheckpointer:
             return
         rep.boundary()
         self._note_boundary()
-        if getattr(rep, "capture_pending", True):  # a loader begun since the request: its end too
+        if rep.capture_pending:  # a loader begun since the request: its end too
             self._hook_loaders()
 
     def _note_boundary(self, *, request: bool = False) -> None:

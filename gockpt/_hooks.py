@@ -88,3 +88,14 @@ class StepPreHook(EngineHook):
         if "closure" in kwargs:
             return args, {**kwargs, "closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
+
+
+def load_hooks(model: Any, optimizers: Any, whole: Callable[[], Any],
+               part: Callable[[], Any]) -> list:
+    """``load_state_dict`` pre-hooks: ``whole()`` before a load into ``model`` itself or one of
+    ``optimizers`` (a restore, a rollback), ``part()`` before one into a submodule (a target
+    network's sync, a refreshed teacher: an edit of the step). Returns the hook handles."""
+    handles = [m.register_load_state_dict_pre_hook(EngineHook(whole if m is model else part))
+               for m in model.modules()]
+    handles += [o.register_load_state_dict_pre_hook(EngineHook(whole)) for o in optimizers]
+    return handles

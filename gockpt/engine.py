@@ -40,7 +40,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _exit
-from ._hooks import EngineHook, StepPreHook
+from ._hooks import EngineHook, StepPreHook, load_hooks
 from ._pipeline import Pipeline
 from ._planner import Planner, ReplayBackends, infer_step, model_device, probe_copy_bandwidth
 from ._pointer import MAX_RUN
@@ -53,8 +53,8 @@ from .fsutil import split as split_path
 from .handle import CheckpointMetrics, SaveHandle
 from .layout import Entry, StateLayout
 from .plan import MULTI_STEP_MODES
-from .restore import load_checkpoint, load_into
 from .replay import is_replayable
+from .restore import load_checkpoint, load_into
 from .storage import (
     BackgroundDeleter,
     check_save_path,
@@ -151,11 +151,7 @@ class Engine:
         # load_state_dict overwrites live tensors in place. One into the whole model (a restore,
         # a rollback) ends the saves in flight at the state before it; one into a part of it (a
         # target network's sync, a refreshed teacher) belongs to the step, as an edit does.
-        for m in model.modules():
-            self._hooks.append(m.register_load_state_dict_pre_hook(
-                EngineHook(self._before_load if m is model else self._before_part_load)))
-        for o in self.optimizers:
-            self._hooks.append(o.register_load_state_dict_pre_hook(EngineHook(self._before_load)))
+        self._hooks += load_hooks(model, self.optimizers, self._before_load, self._before_part_load)
         self._exit_token = _exit.register(self._close_at_exit)
         self._planner = Planner(model, self.optimizers, self.config, self._copier,
                                 probe_copy_bandwidth(self._copier, device,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ._hooks import EngineHook
+from ._hooks import EngineHook, load_hooks
 from .handle import SaveHandle
 
 __all__ = ["RankCapture", "describe_request", "exchange_request", "wait_for_shares", "write_share"]
@@ -181,11 +181,8 @@ class RankCapture:
             self._hooks.append(o.register_step_pre_hook(EngineHook(self.boundary)))
         for m in models:
             self._hooks.append(m.register_forward_pre_hook(EngineHook(self.boundary)))
-        for m in model.modules() if model is not None else ():
-            self._hooks.append(m.register_load_state_dict_pre_hook(
-                EngineHook(self._before_load if m is model else self._before_part_load)))
-        for o in optimizers if model is not None else ():
-            self._hooks.append(o.register_load_state_dict_pre_hook(EngineHook(self._before_load)))
+        if model is not None:  # as the writer's engine hooks it
+            self._hooks += load_hooks(model, optimizers, self._before_load, self._before_part_load)
 
     @property
     def pending(self) -> bool:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -18,6 +19,15 @@ def end_rank() -> None:
     random on this torch. Everything the test checks is on disk or asserted already."""
     dist.barrier()
     os._exit(0)
+
+
+def lightning_rank(rank: int, port: int, world: int = 2) -> None:
+    """Set up this process as rank ``rank`` of ``world`` on one node for Lightning, which then
+    sees an external launcher (``LOCAL_RANK``) and joins the gloo group at ``port``; one
+    thread (two cores for all ranks)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
 
 
 # What a rank imports before its test function runs: loaded once in the fork server, so that

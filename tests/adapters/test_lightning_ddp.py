@@ -19,7 +19,7 @@ import socket
 
 import pytest
 import torch
-from _dist import end_rank, spawn
+from _dist import end_rank, lightning_rank, spawn
 from _lightning_train import assert_bitwise_equal, fit, results
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from test_lightning_fidelity import Net
@@ -88,9 +88,7 @@ def _io(mode: str) -> GoCkptIO:
 
 
 def _worker(rank: int, port: int, root: str, mode: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    lightning_rank(rank, port)
     ddp = {"strategy": "ddp", "devices": 2}
     # Stock DDP, uninterrupted, a .ckpt at every step (rank 0 writes them).
     trainer, model = fit(f"{root}/ref", max_steps=TOTAL, ckpt_every=1, callbacks=(RankState(),), **ddp)
@@ -215,9 +213,7 @@ def test_ddp_spawn_shares_the_write(tmp_path, monkeypatch):
 
 
 def _last_worker(rank: int, port: int, root: str, mode: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    lightning_rank(rank, port)
     io = GoCkptIO() if mode == "auto" else _io(mode)
     fit(root, io=io, max_steps=4, ckpt_every=1, save_top_k=1, save_last=True, strategy="ddp", devices=2)
     end_rank()
@@ -362,9 +358,7 @@ _CHANGES = {
 def _changes_worker(rank: int, port: int, root: str) -> None:
     import lightning.pytorch as pl
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    lightning_rank(rank, port)
     for case, (module, max_steps, every, extra) in _CHANGES.items():
         for run, io, each in (("g", _io("gockpt_o"), every), ("s", None, 1)):
             d = f"{root}/{case}/{run}"
@@ -487,9 +481,7 @@ def test_ddp_mid_run_replicas_that_differ_are_told_after_an_engine_rebuild(mid_r
 
 
 def _weights_only_worker(rank: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    lightning_rank(rank, port)
     ddp, only = {"strategy": "ddp", "devices": 2}, {"save_weights_only": True}
     # Stock DDP, a weights-only .ckpt at every step (rank 0 writes them).
     fit(f"{root}/ref", max_steps=STOP, ckpt_every=1, checkpoint_kwargs=only, **ddp)

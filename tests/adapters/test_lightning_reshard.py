@@ -9,12 +9,10 @@ hold the recorded state of the captured step, bit for bit.
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
-from _dist import end_rank, spawn
+from _dist import end_rank, lightning_rank, spawn
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_lightning_sharded import Net, _equal, _full, _port, _Record
@@ -42,9 +40,7 @@ def _trainer(root: str, world: int, max_steps: int, callbacks=()) -> pl.Trainer:
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    lightning_rank(rank, port, world)
     pl.seed_everything(0, verbose=False)
     ckpt = f"{root}/ckpt/step={EVERY}.ckpt"
     if world == 2:

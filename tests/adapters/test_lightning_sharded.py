@@ -14,7 +14,7 @@ import socket
 import lightning.pytorch as pl
 import pytest
 import torch
-from _dist import end_rank, spawn
+from _dist import end_rank, lightning_rank, spawn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -157,9 +157,7 @@ def _io(mode: str) -> GoCkptIO:
 
 
 def _worker(rank: int, port: int, root: str, mode: str, phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    lightning_rank(rank, port)
     ckpt = f"{root}/ckpt/step={EVERY}.ckpt"
     if phase == "train":
         # The uninterrupted stock run, recording the gathered state after every step.
@@ -284,9 +282,7 @@ class _Swap(Callback):
 
 
 def _swap_worker(rank: int, port: int, root: str, swap: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    lightning_rank(rank, port)
     pl.seed_everything(0, verbose=False)
     record = _Record()
     _trainer(f"{root}/ref", max_steps=12, callbacks=[_Swap(swap), record]).fit(Net())
