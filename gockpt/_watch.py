@@ -111,14 +111,35 @@ class _Group:
 
 def _groups(tensors: list[tuple[int, torch.Tensor]]) -> list[_Group]:
     """One :class:`_Group` per (device, dtype) of the sample views of ``tensors`` (owner, tensor)."""
+    return _grouped([(owner, view) for owner, t in tensors
+                     if (view := _sample_view(t, SAMPLES)) is not None])
+
+
+def _grouped(views: list[tuple[int, torch.Tensor]]) -> list[_Group]:
+    """One :class:`_Group` per (device, dtype) of ``views`` (owner, sample view)."""
     by: dict[tuple, tuple[list, list]] = {}
-    for owner, t in tensors:
-        view = _sample_view(t, SAMPLES)
-        if view is not None:
-            views, owners = by.setdefault((view.device, view.dtype), ([], []))
-            views.append(view)
-            owners.append((owner, view.numel()))
+    for owner, view in views:
+        vs, owners = by.setdefault((view.device, view.dtype), ([], []))
+        vs.append(view)
+        owners.append((owner, view.numel()))
     return [_Group(v, o) for v, o in by.values()]
+
+
+def _unit_views(layout: StateLayout, i: int) -> list[torch.Tensor]:
+    """The sample views of unit ``i``'s parameter and its non-0-dim optimizer state, built once
+    per layout (a layout's tensors keep their storage: the engine builds a new layout where
+    one changes). Building them is Python per tensor, about 10 us each, where the samples'
+    cat is one call: every multi-step save watches every unit."""
+    cache = layout.__dict__.setdefault("_gockpt_unit_views", {})
+    views = cache.get(i)
+    if views is None:
+        u = layout.units[i]
+        # 0-dim state (Adam's step, kept on the CPU beside CUDA parameters) by its counter
+        # only: sampling it would make a host group, read with a sync.
+        views = [v for e in u.entries if e is u.param_entry or e.tensor.dim()
+                 if (v := _sample_view(e.tensor, SAMPLES)) is not None]
+        cache[i] = views
+    return views
 
 
 class EditWatch:
@@ -142,11 +163,8 @@ class EditWatch:
             for e in self._layout.units[i].entries:
                 self._versions.append((i, e.versioned, e.versioned._version))
         # Parameters and their optimizer state (a write to exp_avg through .data would make the
-        # replay start from stale state); 0-dim state (Adam's step, kept on the CPU beside CUDA
-        # parameters) by its counter only: sampling it would make a host group, read with a sync.
-        self._groups.extend(_groups([(i, e.tensor) for i in units
-                                     for e in self._layout.units[i].entries
-                                     if e is self._layout.units[i].param_entry or e.tensor.dim()]))
+        # replay start from stale state).
+        self._groups.extend(_grouped([(i, v) for i in units for v in _unit_views(self._layout, i)]))
 
     def check(self) -> None:
         """Compare the watched tensors with their baseline (a window end, the capture): writes

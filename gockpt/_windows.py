@@ -831,6 +831,12 @@ class Windows:
             w.check()
             s.edited = w.edited()
         s.watch = None
+        if not check and not s.edited and not self.edits_between_updates \
+                and s.phase is Phase.COPYING:
+            # Its watch covers just the block being copied, from before its copy: it guards
+            # that block as a new one would (_guard_block), without taking its samples again.
+            s.watch = w
+            return
         if s.edited:
             stale = _unit_offsets(s, s.edited)
             s.slot.held.forget(stale)
