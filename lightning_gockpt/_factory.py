@@ -17,7 +17,9 @@ def callbacks_factory() -> list:
 
     Also clears, in the folders of the Trainer's ModelCheckpoints, the placeholders and scratch
     files that a run killed before its checkpoints were durable left (so that
-    ``ckpt_path="last"`` finds the newest complete checkpoint, or, like stock Lightning, none),
+    ``ckpt_path="last"`` finds the newest complete checkpoint, or, like stock Lightning, none;
+    an empty ``last*.ckpt`` beside a complete checkpoint is left for that lookup to find, and
+    removed once the run has resumed),
     and those of hpc saves in ``default_root_dir`` (so that a requeued SLURM job resumes from
     the newest complete ``hpc_ckpt_<n>.ckpt``).
 
@@ -44,7 +46,7 @@ def callbacks_factory() -> list:
     for cb in getattr(trainer, "callbacks", []):
         if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
             cleanup_staging(str(cb.dirpath), io.config.storage_options)
-            tidy_placeholders(str(cb.dirpath), io.config.storage_options)
+            tidy_placeholders(str(cb.dirpath), io.config.storage_options, before_resume=True)
     if getattr(trainer, "_default_root_dir", None):  # set before the callbacks (Trainer.__init__)
         tidy_hpc(str(trainer.default_root_dir), io.config.storage_options)
     if any(isinstance(cb, GoCkptCallback) for cb in getattr(trainer, "callbacks", [])):

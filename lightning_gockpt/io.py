@@ -354,21 +354,32 @@ def remove_placeholder(path: str, storage_options: Any) -> None:
             raise
 
 
-def tidy_placeholders(directory: str, storage_options: Any) -> None:
+def tidy_placeholders(directory: str, storage_options: Any, *, before_resume: bool = False) -> None:
     """Remove the placeholders a stopped run left in a local checkpoint directory.
 
     Empty ``*.ckpt`` directories are removed; a symlink left dangling by that (``last.ckpt`` of
     ``save_last="link"``) is pointed at the newest complete checkpoint, or removed if there is
     none. Call once the run has resumed and before it saves.
+
+    ``before_resume``: called before ``ckpt_path="last"`` is looked up. An empty ``last*.ckpt``
+    (a run stopped after the first checkpoint beside it was published, before its first
+    ``last.ckpt`` was) is kept where the directory holds a complete checkpoint: the lookup then
+    finds it and :meth:`GoCkptIO.load_checkpoint` resumes from the newest complete one (with a
+    warning) rather than from scratch. The call after the resume removes it.
     """
     fs, local = url_to_fs(directory, storage_options)
     if not is_local(fs) or not os.path.isdir(local):
         return
+    newest = None
+    last = ModelCheckpoint.CHECKPOINT_NAME_LAST
     for entry in os.scandir(local):
         if entry.name.endswith(ModelCheckpoint.FILE_EXTENSION) and entry.is_dir(follow_symlinks=False) \
                 and not os.listdir(entry.path):
+            if before_resume and entry.name.startswith(last):
+                newest = newest or gockpt.latest_checkpoint(local)
+                if newest is not None:
+                    continue
             os.rmdir(entry.path)
-    newest = None
     for entry in os.scandir(local):
         if not entry.is_symlink() or os.path.exists(entry.path):
             continue
