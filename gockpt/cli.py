@@ -39,14 +39,14 @@ _EXTRAS = {"lightning": "lightning", "lightning_gockpt": "lightning", "huggingfa
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gockpt`` command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)  # a usage error (options included) exits 2 here
+    if getattr(args, "prefix", "") and args.to != "hf":
+        parser.error("--prefix applies to --to hf only")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s", stream=sys.stderr)
     try:
-        options = json.loads(args.storage_options) if args.storage_options else {}
-        if not isinstance(options, dict):
-            raise ValueError("--storage-options must be a JSON object")
-        return int(args.run(args, options))
+        return int(args.run(args, args.storage_options))
     except (FileNotFoundError, CheckpointCorruptError, ValueError, TypeError, OSError,
             pickle.UnpicklingError) as e:
         if args.verbose:
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--storage-options", metavar="JSON",
+    common.add_argument("--storage-options", metavar="JSON", type=_json_object, default={},
                         help="fsspec options for URLs, as a JSON object")
     common.add_argument("-v", "--verbose", action="store_true",
                         help="log progress details and show tracebacks")
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                         "GoCkpt checkpoint directory")
     p.add_argument("--prefix", default="",
                    help="hf: keep the model keys starting with PREFIX, without it (e.g. 'model.')")
-    p.add_argument("--max-shard-size", default="5GB",
+    p.add_argument("--max-shard-size", default="5GB", type=_size_arg,
                    help="hf and gockpt: bytes per file, e.g. 5GB, 500MB or 1048576 (default 5GB)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="unpickle arbitrary objects in SRC (only for files you trust)")
@@ -234,8 +234,6 @@ def _verify(args: argparse.Namespace, options: dict) -> int:
 def _convert(args: argparse.Namespace, options: dict) -> int:
     from . import convert
 
-    if args.prefix and args.to != "hf":
-        raise ValueError("--prefix applies to --to hf only")
     source = convert.open_source(args.src, storage_options=options, allow_pickle=args.allow_pickle)
     for note in source.notes:
         print(f"gockpt: note: {note}", file=sys.stderr)
@@ -254,7 +252,7 @@ def _convert(args: argparse.Namespace, options: dict) -> int:
         with tqdm(total=total, unit="B", unit_scale=True, desc="hf", disable=None,
                   file=sys.stderr) as bar:
             files = convert.to_hf(source, args.dst, prefix=args.prefix,
-                                  max_shard_size=_parse_size(args.max_shard_size),
+                                  max_shard_size=args.max_shard_size,
                                   storage_options=options, progress=bar.update)
         what = f"{len(files)} file(s): {', '.join(files)}"
     elif args.to == "dcp":
@@ -262,7 +260,7 @@ def _convert(args: argparse.Namespace, options: dict) -> int:
         what = "a torch.distributed.checkpoint directory"
     else:
         convert.to_gockpt(source, args.dst, storage_options=options,
-                          max_shard_bytes=_parse_size(args.max_shard_size))
+                          max_shard_bytes=args.max_shard_size)
         what = "a GoCkpt checkpoint"
     print(f"wrote {args.dst}: {what}, from {source.path} ({source.kind}, step {source.step})")
     return 0
@@ -278,6 +276,23 @@ def _parse_size(text: str) -> int:
     if m is None or float(m.group(1)) <= 0:
         raise ValueError(f"--max-shard-size {text!r} is not a size such as 5GB, 500MB or 1048576")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return _parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--max-shard-size ")) from None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        options = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, such as '{\"anon\": true}'")
+    return options
 
 
 def _size(n: Any) -> str:

@@ -53,7 +53,7 @@ from .load import framework_files
 from .manifest import is_part
 from .format import FORMAT_NAME
 from .restore import load_checkpoint
-from .snapshot import own_storage, save_tree
+from .snapshot import own_copy, own_storage, save_tree
 
 __all__ = [
     "FRAMEWORKS_GROUP",
@@ -129,7 +129,8 @@ def open_source(
 
     Raises:
         FileNotFoundError: nothing at ``path``, or a directory holding no checkpoint.
-        gockpt.CheckpointCorruptError: a corrupt GoCkpt checkpoint, or a file of an Accelerate
+        gockpt.CheckpointCorruptError: a corrupt GoCkpt checkpoint, a file ``torch.load``
+            cannot read (empty, cut short, not a zip archive), or a file of an Accelerate
             folder that is not a regular file (a FIFO, device or symlink: refused, never read)
             or a ``model.safetensors`` that does not decode (names the file).
         FrameworkUnavailableError: a ``GoCkptIO`` checkpoint where the Lightning framework is
@@ -143,7 +144,11 @@ def open_source(
         raise FileNotFoundError(f"{path}: no such file or directory")
     if fs.isfile(root):
         with fs.open(root, "rb") as f:
-            obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
+            try:
+                obj = torch.load(f, map_location="cpu", weights_only=not allow_pickle)
+            except (RuntimeError, EOFError) as e:  # cut short, empty, not a zip archive
+                what = str(e).splitlines()[0] if str(e) else "it ends before its first record"
+                raise CheckpointCorruptError(f"{path}: not a readable torch.save file: {what}") from e
         return _torch_file_source(path, obj)
     if not storage.is_complete(path, options) and not storage.has_manifest(path, options):
         newest = storage.latest_checkpoint(path, options)
@@ -222,9 +227,10 @@ def to_hf(
     if not weights:
         some = ", ".join(sorted(source.model_state_dict)[:3])
         raise ValueError(f"no model key starts with {prefix!r} (keys look like: {some})")
-    # Own storage per tensor: tensors loaded from one GoCkpt shard are views of one memory map,
-    # which the shard planner would keep in one file and safetensors refuses to write.
-    weights = own_storage(weights)
+    # Own storage per tensor and per name: tensors loaded from one GoCkpt shard are views of
+    # one memory map, which the shard planner would keep in one file, and safetensors refuses
+    # tensors that share memory (tied weights are written under each name).
+    weights = {k: own_copy(t) for k, t in weights.items()}
     split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
     fs, root = storage.url_to_fs(dst, storage_options)
     made = storage.is_local(fs) and not os.path.lexists(root)

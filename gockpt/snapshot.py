@@ -18,6 +18,7 @@ the blocking path for saves outside training and for converters.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 import pickle
@@ -32,7 +33,7 @@ import torch
 from ._direct import ALIGN as PAGE
 from ._direct import aligned_empty
 from .format import CheckpointCorruptError, ShardLayout, TensorSpec, plan_shards
-from .layout import storable
+from .layout import _dense, storable
 
 REF = "__gockpt_tensor__"
 """Key of a reference marker in a serialized state tree: ``{REF: key, "stride": [...] | None}``,
@@ -528,21 +529,28 @@ def map_views_once(tree: Any, fn: Any) -> Any:
     return map_tree(tree, leaf)
 
 
-def own_storage(tree: Any) -> Any:
-    """``tree`` with every tensor copied into a storage of its own (contiguous, detached).
+def own_storage(tree: Any, *, keep_strides: bool = False) -> Any:
+    """``tree`` with every tensor copied into a storage of its own (detached; contiguous unless
+    ``keep_strides``, see :func:`own_copy`).
 
     Tensors of a snapshot or of a loaded GoCkpt shard are views of one buffer: ``torch.save``
     would write the whole buffer for each, and safetensors refuses them. Views of one place
     (tied weights, the same tensor met twice) stay one tensor object.
     """
-    return map_views_once(tree, own_copy)
+    return map_views_once(tree, functools.partial(own_copy, keep_strides=keep_strides))
 
 
-def own_copy(x: torch.Tensor) -> torch.Tensor:
+def own_copy(x: torch.Tensor, *, keep_strides: bool = False) -> torch.Tensor:
     """A detached copy of ``x`` in memory of its own: contiguous where strided (a sparse
-    tensor has no memory format to ask for)."""
+    tensor has no memory format to ask for). ``keep_strides``: a tensor covering one dense
+    range of its storage in another order (a transpose, channels_last) keeps its strides, as
+    ``torch.save`` of the original would; safetensors needs contiguous tensors, so not there."""
     x = x.detach()
-    return x.contiguous().clone() if x.layout == torch.strided else x.clone()
+    if x.layout != torch.strided:
+        return x.clone()
+    if keep_strides and not x.is_contiguous() and _dense(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    return x.contiguous().clone()
 
 
 def untie(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -92,7 +92,9 @@ def to_lightning_file(
     parent = path.rpartition("/")[0]
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    checkpoint = own_storage(source.lightning)  # torch.save refuses views of one memory map
+    # torch.save refuses views of one memory map; strides kept: the file holds what
+    # GoCkptIO.load_checkpoint returns (a transposed buffer stays transposed).
+    checkpoint = own_storage(source.lightning, keep_strides=True)
     write_file(fs, path, lambda f: torch.save(checkpoint, f))
     return int(fs.size(path))
 

@@ -288,9 +288,56 @@ def test_usage_errors_and_wrong_sources(runs, capsys):
     assert cli.main(["convert", str(runs["ours"]), str(runs["root"] / "z"), "--to", "hf",
                      "--prefix", "nope."]) == 1
     assert "no model key starts with 'nope.'" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        cli.main(["convert", "a", "b", "--to", "onnx"])
-    assert e.value.code == 2
+    for argv in (["convert", "a", "b", "--to", "onnx"],
+                 ["convert", "a", "b", "--to", "hf", "--max-shard-size", "lots"],
+                 ["convert", str(runs["ours"]), "b", "--to", "lightning", "--prefix", "net."],
+                 ["inspect", str(runs["ours"]), "--storage-options", "{not json"],
+                 ["inspect", str(runs["ours"]), "--storage-options", "[1]"]):
+        with pytest.raises(SystemExit) as e:  # a usage error: exit 2, before any file is read
+            cli.main(argv)
+        assert e.value.code == 2, argv
+    assert "--max-shard-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_a_damaged_torch_save_source_is_an_error_naming_the_file(tmp_path, capsys, damage):
+    path = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(64)}, "global_step": 1}, path)
+    data = path.read_bytes()
+    path.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    for to in ("gockpt", "hf"):
+        code, _, err = _in_process(capsys, "convert", str(path), str(tmp_path / to), "--to", to)
+        assert code == 1 and f"{path}: not a readable torch.save file" in err, err
+        assert "Traceback" not in err and not (tmp_path / to).exists()
+
+
+def test_to_hf_writes_tied_weights_under_each_name(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    tied = torch.randn(4, 3)
+    state = {"embed.weight": tied, "head.weight": tied, "head.bias": torch.randn(4)}
+    torch.save(state, tmp_path / "tied.pt")
+    code, _, err = _in_process(capsys, "convert", str(tmp_path / "tied.pt"), str(tmp_path / "hf"),
+                               "--to", "hf")
+    assert code == 0, err
+    assert_bitwise_equal(load_file(tmp_path / "hf" / "model.safetensors"), state, "model.safetensors")
+
+
+def test_to_lightning_keeps_the_strides_gockptio_loads(tmp_path, capsys):
+    """A buffer stored transposed: the ``.ckpt`` written holds the dict ``GoCkptIO`` loads, with
+    its strides, as the stock file held it."""
+    buf = torch.randn(5, 8).t()
+    stock = {"state_dict": {"buf": buf, "w": torch.randn(3)}, "global_step": 3,
+             "pytorch-lightning_version": "2.6.0"}
+    torch.save(stock, tmp_path / "stock.ckpt")
+    for argv in (["convert", str(tmp_path / "stock.ckpt"), str(tmp_path / "g.ckpt"), "--to", "gockpt"],
+                 ["convert", str(tmp_path / "g.ckpt"), str(tmp_path / "back.ckpt"), "--to", "lightning"]):
+        code, _, err = _in_process(capsys, *argv)
+        assert code == 0, err
+    loaded = GoCkptIO().load_checkpoint(str(tmp_path / "g.ckpt"))["state_dict"]["buf"]
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)["state_dict"]["buf"]
+    assert loaded.stride() == buf.stride() == back.stride()
+    assert torch.equal(back, buf)
 
 
 def _within(fn, timeout_s: float = 20.0):
