@@ -19,7 +19,6 @@ is forgotten at once (:meth:`HeldTensors.forget`). Everything here runs on the t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,22 +26,29 @@ import torch
 
 from .layout import StateLayout, Unit
 
-# (the tensor whose version counter is checked, its version, data address, dtype, shape, strides)
-Fingerprint = tuple[weakref.ref, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+# (the tensor whose version counter is checked, its version, data address, dtype, shape,
+# strides, the address of its TensorImpl)
+Fingerprint = tuple[torch.Tensor, int, int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
 
 
 def fingerprint(versioned: torch.Tensor, tensor: torch.Tensor) -> Fingerprint:
     """What must not change for a copy of ``tensor`` to stay valid; ``versioned`` carries the
-    version counter (the ``DTensor`` of a local shard, else ``tensor`` itself)."""
-    return (weakref.ref(versioned), versioned._version, tensor.data_ptr(), tensor.dtype,
-            tuple(tensor.shape), tuple(tensor.stride()))
+    version counter (the ``DTensor`` of a local shard, else ``tensor`` itself).
+
+    ``versioned`` is held by a strong reference, not a weak one: ``torch.utils.swap_tensors``
+    (``load_state_dict`` and ``module.to()`` under torch's swap-on-conversion future) refuses a
+    tensor that has a weak reference. Held, it cannot die and another tensor take its ``id``;
+    it stays alive no longer than the state layout of the same save keeps it. A swap keeps the
+    object but gives it another TensorImpl (``_cdata``)."""
+    return (versioned, versioned._version, tensor.data_ptr(), tensor.dtype,
+            tuple(tensor.shape), tuple(tensor.stride()), versioned._cdata)
 
 
 def same(fp: Fingerprint, versioned: torch.Tensor, tensor: torch.Tensor) -> bool:
-    ref, version, ptr, dtype, shape, stride = fp
-    return (ref() is versioned and versioned._version == version and tensor.data_ptr() == ptr
-            and tensor.dtype == dtype and tuple(tensor.shape) == shape
-            and tuple(tensor.stride()) == stride)
+    held, version, ptr, dtype, shape, stride, cdata = fp
+    return (held is versioned and versioned._cdata == cdata and versioned._version == version
+            and tensor.data_ptr() == ptr and tensor.dtype == dtype
+            and tuple(tensor.shape) == shape and tuple(tensor.stride()) == stride)
 
 
 def rememberable(u: Unit) -> bool:

@@ -106,6 +106,43 @@ def test_a_swap_of_two_frozen_tensors_of_one_shape_is_copied_again(tmp_path):
     assert [m.unchanged_bytes for m in metrics] == [0, 0, frozen]
 
 
+@pytest.mark.parametrize("how", ["swap_tensors", "load_state_dict"])
+def test_frozen_tensors_held_by_a_slot_can_still_be_swapped(tmp_path, how):
+    """``torch.utils.swap_tensors`` (and ``load_state_dict`` under torch's swap-on-conversion
+    future) refuses a tensor with a weak reference: a slot holding a frozen parameter must not
+    put one on it. The swapped tensor is copied again at the next save."""
+    torch.manual_seed(0)
+    model = Adapted()
+    opt = torch.optim.AdamW([model.a, model.b], lr=1e-2)
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy", frozen_copy="when_changed"))
+    live: dict[int, dict] = {}
+    metrics = []
+
+    def on_step_end(it: int) -> None:
+        if it == 3:
+            if how == "swap_tensors":
+                w = model.base.weight
+                torch.utils.swap_tensors(w, nn.Parameter(w.detach() * 0.5, requires_grad=False))
+            else:
+                torch.__future__.set_swap_module_params_on_conversion(True)
+                try:
+                    model.base.load_state_dict({k: v * 0.5 for k, v in model.base.state_dict().items()})
+                finally:
+                    torch.__future__.set_swap_module_params_on_conversion(False)
+        live[eng.version] = snapshot(model, opt)
+        if it in (1, 4, 6):
+            metrics.append(eng.save(str(tmp_path / f"ckpt-{it}")).result())
+
+    _train(model, opt, eng, 8, on_step_end=on_step_end)
+    eng.close()
+    for m in metrics:
+        state = gockpt.load_checkpoint(m.path)
+        assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], m.path)
+    swapped = sum(p.numel() * 4 for p in ([model.base.weight] if how == "swap_tensors"
+                                         else model.base.parameters()))
+    assert [m.unchanged_bytes for m in metrics] == [0, _frozen_bytes(model) - swapped, _frozen_bytes(model)]
+
+
 def test_default_copies_everything_every_time(tmp_path):
     torch.manual_seed(0)
     model = Adapted()
