@@ -37,9 +37,10 @@ def fingerprint(versioned: torch.Tensor, tensor: torch.Tensor) -> Fingerprint:
 
     ``versioned`` is held by a strong reference, not a weak one: ``torch.utils.swap_tensors``
     (``load_state_dict`` and ``module.to()`` under torch's swap-on-conversion future) refuses a
-    tensor that has a weak reference. Held, it cannot die and another tensor take its ``id``;
-    it stays alive no longer than the state layout of the same save keeps it. A swap keeps the
-    object but gives it another TensorImpl (``_cdata``)."""
+    tensor that has a weak reference. Held, it cannot die and another tensor take its ``id``; a
+    tensor replaced by another is let go at the next save that reuses the slot
+    (:meth:`HeldTensors.keep_only`, :meth:`HeldTensors.forget`). A swap keeps the object but
+    gives it another TensorImpl (``_cdata``)."""
     return (versioned, versioned._version, tensor.data_ptr(), tensor.dtype,
             tuple(tensor.shape), tuple(tensor.stride()), versioned._cdata)
 
