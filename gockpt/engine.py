@@ -51,7 +51,7 @@ from .errors import CheckpointCancelledError
 from .fsutil import SCRATCH_RE, is_local, path_key, url_to_fs
 from .fsutil import split as split_path
 from .handle import CheckpointMetrics, SaveHandle
-from .layout import Entry, StateLayout
+from .layout import Entry, StateLayout, shared_parameter, shared_parameter_error
 from .plan import MULTI_STEP_MODES
 from .replay import is_replayable
 from .restore import load_checkpoint, load_into
@@ -94,6 +94,8 @@ class Engine:
 
     Raises:
         TypeError: ``optimizers`` holds something that is not a ``torch.optim.Optimizer``.
+        ValueError: a parameter is in two optimizers' param groups, or twice in one (a later
+            ``add_param_group`` that does so fails the next save with the same error).
     """
 
     def __init__(
@@ -111,6 +113,9 @@ class Engine:
         for o in self.optimizers:
             if not isinstance(o, Optimizer):
                 raise TypeError(f"expected torch.optim.Optimizer, got {type(o).__name__}")
+        where = shared_parameter(self.optimizers)
+        if where is not None:  # else the first save would fail, after the run has begun
+            raise ValueError(shared_parameter_error(where))
         self.explicit_before_update = explicit_before_update
         self.metrics: list[CheckpointMetrics] = []
         self.version = infer_step(self.optimizers) if start_step is None else start_step

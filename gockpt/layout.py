@@ -268,14 +268,30 @@ def shared_parameters(optimizers: list[Optimizer]) -> bool:
     the one optimizer that updates it. The adapters take those checkpoints whole at the request
     instead (mode ``async``).
     """
+    return shared_parameter(optimizers) is not None
+
+
+def shared_parameter(optimizers: list[Optimizer]) -> str | None:
+    """Where a parameter is met a second time in ``optimizers``' param groups, in words for an
+    error ("optimizer 1, parameter 0, shape (4, 3)"); None where each is in one place."""
     seen: set[int] = set()
-    for opt in optimizers:
+    for oi, opt in enumerate(optimizers):
+        pidx = 0
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) in seen:
-                    return True
+                    return f"optimizer {oi}, parameter {pidx}, shape {tuple(p.shape)}"
                 seen.add(id(p))
-    return False
+                pidx += 1
+    return None
+
+
+def shared_parameter_error(where: str) -> str:
+    """The message for a parameter in two optimizers (or twice in one), found at ``where``."""
+    return (f"a parameter is in the param groups of two optimizers, or twice in one ({where}): "
+            "GoCkpt copies and replays each parameter with the state of the one optimizer that "
+            "updates it; give each parameter to one optimizer, or checkpoint this model with "
+            "torch.save / torch.distributed.checkpoint")
 
 
 def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
@@ -317,7 +333,8 @@ def build_layout(model: nn.Module, optimizers: list[Optimizer]) -> StateLayout:
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) in owned:
-                    raise ValueError("a parameter is owned by two optimizers")
+                    raise ValueError(shared_parameter_error(
+                        f"optimizer {oi}, parameter {pidx}, shape {tuple(p.shape)}"))
                 state = opt.state.get(p, {})
                 found = canonical.get(id(p))
                 if not storable(p) or not all(storable(t) for t in state.values() if isinstance(t, torch.Tensor)):

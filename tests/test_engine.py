@@ -363,6 +363,25 @@ def test_several_optimizers_copy_in_one_step(tmp_path):
         assert_state_equal(got, exp)
 
 
+def test_a_parameter_in_two_optimizers_is_refused_at_the_start_naming_it(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opts = [torch.optim.AdamW(model.parameters()), torch.optim.SGD([model[1].weight], lr=0.1)]
+    with pytest.raises(ValueError, match=r"two optimizers.*optimizer 1, parameter 0, shape \(2, 4\)"):
+        Engine(model, opts)
+    # Shared later (add_param_group): the next save fails with the same words, nothing written.
+    opts = [torch.optim.AdamW(model[0].parameters()), torch.optim.SGD(model[1].parameters(), lr=0.1)]
+    eng = Engine(model, opts, GoCkptConfig(mode="lazy"))
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    for o in opts:
+        o.step()
+    opts[0].add_param_group({"params": [model[1].bias]})
+    with pytest.raises(ValueError, match=r"two optimizers.*optimizer 1, parameter 1, shape \(2,\)"):
+        eng.save(str(tmp_path / "m"))
+    eng.close()
+    assert not (tmp_path / "m").exists()
+
+
 def copy_sd(obj):
     import copy
 
