@@ -128,6 +128,19 @@ def test_low_precision_parameters_are_left_to_torch():
     assert list(choice.candidates) == ["torch"] and choice.exact
 
 
+@pytest.mark.parametrize("cls", [AdamW, RMSprop, torch.optim.Adagrad])
+def test_float16_probe_with_nan_elements_is_exact_where_the_bits_agree(monkeypatch, cls):
+    """In float16 the default ``eps`` underflows: the live probe turns elements with zero
+    gradients into NaN. Torch's replay gives the same bits (NaN payloads too), which is exact;
+    a replay off by a little elsewhere is still told apart."""
+    opt = cls([torch.nn.Parameter(torch.randn(9).to(torch.float16))])
+    choice = selfcheck.select_backend(opt)
+    assert choice.exact and choice.max_abs_error == 0.0
+    selfcheck._cache.clear()
+    monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [_Perturbed("off", 2.0**-10)])
+    assert not selfcheck.select_backend(opt).exact
+
+
 def test_closest_backend_is_chosen_when_none_is_exact(monkeypatch):
     far, near = _Perturbed("far", 1e-3), _Perturbed("near", 2.0**-20)
     monkeypatch.setattr(selfcheck, "_candidates", lambda *a: [far, near])
