@@ -362,9 +362,15 @@ class Engine:
             boundary, not an optimizer update, is where the engine raises them, so no update is
             skipped by one.
         """
+        self._step_end(raise_errors=True)
+
+    def _step_end(self, *, raise_errors: bool) -> None:
+        """:meth:`step_end`; ``raise_errors`` False leaves background errors for the next
+        request, ``wait`` or ``close`` (the sharded engine raises them there on every rank)."""
         self._check_process()
         self._windows.step_end(self.version)
-        self._pipeline.raise_errors()
+        if raise_errors:
+            self._pipeline.raise_errors()
 
     def before_update(self) -> None:
         """End the copy window: called right before an optimizer update (explicit mode).
@@ -402,9 +408,14 @@ class Engine:
         Raises:
             A background error of an earlier checkpoint.
         """
+        self._flush(raise_errors=True)
+
+    def _flush(self, *, raise_errors: bool) -> None:
+        """:meth:`flush`; ``raise_errors`` as in :meth:`_step_end`."""
         self._check_process()
         self._flush_windows()
-        self._pipeline.raise_errors()
+        if raise_errors:
+            self._pipeline.raise_errors()
 
     def finish_captured(self) -> None:
         """Wait for the copies of checkpoints whose step was already taken (the last block of

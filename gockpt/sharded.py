@@ -346,8 +346,12 @@ class ShardedEngine:
         return self.engine.abandon_uncaptured(reason)
 
     def step_end(self) -> None:
-        """:meth:`gockpt.Engine.step_end`."""
-        self.engine.step_end()
+        """:meth:`gockpt.Engine.step_end`, except that a background error of this rank's part is
+        not raised here, where this rank alone would stop and leave the others in their next
+        collective (a gloo "connection closed by peer" rather than the error): it is raised on
+        every rank alike, naming the rank, at the next :meth:`save`, :meth:`wait` or
+        :meth:`close`. The checkpoint it failed is not committed meanwhile."""
+        self.engine._step_end(raise_errors=False)  # noqa: SLF001
         self._note_captured()
 
     def before_update(self) -> None:
@@ -356,8 +360,10 @@ class ShardedEngine:
         self._note_captured()
 
     def flush(self) -> None:
-        """:meth:`gockpt.Engine.flush` (this rank's copy windows; not collective)."""
-        self.engine.flush()
+        """:meth:`gockpt.Engine.flush` (this rank's copy windows; not collective). A background
+        error is raised at the next :meth:`save`, :meth:`wait` or :meth:`close`, as for
+        :meth:`step_end`."""
+        self.engine._flush(raise_errors=False)  # noqa: SLF001
         self._note_captured()
 
     def _note_captured(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 import warnings
 from datetime import timedelta
 
@@ -204,14 +205,24 @@ def _fault_worker(rank: int, world: int, port: int, root: str) -> None:
     _step(m, opt, 2)
     eng.step_end()
     # Rank 1's part fails in its last phase: no rank may see a complete checkpoint.
-    eng.save(f"{root}/ck-2", writer=_FailingWriter() if rank == 1 else None)
-    with pytest.raises((RuntimeError, OSError), match="injected|rank 1"):
+    h = eng.save(f"{root}/ck-2", writer=_FailingWriter() if rank == 1 else None)
+    _step(m, opt, 2)  # the part's copy window ends at this update; then it is written
+    eng.step_end()
+    if rank == 1:
+        while not h.part.done():  # its error is in: the next boundary would be the first to see it
+            time.sleep(0.01)
+    # Training goes on: no rank raises the error alone at a boundary, where it would leave the
+    # other in its next collective; the next collective of the engine raises it on both.
+    _step(m, opt, 3)
+    eng.step_end()
+    eng.flush()
+    with pytest.raises((RuntimeError, OSError), match="injected" if rank == 1 else "rank 1"):
         eng.wait()
     assert not os.path.exists(f"{root}/ck-2")
     assert gockpt.latest_checkpoint(root) == f"{root}/ck-1"
     assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == []
     # The engine goes on: the next save commits.
-    _step(m, opt, 3)
+    _step(m, opt, 4)
     eng.step_end()
     eng.save(f"{root}/ck-3")
     eng.wait()
@@ -238,7 +249,7 @@ def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):
     root = str(tmp_path)
     spawn(_fault_worker, args=(2, _port(), root), nprocs=2)
     assert load_full(f"{root}/ck-1").captured_step == 2
-    assert load_full(f"{root}/ck-3").captured_step == 4
+    assert load_full(f"{root}/ck-3").captured_step == 6
     assert not os.path.exists(f"{root}/ck-2")
 
 
