@@ -416,7 +416,8 @@ class ShardedEngine:
                 rank (every rank raises; nothing is written), e.g. ``path`` is a directory that
                 is not a checkpoint (rank 0 raises the ``FileExistsError`` itself); the engine
                 is closed.
-            ValueError: ``path`` is not local; both ``state_fn`` and ``part_state_fn`` given.
+            ValueError: ``path`` is not local; both ``state_fn`` and ``part_state_fn`` given;
+                the ranks gave different paths (every rank raises; nothing is written).
         """
         if self._group is None:
             raise RuntimeError("ShardedEngine is closed")
@@ -439,17 +440,28 @@ class ShardedEngine:
                 stage = self._staging.make(root)
         except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
             problem = e
+        try:
+            key = fsutil.path_key(root)
+        except (OSError, ValueError):
+            key = root
         ready: list[Any] = [None] * self.world
         dist.all_gather_object(ready, (stage, None if problem is None else f"{type(problem).__name__}: {problem}",
-                                       view), group=self._group)
-        if any(err is not None for _, err, _ in ready):
+                                       view, key), group=self._group)
+        if any(err is not None for _, err, _, _ in ready):
             if stage is not None:
                 fsutil.remove_local(stage)
             if problem is not None:
                 raise problem
             raise RuntimeError("gockpt: sharded checkpoint not taken: " + "; ".join(
-                f"rank {r}: {err}" for r, (_, err, _) in enumerate(ready) if err is not None))
-        differ = replicas_differ([view for _, _, view in ready])
+                f"rank {r}: {err}" for r, (_, err, _, _) in enumerate(ready) if err is not None))
+        if len({k for _, _, _, k in ready}) > 1:
+            # Each part would land in rank 0's directory while its rank's handle named another.
+            if stage is not None:
+                fsutil.remove_local(stage)
+            raise ValueError("gockpt: sharded checkpoint not taken: the ranks asked for different "
+                             "paths (every rank must save the same checkpoint): " + "; ".join(
+                                 f"rank {r}: {k}" for r, (_, _, _, k) in enumerate(ready)))
+        differ = replicas_differ([view for _, _, view, _ in ready])
         if differ is not None:
             if stage is not None:
                 fsutil.remove_local(stage)

@@ -227,6 +227,12 @@ def _fault_worker(rank: int, world: int, port: int, root: str) -> None:
     eng.save(f"{root}/ck-3")
     eng.wait()
     assert gockpt.latest_checkpoint(root) == f"{root}/ck-3"
+    # Ranks asking for different paths: refused on both, nothing written.
+    with pytest.raises(ValueError, match="different paths"):
+        eng.save(f"{root}/own-{rank}")
+    assert not os.path.exists(f"{root}/own-0") and not os.path.exists(f"{root}/own-1")
+    dist.barrier()
+    assert [n for n in os.listdir(root) if "gockpt-tmp" in n] == []
     eng.close()
     # An optimizer that is not elementwise on a shard: lazy, with a warning.
     m2 = _model()
