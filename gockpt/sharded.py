@@ -381,8 +381,10 @@ class ShardedEngine:
 
     def _flush_and_note(self) -> None:
         try:
-            self.engine.flush()
-        except Exception:  # noqa: BLE001 - the engine's close raises it
+            # A background error stays for the engine's close to raise (raise_errors would
+            # hand it over once, here, where it would be dropped).
+            self.engine._flush(raise_errors=False)  # noqa: SLF001
+        except Exception:  # noqa: BLE001 - a capture's own error: its save reports it
             return
         self._note_captured()
 

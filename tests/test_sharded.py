@@ -259,6 +259,37 @@ def test_fsdp2_failed_part_leaves_previous_checkpoint(tmp_path):
     assert not os.path.exists(f"{root}/ck-2")
 
 
+def _close_alone_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    m = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def step() -> None:
+        m(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    eng = ShardedEngine(m, opt, gockpt.GoCkptConfig(mode="lazy"), replicated=True, commit_timeout_s=30)
+    step()
+    eng.step_end()
+    h = eng.save(f"{root}/ck", writer=_FailingWriter())
+    step()
+    eng.step_end()
+    while not h.part.done():
+        time.sleep(0.01)
+    step()
+    eng.step_end()  # not raised at a boundary (see _fault_worker)
+    # The run stops by an exception: the close that does not meet the other ranks raises it.
+    with pytest.raises(OSError, match="injected"):
+        eng.close(collective=False)
+    assert not os.path.exists(f"{root}/ck")
+    end_rank()
+
+
+def test_a_part_error_is_raised_by_a_close_without_the_other_ranks(tmp_path):
+    spawn(_close_alone_worker, args=(1, _port(), str(tmp_path)), nprocs=1)
+
+
 def _overtaken_worker(rank: int, world: int, port: int, root: str, victim: int) -> None:
     _init(rank, world, port)
     m = _model()
