@@ -286,6 +286,8 @@ def _size_arg(text: str) -> int:
 
 
 def _json_object(text: str) -> dict:
+    if not text.strip():  # an empty "$OPTS" in a script: no options
+        return {}
     try:
         options = json.loads(text)
     except ValueError as e:

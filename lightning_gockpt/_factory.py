@@ -46,7 +46,8 @@ def callbacks_factory() -> list:
     for cb in getattr(trainer, "callbacks", []):
         if isinstance(cb, ModelCheckpoint) and getattr(cb, "dirpath", None):
             cleanup_staging(str(cb.dirpath), io.config.storage_options)
-            tidy_placeholders(str(cb.dirpath), io.config.storage_options, before_resume=True)
+            tidy_placeholders(str(cb.dirpath), io.config.storage_options, before_resume=True,
+                              last_names={cb.CHECKPOINT_NAME_LAST, ModelCheckpoint.CHECKPOINT_NAME_LAST})
     if getattr(trainer, "_default_root_dir", None):  # set before the callbacks (Trainer.__init__)
         tidy_hpc(str(trainer.default_root_dir), io.config.storage_options)
     if any(isinstance(cb, GoCkptCallback) for cb in getattr(trainer, "callbacks", [])):

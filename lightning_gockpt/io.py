@@ -262,6 +262,14 @@ class GoCkptIO(CheckpointIO):
         if self._callback is not None:
             self._callback.close()
 
+    def _last_names(self) -> set[str]:
+        """The names Lightning's ``ckpt_path="last"`` looks for: each ModelCheckpoint's
+        ``CHECKPOINT_NAME_LAST`` (an instance may set its own), and the default."""
+        trainer = self._callback.trainer if self._callback is not None else None
+        return {ModelCheckpoint.CHECKPOINT_NAME_LAST} | {
+            cb.CHECKPOINT_NAME_LAST for cb in getattr(trainer, "checkpoint_callbacks", ())
+            if isinstance(cb, ModelCheckpoint)}
+
     def _resolve(self, path: str) -> str:
         options, timeout_s = self.config.storage_options, self.config.storage_timeout_s
         if is_complete(path, options, timeout_s):
@@ -274,8 +282,7 @@ class GoCkptIO(CheckpointIO):
             parent, _, name = path.rstrip("/").rpartition("/")
         else:
             parent, name = os.path.split(os.path.abspath(path))
-        last = ModelCheckpoint.CHECKPOINT_NAME_LAST
-        if not (name.startswith(last) and name.endswith(ModelCheckpoint.FILE_EXTENSION)):
+        if not (is_last_name(name, self._last_names()) and name.endswith(ModelCheckpoint.FILE_EXTENSION)):
             raise FileNotFoundError(f"{path} is not a complete GoCkpt checkpoint (no manifest.json)")
         newest = gockpt.latest_checkpoint(parent, options, timeout_s)
         if newest is None:
@@ -354,28 +361,37 @@ def remove_placeholder(path: str, storage_options: Any) -> None:
             raise
 
 
-def tidy_placeholders(directory: str, storage_options: Any, *, before_resume: bool = False) -> None:
+def is_last_name(name: str, last_names: set[str]) -> bool:
+    """Whether Lightning's ``ckpt_path="last"`` lookup takes the file ``name`` for a last
+    checkpoint: it holds one of ``last_names`` (``ModelCheckpoint._find_last_checkpoints``)."""
+    return any(last in name for last in last_names)
+
+
+def tidy_placeholders(directory: str, storage_options: Any, *, before_resume: bool = False,
+                      last_names: set[str] | None = None) -> None:
     """Remove the placeholders a stopped run left in a local checkpoint directory.
 
     Empty ``*.ckpt`` directories are removed; a symlink left dangling by that (``last.ckpt`` of
     ``save_last="link"``) is pointed at the newest complete checkpoint, or removed if there is
     none. Call once the run has resumed and before it saves.
 
-    ``before_resume``: called before ``ckpt_path="last"`` is looked up. An empty ``last*.ckpt``
+    ``before_resume``: called before ``ckpt_path="last"`` is looked up. An empty ``last.ckpt``
     (a run stopped after the first checkpoint beside it was published, before its first
-    ``last.ckpt`` was) is kept where the directory holds a complete checkpoint: the lookup then
-    finds it and :meth:`GoCkptIO.load_checkpoint` resumes from the newest complete one (with a
-    warning) rather than from scratch. The call after the resume removes it.
+    ``last.ckpt`` was; any name holding one of ``last_names``, default ``{"last"}``, the
+    ModelCheckpoints' ``CHECKPOINT_NAME_LAST``) is kept where the directory holds a complete
+    checkpoint: the lookup then finds it and :meth:`GoCkptIO.load_checkpoint` resumes from the
+    newest complete one (with a warning) rather than from scratch. The call after the resume
+    removes it.
     """
     fs, local = url_to_fs(directory, storage_options)
     if not is_local(fs) or not os.path.isdir(local):
         return
     newest = None
-    last = ModelCheckpoint.CHECKPOINT_NAME_LAST
+    last_names = last_names or {ModelCheckpoint.CHECKPOINT_NAME_LAST}
     for entry in os.scandir(local):
         if entry.name.endswith(ModelCheckpoint.FILE_EXTENSION) and entry.is_dir(follow_symlinks=False) \
                 and not os.listdir(entry.path):
-            if before_resume and entry.name.startswith(last):
+            if before_resume and is_last_name(entry.name, last_names):
                 newest = newest or gockpt.latest_checkpoint(local)
                 if newest is not None:
                     continue

@@ -297,6 +297,7 @@ def test_usage_errors_and_wrong_sources(runs, capsys):
             cli.main(argv)
         assert e.value.code == 2, argv
     assert "--max-shard-size" in capsys.readouterr().err
+    assert cli.main(["inspect", str(runs["ours"]), "--storage-options", ""]) == 0  # none given
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncated"])

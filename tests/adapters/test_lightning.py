@@ -232,24 +232,34 @@ def test_last_resolves_to_newest_complete_checkpoint_when_its_target_is_incomple
     assert is_complete(str(root / "step=24.ckpt"))
 
 
-def test_an_empty_last_beside_a_complete_checkpoint_resumes_from_that_checkpoint(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("last", ["last", "latest"])
+def test_an_empty_last_beside_a_complete_checkpoint_resumes_from_that_checkpoint(tmp_path, tmp_path_factory, last):
     """A kill after a step's checkpoint was published and before the first ``last.ckpt`` was
     leaves ``last.ckpt`` as its request-time placeholder, an empty folder. ``ckpt_path="last"``
     still finds it and resumes from the newest complete checkpoint (stock, whose two saves are
     back to back, would hold both); the placeholder is gone before the run saves, so its next
-    ``last.ckpt`` keeps that name (no ``last-v1.ckpt``)."""
+    ``last.ckpt`` keeps that name (no ``last-v1.ckpt``). The same for a ModelCheckpoint whose
+    ``CHECKPOINT_NAME_LAST`` is its own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def checkpoints(save_last):
+        cb = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=8, save_top_k=-1,
+                             save_last=save_last)
+        cb.CHECKPOINT_NAME_LAST = last
+        return (cb,)
+
     ref = reference(tmp_path_factory)
     root = tmp_path / "ckpt"
-    fit(str(root), io=gockpt_io("lazy"), ckpt_every=8, max_steps=16)
-    (root / "last.ckpt").mkdir()
+    fit(str(root), io=gockpt_io("lazy"), callbacks=checkpoints(False), max_steps=16)
+    (root / f"{last}.ckpt").mkdir()
     with pytest.warns(UserWarning, match="newest complete checkpoint"):
-        trainer, model = fit(str(root), io=gockpt_io("lazy"), ckpt_every=8, save_last=True,
+        trainer, model = fit(str(root), io=gockpt_io("lazy"), callbacks=checkpoints(True),
                              ckpt_path="last")
-    assert trainer.ckpt_path == str(root / "last.ckpt")
+    assert trainer.ckpt_path == str(root / f"{last}.ckpt")
     assert_continues_reference(results(trainer, model), ref, 16)
-    assert sorted(p.name for p in root.iterdir()) == ["last.ckpt", "step=16.ckpt", "step=24.ckpt",
-                                                      "step=8.ckpt"]
-    assert GoCkptIO().load_checkpoint(str(root / "last.ckpt"))["global_step"] == 24
+    assert sorted(p.name for p in root.iterdir()) == sorted([f"{last}.ckpt", "step=16.ckpt", "step=24.ckpt",
+                                                             "step=8.ckpt"])
+    assert GoCkptIO().load_checkpoint(str(root / f"{last}.ckpt"))["global_step"] == 24
 
 
 def test_last_without_any_complete_checkpoint_raises(tmp_path):
