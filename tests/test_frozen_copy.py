@@ -81,8 +81,10 @@ def test_unchanged_frozen_tensors_are_not_copied_again_and_checkpoints_stay_exac
     assert metrics[1].state_bytes == metrics[0].state_bytes - frozen
 
 
-def test_a_swap_of_two_frozen_tensors_of_one_shape_is_copied_again(tmp_path):
-    """Same keys, same shapes, same version counters, other tensors: nothing is taken as held."""
+def _lazy_saves_around(tmp_path, change) -> tuple[Adapted, list]:
+    """8 steps of ``Adapted`` under ``lazy`` with ``frozen_copy="when_changed"``, ``change(model)``
+    at the end of step 3, saves at steps 1, 4 and 6, each checked against the live state of its
+    step; returns the model and the saves' metrics."""
     torch.manual_seed(0)
     model = Adapted()
     opt = torch.optim.AdamW([model.a, model.b], lr=1e-2)
@@ -92,7 +94,7 @@ def test_a_swap_of_two_frozen_tensors_of_one_shape_is_copied_again(tmp_path):
 
     def on_step_end(it: int) -> None:
         if it == 3:
-            model.base, model.mid = model.mid, model.base
+            change(model)
         live[eng.version] = snapshot(model, opt)
         if it in (1, 4, 6):
             metrics.append(eng.save(str(tmp_path / f"ckpt-{it}")).result())
@@ -102,6 +104,15 @@ def test_a_swap_of_two_frozen_tensors_of_one_shape_is_copied_again(tmp_path):
     for m in metrics:
         state = gockpt.load_checkpoint(m.path)
         assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], m.path)
+    return model, metrics
+
+
+def test_a_swap_of_two_frozen_tensors_of_one_shape_is_copied_again(tmp_path):
+    """Same keys, same shapes, same version counters, other tensors: nothing is taken as held."""
+    def swap(model: Adapted) -> None:
+        model.base, model.mid = model.mid, model.base
+
+    model, metrics = _lazy_saves_around(tmp_path, swap)
     frozen = sum(p.numel() * 4 for p in (*model.base.parameters(), *model.mid.parameters()))
     assert [m.unchanged_bytes for m in metrics] == [0, 0, frozen]
 
@@ -111,33 +122,18 @@ def test_frozen_tensors_held_by_a_slot_can_still_be_swapped(tmp_path, how):
     """``torch.utils.swap_tensors`` (and ``load_state_dict`` under torch's swap-on-conversion
     future) refuses a tensor with a weak reference: a slot holding a frozen parameter must not
     put one on it. The swapped tensor is copied again at the next save."""
-    torch.manual_seed(0)
-    model = Adapted()
-    opt = torch.optim.AdamW([model.a, model.b], lr=1e-2)
-    eng = Engine(model, opt, GoCkptConfig(mode="lazy", frozen_copy="when_changed"))
-    live: dict[int, dict] = {}
-    metrics = []
+    def swap(model: Adapted) -> None:
+        if how == "swap_tensors":
+            w = model.base.weight
+            torch.utils.swap_tensors(w, nn.Parameter(w.detach() * 0.5, requires_grad=False))
+            return
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.base.load_state_dict({k: v * 0.5 for k, v in model.base.state_dict().items()})
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
 
-    def on_step_end(it: int) -> None:
-        if it == 3:
-            if how == "swap_tensors":
-                w = model.base.weight
-                torch.utils.swap_tensors(w, nn.Parameter(w.detach() * 0.5, requires_grad=False))
-            else:
-                torch.__future__.set_swap_module_params_on_conversion(True)
-                try:
-                    model.base.load_state_dict({k: v * 0.5 for k, v in model.base.state_dict().items()})
-                finally:
-                    torch.__future__.set_swap_module_params_on_conversion(False)
-        live[eng.version] = snapshot(model, opt)
-        if it in (1, 4, 6):
-            metrics.append(eng.save(str(tmp_path / f"ckpt-{it}")).result())
-
-    _train(model, opt, eng, 8, on_step_end=on_step_end)
-    eng.close()
-    for m in metrics:
-        state = gockpt.load_checkpoint(m.path)
-        assert_state_equal(state.model_state_dict, live[state.captured_step]["model"], m.path)
+    model, metrics = _lazy_saves_around(tmp_path, swap)
     swapped = sum(p.numel() * 4 for p in ([model.base.weight] if how == "swap_tensors"
                                          else model.base.parameters()))
     assert [m.unchanged_bytes for m in metrics] == [0, _frozen_bytes(model) - swapped, _frozen_bytes(model)]
