@@ -317,12 +317,13 @@ class Pipeline:
                 raise s.failed
             if s.cancel.is_set():
                 raise CheckpointCancelledError(f"{s.path}: cancelled")
-            if s.late_edits is not None:
-                for flag, event in s.late_edits:
-                    event.synchronize()  # type: ignore[attr-defined]
-                    if bool(flag):
-                        s.overtaken = True
-                        raise CheckpointTornError(edited_after_capture(s.path))
+            # A follower holds the leader's snapshot: the leader's flags tell whether it is torn.
+            late = [*(s.late_edits or ()), *((s.leader.late_edits or ()) if s.leader is not None else ())]
+            for flag, event in late:
+                event.synchronize()  # type: ignore[attr-defined]
+                if bool(flag):
+                    s.overtaken = True
+                    raise CheckpointTornError(edited_after_capture(s.path))
             m.device_wait_s = sum(t.device_wait_s() for t in s.tickets.values())
             meta = {
                 "requested_step": m.requested_step,

@@ -95,7 +95,8 @@ class Engine:
     Raises:
         TypeError: ``optimizers`` holds something that is not a ``torch.optim.Optimizer``.
         ValueError: a parameter is in two optimizers' param groups, or twice in one (a later
-            ``add_param_group`` that does so fails the next save with the same error).
+            ``add_param_group`` that does so fails the next save with the same error); the
+            model's parameters and buffers are on more than one CUDA device.
     """
 
     def __init__(
@@ -116,6 +117,16 @@ class Engine:
         where = shared_parameter(self.optimizers)
         if where is not None:  # else the first save would fail, after the run has begun
             raise ValueError(shared_parameter_error(where))
+        cuda = sorted({str(t.device) for t in (*model.parameters(), *model.buffers(),
+                                               *(p for o in self.optimizers for g in o.param_groups
+                                                 for p in g["params"]))
+                       if t.device.type == "cuda"})
+        if len(cuda) > 1:
+            # One copy stream and its events on one device: a copy from another device runs on
+            # that device's own stream, which the events do not cover (a torn snapshot).
+            raise ValueError(f"the model's tensors are on {len(cuda)} CUDA devices ({', '.join(cuda)}); "
+                             "GoCkpt's engine copies from one device: one engine per device's "
+                             "model (one rank per GPU), or a blocking save")
         self.explicit_before_update = explicit_before_update
         self.metrics: list[CheckpointMetrics] = []
         self.version = infer_step(self.optimizers) if start_step is None else start_step

@@ -84,6 +84,49 @@ def test_cuda_saves_sharing_a_snapshot_wait_for_its_last_copy(tmp_path, mode):
         _assert_matches(m, live, mode)
 
 
+def test_cuda_an_edit_after_the_capture_fails_every_save_sharing_the_snapshot(tmp_path):
+    """A write through ``.data`` right after two saves at one step (Lightning's top-k and
+    last.ckpt share a snapshot) races the copy of their block: on CUDA the sampled check is read
+    back at the persist, and it must fail the second save as it fails the first, never write
+    it from the torn snapshot. Each save is either refused as torn or equal to the state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(4))).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    eng = Engine(model, opt, GoCkptConfig(mode="lazy"))
+    x = torch.randn(8, 4096, device="cuda")
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        eng.step_end()
+
+    for _ in range(3):
+        step()
+    want = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    handles = [eng.save(str(tmp_path / "a")), eng.save(str(tmp_path / "b"))]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.add_(1.0)
+    step()
+    eng.close()
+    for h in handles:
+        try:
+            m = h.result()
+        except gockpt.CheckpointTornError:
+            continue
+        got = gockpt.load_checkpoint(m.path).model_state_dict
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (m.path, k)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_a_model_on_two_devices_is_refused_at_the_start():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to("cuda:0"), torch.nn.Linear(8, 8).to("cuda:1"))
+    with pytest.raises(ValueError, match="2 CUDA devices"):
+        Engine(model, torch.optim.AdamW(model.parameters()))
+
+
 def test_pinned_host_buffers_hold_their_size_not_the_next_power_of_two():
     """torch's caching host allocator rounds a pinned allocation up to a power of two; the host
     snapshot and gradient buffers are allocated and page-locked at their own size, usable as the
