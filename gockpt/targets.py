@@ -333,6 +333,25 @@ class LocalTarget(StorageTarget):
         self.lock = None
 
 
+def _conditional_puts(fs: AbstractFileSystem) -> bool:
+    """Whether puts to ``fs`` take S3's conditions (``If-Match``, ``If-None-Match``): s3fs."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return bool({"s3", "s3a"} & set(protocol))
+
+
+def _precondition_failed(e: BaseException | None) -> bool:
+    """Whether ``e`` (or what it was raised from) is S3's answer that a put's condition
+    failed (``412 PreconditionFailed``)."""
+    while e is not None:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (
+                response.get("Error", {}).get("Code") == "PreconditionFailed"
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class ObjectTarget(StorageTarget):
     """Files written in place under names unique to this save; the manifest put publishes.
 
@@ -443,16 +462,53 @@ class ObjectTarget(StorageTarget):
             return None
 
     def publish(self, manifest: bytes) -> None:
+        """Put the manifest: on S3 only over the manifest read here (``If-Match`` its ETag, or
+        ``If-None-Match: *`` where there is none). A try of an earlier save's put that S3
+        receives late (its client gave up and retried) then fails there instead of replacing
+        a newer manifest, which would name files this save deletes as replaced (a torn
+        checkpoint) or bring back an older state.
+
+        Raises:
+            OSError: the put failed; ``EBUSY`` where the manifest changed since it was read
+                (another write of this checkpoint landed): nothing of this save is published.
+        """
+        cond: dict[str, str] = {}
+        if _conditional_puts(self.fs):
+            # Read before the files it names: a change between the two fails the put below.
+            etag = self._call(f"check of {self.manifest_path}", self._manifest_etag)
+            cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
         self.replaced = self._manifest_files() or set()
         try:
-            self._call(f"put of {self.manifest_path}", self.fs.pipe_file, self.manifest_path,
-                       manifest)
-        except BaseException:
+            self._call(f"put of {self.manifest_path}",
+                       functools.partial(self.fs.pipe_file, self.manifest_path, manifest, **cond))
+        except BaseException as e:
+            if cond and _precondition_failed(e):
+                if self._call(f"read of {self.manifest_path}", self._holds, manifest):
+                    return  # a try of this put landed before the one that answered
+                # Every try carries the condition, which no longer holds: none can land.
+                raise OSError(errno.EBUSY, "the manifest changed while this save published it "
+                              "(another write of this checkpoint landed first); not published") from e
             # Whatever the last error says, an earlier try of the same put (s3fs and botocore
             # retry it) may have reached the store and land later, naming this save's files,
             # which must then stay: they are kept (a few objects leaked at worst).
             self.publish_in_flight = True
             raise
+
+    def _manifest_etag(self) -> str | None:
+        """The ETag of the manifest at the root now, read from the store (None: none there)."""
+        self.fs.invalidate_cache(self.manifest_path)  # a listing's cached ETag may be stale
+        try:
+            return self.fs.info(self.manifest_path)["ETag"]
+        except FileNotFoundError:
+            return None
+
+    def _holds(self, manifest: bytes) -> bool:
+        """Whether the manifest at the root is ``manifest``."""
+        try:
+            return storage.read_bounded(self.fs, self.manifest_path,
+                                        max_bytes=storage.MAX_METADATA_BYTES) == manifest
+        except (OSError, ValueError):
+            return False
 
     def cleanup(self, published: bool) -> None:
         try:

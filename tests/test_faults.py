@@ -222,6 +222,44 @@ def test_s3_manifest_put_answered_late_never_tears_the_checkpoint(s3, make_reque
         assert_loads_as(store.path("ckpt"), old, 1, store.storage_options)
 
 
+@pytest.mark.parametrize("late", ["first try", "every try"])
+def test_s3_a_late_manifest_put_never_replaces_a_newer_save(s3, make_request, late):
+    """A manifest PUT of save 2 reaches S3 after its client gave up: with only the first try
+    late, botocore's retry publishes save 2; with every try late, save 2 fails. Save 3 of the
+    same path then publishes and deletes the files of the checkpoint it replaced. The late try
+    landing afterwards must not replace save 3's manifest (that named deleted files: the only
+    checkpoint torn, though every save had succeeded; or brought back step 2)."""
+    store, proxy, client = s3
+    save_previous(store, make_request)
+    proxy.late_s = 6.0
+    tries = []
+
+    def rule(method, path):
+        if method == "PUT" and path.split("?")[0].endswith("/ckpt/manifest.json"):
+            tries.append(path)
+            if late == "every try" or len(tries) == 1:
+                return "late"
+        return None
+
+    proxy.rule = rule
+    two = make_request(store.path("ckpt"), {"w": torch.full((64,), 2.0)}, step=2,
+                       storage_options=store.storage_options)
+    two.storage_timeout_s = 3.0
+    if late == "first try":
+        persist(two)
+    else:
+        with pytest.raises(CheckpointStorageError):
+            persist(two)
+    proxy.rule = None
+    three = {"w": torch.full((64,), 3.0)}
+    persist(make_request(store.path("ckpt"), three, step=3, storage_options=store.storage_options))
+    deadline = time.monotonic() + 60
+    while proxy.landed_late < proxy.count("late") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proxy.landed_late == proxy.count("late") >= 1
+    assert_loads_as(store.path("ckpt"), three, 3, store.storage_options)
+
+
 def test_s3_options_the_user_sets_win(_moto_endpoint):
     fs, _ = url_to_fs("s3://b/x", {"key": "k", "secret": "s", "config_kwargs": {"read_timeout": 99},
                                    "client_kwargs": {"endpoint_url": _moto_endpoint}}, 6.0)
