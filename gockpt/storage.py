@@ -201,14 +201,30 @@ def latest_checkpoint(
         CheckpointCorruptError: the pointer file is not a valid pointer (not a regular file,
             over 16 MiB, not JSON, wrong fields). A complete checkpoint named ``latest`` is
             not taken for one: the entries are scanned.
-        CheckpointStorageError: reading the pointer failed in the store (a
-            :class:`CheckpointTimeoutError` where it timed out: on a store that may hang, not
+        CheckpointStorageError: reading the pointer or listing the directory failed in the
+            store (a :class:`CheckpointTimeoutError` where it timed out: on a store that may hang, not
             local and not S3, each call of the lookup, a scan of the manifests included, is
             waited for at most ``timeout_s`` seconds): not a verdict on the pointer.
     """
     fs, parent = url_to_fs(directory, storage_options, timeout_s)
     fs = bounded_fs(fs, timeout_s)
-    return _timeout_named(directory, "finding the newest checkpoint in", lambda: _latest(fs, directory, parent))
+    what = "finding the newest checkpoint in"
+    try:
+        return _timeout_named(directory, what, lambda: _latest(fs, directory, parent))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        # The store's own errors (a failed LIST of the scan: botocore's, or s3fs's OSError)
+        # as GoCkpt's, naming the directory.
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise
+        if isinstance(e, OSError) or type(e).__module__.partition(".")[0] in _STORE_MODULES:
+            raise storage_error(e, directory, directory, action=what) from e
+        raise
+
+
+#: Packages whose exceptions are an object store's failures (raised through s3fs).
+_STORE_MODULES = frozenset({"botocore", "aiobotocore", "aiohttp"})
 
 
 def _latest(fs: Any, directory: str, parent: str) -> str | None:

@@ -260,6 +260,19 @@ def test_s3_a_late_manifest_put_never_replaces_a_newer_save(s3, make_request, la
     assert_loads_as(store.path("ckpt"), three, 3, store.storage_options)
 
 
+@pytest.mark.parametrize("action", ["500", "reset", "hang"])
+def test_s3_a_failed_listing_in_latest_checkpoint_is_named(s3, make_request, action):
+    """Without a ``latest`` pointer (the adapters' default) the newest checkpoint is found by
+    listing the folder: a failed LIST is GoCkpt's storage error naming the folder, in bound."""
+    store, proxy, _ = s3
+    save_previous(store, make_request)
+    proxy.rule = lambda method, path: action if method == "GET" and "list-type" in path else None
+    want = CheckpointTimeoutError if action == "hang" else CheckpointStorageError
+    with pytest.raises(want, match="finding the newest checkpoint in") as info:
+        latest_checkpoint(store.root + "/none", store.storage_options, timeout_s=3.0)
+    assert store.root in str(info.value)
+
+
 def test_s3_options_the_user_sets_win(_moto_endpoint):
     fs, _ = url_to_fs("s3://b/x", {"key": "k", "secret": "s", "config_kwargs": {"read_timeout": 99},
                                    "client_kwargs": {"endpoint_url": _moto_endpoint}}, 6.0)
