@@ -8,8 +8,9 @@ names those files; what no framework owns is here. Call sequence of one save:
 1. (training thread, at the request, writing process) :meth:`StagingFolders.make` makes a
    staging folder beside the checkpoint folder (``.0-<name>.gockpt-tmp-<pid>-<hex>``: loaders
    that order folders by the first run of digits in a name, as Accelerate's does, sort a
-   leftover of a killed process first and never pick it), cleaning what dead processes left
-   in that parent once; the other processes learn the folder (:mod:`gockpt.replicated`).
+   leftover of a killed process with ``0``, before every checkpoint but ``checkpoint_0``, which
+   it ties with), cleaning what dead processes left in that parent once (the plugin's own
+   loader skips it); the other processes learn the folder (:mod:`gockpt.replicated`).
 2. (engine's io threads) the model's tensors are written zero-copy from the host snapshot,
    each tied weight once (:func:`stored_once`).
 3. (persist thread) the framework's other files, and the sidecar ``gockpt.json``
@@ -154,7 +155,8 @@ class StagingFolders:
         if parent not in self._cleaned:
             cleanup_staging(parent)
             self._cleaned.add(parent)
-        # "0-": a loader ordering by the first digits in a name sorts a leftover first.
+        # "0-": a loader ordering by the first digits in a name sorts a leftover with 0 (first,
+        # or tied with checkpoint_0).
         staging = scratch_path(parent, f"0-{os.path.basename(final)}")
         os.mkdir(staging)
         return staging
