@@ -23,6 +23,7 @@ import re
 import shutil
 import stat
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import monotonic
@@ -339,6 +340,26 @@ def _conditional_puts(fs: AbstractFileSystem) -> bool:
     return bool({"s3", "s3a"} & set(protocol))
 
 
+#: Filesystems whose store refused a conditional put: their manifests go without conditions.
+_UNCONDITIONAL: "weakref.WeakSet[AbstractFileSystem]" = weakref.WeakSet()
+
+
+def _conditions_refused(e: BaseException | None) -> bool:
+    """Whether ``e`` says the store (or an older botocore) does not take a put's conditions:
+    ``501 NotImplemented`` (S3 before 2024, S3-compatible stores), botocore's parameter
+    validation of ``IfMatch``."""
+    while e is not None:
+        if type(e).__name__ == "ParamValidationError" and ("IfMatch" in str(e) or "IfNoneMatch" in str(e)):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (
+                response.get("Error", {}).get("Code") == "NotImplemented"
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _precondition_failed(e: BaseException | None) -> bool:
     """Whether ``e`` (or what it was raised from) is S3's answer that a put's condition
     failed (``412 PreconditionFailed``)."""
@@ -473,7 +494,7 @@ class ObjectTarget(StorageTarget):
                 (another write of this checkpoint landed): nothing of this save is published.
         """
         cond: dict[str, str] = {}
-        if _conditional_puts(self.fs):
+        if _conditional_puts(self.fs) and self.fs not in _UNCONDITIONAL:
             # Read before the files it names: a change between the two fails the put below.
             etag = self._call(f"check of {self.manifest_path}", self._manifest_etag)
             cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
@@ -483,11 +504,27 @@ class ObjectTarget(StorageTarget):
                        functools.partial(self.fs.pipe_file, self.manifest_path, manifest, **cond))
         except BaseException as e:
             if cond and _precondition_failed(e):
-                if self._call(f"read of {self.manifest_path}", self._holds, manifest):
+                held = self._call(f"read of {self.manifest_path}", self._holds, manifest)
+                if held:
                     return  # a try of this put landed before the one that answered
-                # Every try carries the condition, which no longer holds: none can land.
-                raise OSError(errno.EBUSY, "the manifest changed while this save published it "
-                              "(another write of this checkpoint landed first); not published") from e
+                if held is False:
+                    # Every try carries the condition, which no longer holds: none can land.
+                    raise OSError(errno.EBUSY, "the manifest changed while this save published "
+                                  "it (another write of this checkpoint landed first); not "
+                                  "published") from e
+                # Not read back: a try of it may have landed; its files stay (below).
+            elif cond and _conditions_refused(e):
+                _UNCONDITIONAL.add(self.fs)
+                log.warning("gockpt: %s: the object store refused a conditional put (%s); "
+                            "manifests go without If-Match from now on, so a late try of an "
+                            "earlier save's put can land over a later save", self.root, e)
+                try:
+                    self._call(f"put of {self.manifest_path}", self.fs.pipe_file,
+                               self.manifest_path, manifest)
+                    return
+                except BaseException:
+                    self.publish_in_flight = True
+                    raise
             # Whatever the last error says, an earlier try of the same put (s3fs and botocore
             # retry it) may have reached the store and land later, naming this save's files,
             # which must then stay: they are kept (a few objects leaked at worst).
@@ -502,13 +539,15 @@ class ObjectTarget(StorageTarget):
         except FileNotFoundError:
             return None
 
-    def _holds(self, manifest: bytes) -> bool:
-        """Whether the manifest at the root is ``manifest``."""
+    def _holds(self, manifest: bytes) -> bool | None:
+        """Whether the manifest at the root is ``manifest`` (None: it could not be read)."""
         try:
             return storage.read_bounded(self.fs, self.manifest_path,
                                         max_bytes=storage.MAX_METADATA_BYTES) == manifest
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return False
+        except Exception:  # noqa: BLE001 - unknown: the caller keeps the files
+            return None
 
     def cleanup(self, published: bool) -> None:
         try:

@@ -5,6 +5,8 @@ upstream (a moto server) unless :attr:`FaultProxy.rule` says otherwise for it:
 
 - ``"500"``: answer ``500 InternalError``;
 - ``"503"``: answer ``503 SlowDown`` (S3's throttling reply);
+- ``"501"``: answer ``501 NotImplemented`` (a store without a feature the request asks for,
+  such as conditional writes);
 - ``"reset"``: drop the connection with a TCP reset, without answering;
 - ``"hang"``: never answer (until :meth:`FaultProxy.close`), as a stalled endpoint does.
 - ``"late"``: forward the request only after :attr:`FaultProxy.late_s` seconds: it lands on
@@ -38,7 +40,8 @@ class Request:
 
 
 class FaultProxy:
-    """See the module doc. Attributes: ``rule(method, path) -> action | None``, ``requests``."""
+    """See the module doc. Attributes: ``rule(method, path) -> action | None`` (a rule with an
+    attribute ``headers = True`` is called with the request's headers too), ``requests``."""
 
     def __init__(self, upstream: str) -> None:
         parts = urlsplit(upstream)
@@ -63,9 +66,15 @@ class FaultProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def decide(self, method: str, path: str) -> str | None:
+    def decide(self, method: str, path: str, headers: object = None) -> str | None:
         with self._lock:
-            action = self.rule(method, path) if self.rule is not None else None
+            rule = self.rule
+            if rule is None:
+                action = None
+            elif getattr(rule, "headers", False):
+                action = rule(method, path, headers)  # type: ignore[call-arg]
+            else:
+                action = rule(method, path)
             self.requests.append(Request(method, path, action))
             return action
 
@@ -114,7 +123,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         body = self._body()
-        action = self.owner.decide(self.command, self.path)
+        action = self.owner.decide(self.command, self.path, self.headers)
+        if action == "501":
+            self._error(501, "NotImplemented")
+            return
         if action == "500":
             self._error(500, "InternalError")
             return

@@ -260,6 +260,28 @@ def test_s3_a_late_manifest_put_never_replaces_a_newer_save(s3, make_request, la
     assert_loads_as(store.path("ckpt"), three, 3, store.storage_options)
 
 
+def test_s3_a_store_refusing_conditional_puts_still_takes_checkpoints(s3, make_request, caplog):
+    """An S3-compatible store without conditional writes answers ``501 NotImplemented`` to a
+    put with ``If-Match``/``If-None-Match``: the manifest goes without them (one warning), and
+    every save is published as before."""
+    store, proxy, _ = s3
+
+    def rule(method, path, headers):
+        conditional = "If-Match" in headers or "If-None-Match" in headers
+        return "501" if method == "PUT" and conditional else None
+
+    rule.headers = True
+    proxy.rule = rule
+    with caplog.at_level("WARNING", logger="gockpt"):
+        for step in (1, 2):
+            tensors = {"w": torch.full((8,), float(step))}
+            persist(make_request(store.path("ckpt"), tensors, step=step,
+                                 storage_options=store.storage_options))
+            assert_loads_as(store.path("ckpt"), tensors, step, store.storage_options)
+    assert proxy.count("501") >= 1
+    assert "refused a conditional put" in caplog.text
+
+
 @pytest.mark.parametrize("action", ["500", "reset", "hang"])
 def test_s3_a_failed_listing_in_latest_checkpoint_is_named(s3, make_request, action):
     """Without a ``latest`` pointer (the adapters' default) the newest checkpoint is found by
