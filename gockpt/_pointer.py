@@ -158,8 +158,10 @@ def read_pointer(fs: AbstractFileSystem, parent: str, *, strict: bool) -> dict |
     return {"name": name, "captured_step": step, "run": run}
 
 
-def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
-    """Replace ``latest`` atomically.
+def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict,
+                  conditions: dict[str, str] | None = None) -> None:
+    """Replace ``latest`` atomically; on an object store with ``conditions`` (S3's
+    ``IfMatch``/``IfNoneMatch``, :func:`gockpt.fsutil.put_conditions`) only over that pointer.
 
     Raises:
         CheckpointStorageError: naming the pointer file; the previous pointer is intact.
@@ -168,7 +170,7 @@ def write_pointer(fs: AbstractFileSystem, parent: str, pointer: dict) -> None:
     target = join(parent, LATEST_NAME)
     if not is_local(fs):
         try:
-            fs.pipe_file(target, data)
+            fs.pipe_file(target, data, **(conditions or {}))
         except Exception as e:
             raise storage_error(e, parent, target, action="updating 'latest' in") from e
         return

@@ -18,6 +18,7 @@ import shutil
 import stat
 import sys
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -452,3 +453,58 @@ def _is_timeout(e: BaseException | None) -> bool:
         e = e.__cause__ or e.__context__
         seen += 1
     return False
+
+
+def conditional_puts(fs: AbstractFileSystem) -> bool:
+    """Whether puts to ``fs`` take S3's conditions (``If-Match``, ``If-None-Match``): s3fs,
+    unless its store refused them once (:data:`UNCONDITIONAL`)."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return bool({"s3", "s3a"} & set(protocol)) and fs not in UNCONDITIONAL
+
+
+#: Filesystems whose store refused a conditional put: their manifests go without conditions.
+UNCONDITIONAL: "weakref.WeakSet[AbstractFileSystem]" = weakref.WeakSet()
+
+
+def conditions_refused(e: BaseException | None) -> bool:
+    """Whether ``e`` says the store (or an older botocore) does not take a put's conditions:
+    ``501 NotImplemented`` (S3 before 2024, S3-compatible stores), botocore's parameter
+    validation of ``IfMatch``."""
+    while e is not None:
+        if type(e).__name__ == "ParamValidationError" and ("IfMatch" in str(e) or "IfNoneMatch" in str(e)):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (
+                response.get("Error", {}).get("Code") == "NotImplemented"
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def precondition_failed(e: BaseException | None) -> bool:
+    """Whether ``e`` (or what it was raised from) is S3's answer that a put's condition
+    failed (``412 PreconditionFailed``)."""
+    while e is not None:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (
+                response.get("Error", {}).get("Code") == "PreconditionFailed"
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def current_etag(fs: AbstractFileSystem, path: str) -> str | None:
+    """The ETag of the object at ``path`` now, read from the store, not a cached listing
+    (None: there is none)."""
+    fs.invalidate_cache(path)
+    try:
+        return fs.info(path)["ETag"]
+    except FileNotFoundError:
+        return None
+
+
+def put_conditions(etag: str | None) -> dict[str, str]:
+    """The put arguments that make it land only over the object of ``etag`` (None: over none)."""
+    return {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}

@@ -322,46 +322,75 @@ def advance_latest(
     parent, name = split(root)
     what = "updating 'latest' in"
 
-    def bounded(fn: Callable[[], Any], serial: bool = False) -> Any:
-        return _bounded(fs, timeout_s, path, what, fn, serial=serial)
+    def bounded(fn: Callable[[], Any], serial: bool = False, scale: float = 1.0) -> Any:
+        return _bounded(fs, timeout_s, path, what, fn, serial=serial, scale=scale)
 
     with _pointer.LATEST_LOCK:  # looked up per call: a forked child replaces it
-        current = bounded(lambda: read_pointer(fs, parent, strict=False))
-        if (
-            current is not None
-            and current["name"] != name
-            and (current["run"], current["captured_step"]) > (run, captured_step)
-            and bounded(lambda: complete_manifest(fs, join(parent, current["name"]))) is not None
-        ):
+        # On S3 the pointer is put only over the one read here: a late try of an earlier
+        # put (its client gave up and retried) is refused rather than moving it back. Where
+        # the put finds it changed, what is there now is read and decided on again.
+        for _ in range(_POINTER_TRIES):
+            moved = _advance_once(fs, parent, name, path, int(captured_step), int(run), bounded)
+            if moved is not None:
+                return moved
+        raise CheckpointStorageError(
+            f"the 'latest' pointer in {parent!r} changed under every one of {_POINTER_TRIES} "
+            "conditional puts (another writer?); it names a complete checkpoint still",
+            path=path, file=join(parent, LATEST_NAME))
+
+
+#: Conditional puts of ``latest`` that may find it changed before one is given up.
+_POINTER_TRIES = 3
+
+
+def _advance_once(fs: Any, parent: str, name: str, path: str, captured_step: int, run: int,
+                  bounded: Callable[..., Any]) -> bool | None:
+    """One decision and put of :func:`advance_latest`; None: the pointer changed under a
+    conditional put (decide again)."""
+    conditional = fsutil.conditional_puts(fs)
+    target = join(parent, LATEST_NAME)
+    etag = bounded(lambda: fsutil.current_etag(fs, target)) if conditional else None
+    current = bounded(lambda: read_pointer(fs, parent, strict=False))
+    if (
+        current is not None
+        and current["name"] != name
+        and (current["run"], current["captured_step"]) > (run, captured_step)
+        and bounded(lambda: complete_manifest(fs, join(parent, current["name"]))) is not None
+    ):
+        return False
+    if current is None:
+        # No pointer (a first save here, or one removed after a failed write): a later
+        # checkpoint may be there all the same (a save of this run that ended first).
+        # Readers scan without a pointer, and find that one.
+        best = bounded(lambda: best_checkpoint(fs, parent, exclude=name), scale=4.0)
+        if best is not None and (best[2], best[1]) > (run, captured_step):
             return False
-        if current is None:
-            # No pointer (a first save here, or one removed after a failed write): a later
-            # checkpoint may be there all the same (a save of this run that ended first).
-            # Readers scan without a pointer, and find that one.
-            best = _bounded(fs, timeout_s, path, what, lambda: best_checkpoint(fs, parent, exclude=name),
-                            scale=4.0)
-            if best is not None and (best[2], best[1]) > (run, captured_step):
-                return False
+    pointer = {"name": name, "captured_step": captured_step, "run": run}
+    conditions = fsutil.put_conditions(etag) if conditional else None
+    try:
+        bounded(lambda: write_pointer(fs, parent, pointer, conditions), serial=True)
+    except CheckpointStorageError as e:
+        if conditions and fsutil.precondition_failed(e):
+            now = bounded(lambda: read_pointer(fs, parent, strict=False))
+            return True if now is not None and now["name"] == name else None
+        if conditions and fsutil.conditions_refused(e):
+            fsutil.UNCONDITIONAL.add(fs)
+            log.warning("gockpt: %s: the object store refused a conditional put of 'latest' "
+                        "(%s); it is put without a condition from now on", parent, e)
+            return None
+        if current is None or current["name"] == name:
+            raise
+        # The pointer still names an older checkpoint. Without it, latest_checkpoint
+        # scans the manifests and finds this newer one (unlinking needs no free space).
         try:
-            bounded(lambda: write_pointer(fs, parent, {"name": name,
-                                                       "captured_step": int(captured_step),
-                                                       "run": int(run)}),
-                    serial=True)
-        except CheckpointStorageError as e:
-            if current is None or current["name"] == name:
-                raise
-            # The pointer still names an older checkpoint. Without it, latest_checkpoint
-            # scans the manifests and finds this newer one (unlinking needs no free space).
-            pointer_path = join(parent, LATEST_NAME)
-            try:
-                bounded(lambda: remove_file(fs, pointer_path), serial=True)
-                state = "removed it; latest_checkpoint() finds the new checkpoint by scanning"
-            except Exception:  # noqa: BLE001 - the older pointer is still a valid checkpoint
-                state = f"it still names the older checkpoint {current['name']!r}"
-            raise CheckpointStorageError(
-                f"{e}; {state}", path=path, file=e.filename, errno=e.errno, strerror=e.strerror
-            ) from e.__cause__
-        return True
+            bounded(lambda: remove_file(fs, target), serial=True)
+            state = "removed it; latest_checkpoint() finds the new checkpoint by scanning"
+        except Exception:  # noqa: BLE001 - the older pointer is still a valid checkpoint
+            state = f"it still names the older checkpoint {current['name']!r}"
+        raise CheckpointStorageError(
+            f"{e}; {state}", path=path, file=e.filename, errno=e.errno, strerror=e.strerror
+        ) from e.__cause__
+    return True
 
 
 def remove_checkpoint(

@@ -23,7 +23,6 @@ import re
 import shutil
 import stat
 import uuid
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import monotonic
@@ -334,45 +333,6 @@ class LocalTarget(StorageTarget):
         self.lock = None
 
 
-def _conditional_puts(fs: AbstractFileSystem) -> bool:
-    """Whether puts to ``fs`` take S3's conditions (``If-Match``, ``If-None-Match``): s3fs."""
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return bool({"s3", "s3a"} & set(protocol))
-
-
-#: Filesystems whose store refused a conditional put: their manifests go without conditions.
-_UNCONDITIONAL: "weakref.WeakSet[AbstractFileSystem]" = weakref.WeakSet()
-
-
-def _conditions_refused(e: BaseException | None) -> bool:
-    """Whether ``e`` says the store (or an older botocore) does not take a put's conditions:
-    ``501 NotImplemented`` (S3 before 2024, S3-compatible stores), botocore's parameter
-    validation of ``IfMatch``."""
-    while e is not None:
-        if type(e).__name__ == "ParamValidationError" and ("IfMatch" in str(e) or "IfNoneMatch" in str(e)):
-            return True
-        response = getattr(e, "response", None)
-        if isinstance(response, dict) and (
-                response.get("Error", {}).get("Code") == "NotImplemented"
-                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _precondition_failed(e: BaseException | None) -> bool:
-    """Whether ``e`` (or what it was raised from) is S3's answer that a put's condition
-    failed (``412 PreconditionFailed``)."""
-    while e is not None:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict) and (
-                response.get("Error", {}).get("Code") == "PreconditionFailed"
-                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 class ObjectTarget(StorageTarget):
     """Files written in place under names unique to this save; the manifest put publishes.
 
@@ -494,16 +454,16 @@ class ObjectTarget(StorageTarget):
                 (another write of this checkpoint landed): nothing of this save is published.
         """
         cond: dict[str, str] = {}
-        if _conditional_puts(self.fs) and self.fs not in _UNCONDITIONAL:
+        if fsutil.conditional_puts(self.fs):
             # Read before the files it names: a change between the two fails the put below.
-            etag = self._call(f"check of {self.manifest_path}", self._manifest_etag)
-            cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+            cond = fsutil.put_conditions(self._call(f"check of {self.manifest_path}",
+                                                    fsutil.current_etag, self.fs, self.manifest_path))
         self.replaced = self._manifest_files() or set()
         try:
             self._call(f"put of {self.manifest_path}",
                        functools.partial(self.fs.pipe_file, self.manifest_path, manifest, **cond))
         except BaseException as e:
-            if cond and _precondition_failed(e):
+            if cond and fsutil.precondition_failed(e):
                 held = self._call(f"read of {self.manifest_path}", self._holds, manifest)
                 if held:
                     return  # a try of this put landed before the one that answered
@@ -513,8 +473,8 @@ class ObjectTarget(StorageTarget):
                                   "it (another write of this checkpoint landed first); not "
                                   "published") from e
                 # Not read back: a try of it may have landed; its files stay (below).
-            elif cond and _conditions_refused(e):
-                _UNCONDITIONAL.add(self.fs)
+            elif cond and fsutil.conditions_refused(e):
+                fsutil.UNCONDITIONAL.add(self.fs)
                 log.warning("gockpt: %s: the object store refused a conditional put (%s); "
                             "manifests go without If-Match from now on, so a late try of an "
                             "earlier save's put can land over a later save", self.root, e)
@@ -530,14 +490,6 @@ class ObjectTarget(StorageTarget):
             # which must then stay: they are kept (a few objects leaked at worst).
             self.publish_in_flight = True
             raise
-
-    def _manifest_etag(self) -> str | None:
-        """The ETag of the manifest at the root now, read from the store (None: none there)."""
-        self.fs.invalidate_cache(self.manifest_path)  # a listing's cached ETag may be stale
-        try:
-            return self.fs.info(self.manifest_path)["ETag"]
-        except FileNotFoundError:
-            return None
 
     def _holds(self, manifest: bytes) -> bool | None:
         """Whether the manifest at the root is ``manifest`` (None: it could not be read)."""

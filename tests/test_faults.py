@@ -260,6 +260,35 @@ def test_s3_a_late_manifest_put_never_replaces_a_newer_save(s3, make_request, la
     assert_loads_as(store.path("ckpt"), three, 3, store.storage_options)
 
 
+def test_s3_a_late_pointer_put_never_moves_latest_back(s3, make_request):
+    """The first try of step 2's ``latest`` put reaches S3 after its client gave up; the retry
+    moves the pointer, step 3 moves it on. The late try landing afterwards must not move it
+    back to step 2 (a resume would lose a checkpoint's progress)."""
+    store, proxy, _ = s3
+    tries = []
+
+    def rule(method, path):
+        if method == "PUT" and path.split("?")[0].endswith("/ckpts/latest"):
+            tries.append(path)
+            return "late" if len(tries) == 1 else None  # step 2's first try
+        return None
+
+    proxy.late_s = 6.0
+    for step in (1, 2, 3):
+        if step == 2:
+            proxy.rule = rule
+        req = make_request(store.path(f"step-{step}"), {"w": torch.full((8,), float(step))},
+                           step=step, storage_options=store.storage_options)
+        req.storage_timeout_s = 3.0
+        persist(req)
+    proxy.rule = None
+    deadline = time.monotonic() + 60
+    while proxy.landed_late < proxy.count("late") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proxy.landed_late == proxy.count("late") == 1
+    assert latest_checkpoint(store.root, store.storage_options) == store.path("step-3")
+
+
 def test_s3_a_store_refusing_conditional_puts_still_takes_checkpoints(s3, make_request, caplog):
     """An S3-compatible store without conditional writes answers ``501 NotImplemented`` to a
     put with ``If-Match``/``If-None-Match``: the manifest goes without them (one warning), and
