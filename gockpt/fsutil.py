@@ -508,3 +508,17 @@ def current_etag(fs: AbstractFileSystem, path: str) -> str | None:
 def put_conditions(etag: str | None) -> dict[str, str]:
     """The put arguments that make it land only over the object of ``etag`` (None: over none)."""
     return {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+
+
+def write_conflict(e: BaseException | None) -> bool:
+    """Whether ``e`` is S3's ``409 ConditionalRequestConflict``: a conditional put raced
+    another write of the same key (an earlier try of it, still in flight); what is there is
+    not settled yet, so the put's outcome is unknown."""
+    while e is not None:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (
+                response.get("Error", {}).get("Code") == "ConditionalRequestConflict"
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -25,6 +25,7 @@ the completeness and pointer machinery in ``gockpt._pointer``; this module is th
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -335,7 +336,8 @@ def advance_latest(
                 return moved
         raise CheckpointStorageError(
             f"the 'latest' pointer in {parent!r} changed under every one of {_POINTER_TRIES} "
-            "conditional puts (another writer?); it names a complete checkpoint still",
+            "conditional puts (another writer?); it was left as that writer left it "
+            "(latest_checkpoint() scans the manifests where it names no complete checkpoint)",
             path=path, file=join(parent, LATEST_NAME))
 
 
@@ -370,7 +372,10 @@ def _advance_once(fs: Any, parent: str, name: str, path: str, captured_step: int
     try:
         bounded(lambda: write_pointer(fs, parent, pointer, conditions), serial=True)
     except CheckpointStorageError as e:
-        if conditions and fsutil.precondition_failed(e):
+        # 412: changed since read; 409: a write of it in flight; 404 under If-Match: removed.
+        gone = conditions is not None and "IfMatch" in conditions and (
+            e.errno == errno.ENOENT or isinstance(e.__cause__, FileNotFoundError))
+        if conditions and (fsutil.precondition_failed(e) or fsutil.write_conflict(e) or gone):
             now = bounded(lambda: read_pointer(fs, parent, strict=False))
             return True if now is not None and now["name"] == name else None
         if conditions and fsutil.conditions_refused(e):

@@ -459,37 +459,49 @@ class ObjectTarget(StorageTarget):
             cond = fsutil.put_conditions(self._call(f"check of {self.manifest_path}",
                                                     fsutil.current_etag, self.fs, self.manifest_path))
         self.replaced = self._manifest_files() or set()
-        try:
-            self._call(f"put of {self.manifest_path}",
-                       functools.partial(self.fs.pipe_file, self.manifest_path, manifest, **cond))
-        except BaseException as e:
-            if cond and fsutil.precondition_failed(e):
-                held = self._call(f"read of {self.manifest_path}", self._holds, manifest)
-                if held:
-                    return  # a try of this put landed before the one that answered
-                if held is False:
-                    # Every try carries the condition, which no longer holds: none can land.
-                    raise OSError(errno.EBUSY, "the manifest changed while this save published "
-                                  "it (another write of this checkpoint landed first); not "
-                                  "published") from e
-                # Not read back: a try of it may have landed; its files stay (below).
-            elif cond and fsutil.conditions_refused(e):
-                fsutil.UNCONDITIONAL.add(self.fs)
-                log.warning("gockpt: %s: the object store refused a conditional put (%s); "
-                            "manifests go without If-Match from now on, so a late try of an "
-                            "earlier save's put can land over a later save", self.root, e)
-                try:
-                    self._call(f"put of {self.manifest_path}", self.fs.pipe_file,
-                               self.manifest_path, manifest)
-                    return
-                except BaseException:
-                    self.publish_in_flight = True
-                    raise
-            # Whatever the last error says, an earlier try of the same put (s3fs and botocore
-            # retry it) may have reached the store and land later, naming this save's files,
-            # which must then stay: they are kept (a few objects leaked at worst).
-            self.publish_in_flight = True
-            raise
+        put = functools.partial(self.fs.pipe_file, self.manifest_path, manifest, **cond)
+        error: BaseException | None = None
+        for _ in range(2):
+            try:
+                self._call(f"put of {self.manifest_path}", put)
+                return
+            except BaseException as e:  # noqa: BLE001 - handled below, then raised
+                error = e
+                # 409: the put raced another write of the key (an earlier try of this one
+                # still in flight); S3's advice is to put again: once, with the same condition.
+                if not (cond and fsutil.write_conflict(e)):
+                    break
+        assert error is not None
+        e = error
+        gone = "IfMatch" in cond and isinstance(e, FileNotFoundError)  # removed meanwhile
+        if cond and (fsutil.precondition_failed(e) or gone or fsutil.write_conflict(e)):
+            held = self._call(f"read of {self.manifest_path}", self._holds, manifest)
+            if held:
+                return  # a try of this put landed before the one that answered
+            if held is False and not fsutil.write_conflict(e):
+                # Every try carries the condition, which no longer holds: none can land.
+                raise OSError(errno.EBUSY, "the manifest changed while this save published "
+                              "it (another write of this checkpoint landed first); not "
+                              "published") from e
+            # Not read back, or a try of it still in flight (409): it may land; its files
+            # stay (below).
+        elif cond and fsutil.conditions_refused(e):
+            fsutil.UNCONDITIONAL.add(self.fs)
+            log.warning("gockpt: %s: the object store refused a conditional put (%s); "
+                        "manifests go without If-Match from now on, so a late try of an "
+                        "earlier save's put can land over a later save", self.root, e)
+            try:
+                self._call(f"put of {self.manifest_path}", self.fs.pipe_file,
+                           self.manifest_path, manifest)
+                return
+            except BaseException:
+                self.publish_in_flight = True
+                raise
+        # Whatever the last error says, an earlier try of the same put (s3fs and botocore
+        # retry it) may have reached the store and land later, naming this save's files,
+        # which must then stay: they are kept (a few objects leaked at worst).
+        self.publish_in_flight = True
+        raise e
 
     def _holds(self, manifest: bytes) -> bool | None:
         """Whether the manifest at the root is ``manifest`` (None: it could not be read)."""

@@ -7,6 +7,8 @@ upstream (a moto server) unless :attr:`FaultProxy.rule` says otherwise for it:
 - ``"503"``: answer ``503 SlowDown`` (S3's throttling reply);
 - ``"501"``: answer ``501 NotImplemented`` (a store without a feature the request asks for,
   such as conditional writes);
+- ``"409"``: answer ``409 ConditionalRequestConflict`` (a conditional put racing another write
+  of the key); ``"404"``: answer ``404 NoSuchKey`` (the object a put's ``If-Match`` names is gone);
 - ``"reset"``: drop the connection with a TCP reset, without answering;
 - ``"hang"``: never answer (until :meth:`FaultProxy.close`), as a stalled endpoint does.
 - ``"late"``: forward the request only after :attr:`FaultProxy.late_s` seconds: it lands on
@@ -126,6 +128,12 @@ class _Handler(BaseHTTPRequestHandler):
         action = self.owner.decide(self.command, self.path, self.headers)
         if action == "501":
             self._error(501, "NotImplemented")
+            return
+        if action == "409":
+            self._error(409, "ConditionalRequestConflict")
+            return
+        if action == "404":
+            self._error(404, "NoSuchKey")
             return
         if action == "500":
             self._error(500, "InternalError")

@@ -289,6 +289,39 @@ def test_s3_a_late_pointer_put_never_moves_latest_back(s3, make_request):
     assert latest_checkpoint(store.root, store.storage_options) == store.path("step-3")
 
 
+def test_s3_conditional_puts_answered_409_or_404_are_put_again(s3, make_request):
+    """S3 answers a conditional put that races another write of its key with ``409
+    ConditionalRequestConflict`` (botocore does not retry it), and one whose ``If-Match`` object
+    is gone with ``404``: the manifest is put once more, the pointer decided again; every save
+    is published and ``latest`` names the newest."""
+    store, proxy, _ = s3
+    first = {}
+
+    def rule(method, path, headers):
+        conditional = "If-Match" in headers or "If-None-Match" in headers
+        key = path.split("?")[0]
+        if method != "PUT" or not conditional:
+            return None
+        if key.endswith("/step-2/manifest.json") and not first.get("manifest"):
+            first["manifest"] = True
+            return "409"
+        if key.endswith("/ckpts/latest") and "If-Match" in headers and not first.get("pointer"):
+            first["pointer"] = True  # step 2's move of the pointer step 1 put
+            return "404"
+        return None
+
+    rule.headers = True
+    proxy.rule = rule
+    for step in (1, 2, 3):
+        tensors = {"w": torch.full((8,), float(step))}
+        result = persist(make_request(store.path(f"step-{step}"), tensors, step=step,
+                                      storage_options=store.storage_options))
+        assert result.published and result.latest_error is None, result.latest_error
+        assert_loads_as(store.path(f"step-{step}"), tensors, step, store.storage_options)
+    assert proxy.count("409") == 1 and proxy.count("404") == 1
+    assert latest_checkpoint(store.root, store.storage_options) == store.path("step-3")
+
+
 def test_s3_a_store_refusing_conditional_puts_still_takes_checkpoints(s3, make_request, caplog):
     """An S3-compatible store without conditional writes answers ``501 NotImplemented`` to a
     put with ``If-Match``/``If-None-Match``: the manifest goes without them (one warning), and
