@@ -19,7 +19,7 @@ import stat
 import sys
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -463,36 +463,7 @@ def conditional_puts(fs: AbstractFileSystem) -> bool:
 
 
 #: Filesystems whose store refused a conditional put: their manifests go without conditions.
-UNCONDITIONAL: "weakref.WeakSet[AbstractFileSystem]" = weakref.WeakSet()
-
-
-def conditions_refused(e: BaseException | None) -> bool:
-    """Whether ``e`` says the store (or an older botocore) does not take a put's conditions:
-    ``501 NotImplemented`` (S3 before 2024, S3-compatible stores), botocore's parameter
-    validation of ``IfMatch``."""
-    while e is not None:
-        if type(e).__name__ == "ParamValidationError" and ("IfMatch" in str(e) or "IfNoneMatch" in str(e)):
-            return True
-        response = getattr(e, "response", None)
-        if isinstance(response, dict) and (
-                response.get("Error", {}).get("Code") == "NotImplemented"
-                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def precondition_failed(e: BaseException | None) -> bool:
-    """Whether ``e`` (or what it was raised from) is S3's answer that a put's condition
-    failed (``412 PreconditionFailed``)."""
-    while e is not None:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict) and (
-                response.get("Error", {}).get("Code") == "PreconditionFailed"
-                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+UNCONDITIONAL: weakref.WeakSet[AbstractFileSystem] = weakref.WeakSet()
 
 
 def current_etag(fs: AbstractFileSystem, path: str) -> str | None:
@@ -510,15 +481,41 @@ def put_conditions(etag: str | None) -> dict[str, str]:
     return {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
 
 
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """``e`` and what it was raised from or during (s3fs raises its own error from botocore's)."""
+    seen = 0
+    while e is not None and seen < 20:
+        yield e
+        e = e.__cause__ or e.__context__
+        seen += 1
+
+
+def _answered(e: BaseException | None, code: str, status: int) -> bool:
+    """Whether the store answered the request of ``e`` with error ``code`` or HTTP ``status``."""
+    for x in _chain(e):
+        response = getattr(x, "response", None)
+        if isinstance(response, dict) and (response.get("Error", {}).get("Code") == code
+                                           or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == status):
+            return True
+    return False
+
+
+def precondition_failed(e: BaseException | None) -> bool:
+    """Whether ``e`` is S3's answer that a put's condition failed (``412 PreconditionFailed``)."""
+    return _answered(e, "PreconditionFailed", 412)
+
+
 def write_conflict(e: BaseException | None) -> bool:
     """Whether ``e`` is S3's ``409 ConditionalRequestConflict``: a conditional put raced
     another write of the same key (an earlier try of it, still in flight); what is there is
     not settled yet, so the put's outcome is unknown."""
-    while e is not None:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict) and (
-                response.get("Error", {}).get("Code") == "ConditionalRequestConflict"
-                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return _answered(e, "ConditionalRequestConflict", 409)
+
+
+def conditions_refused(e: BaseException | None) -> bool:
+    """Whether ``e`` says the store (or an older botocore) does not take a put's conditions:
+    ``501 NotImplemented`` (S3 before 2024, S3-compatible stores), botocore's parameter
+    validation of ``IfMatch``/``IfNoneMatch``."""
+    return _answered(e, "NotImplemented", 501) or any(
+        type(x).__name__ == "ParamValidationError" and ("IfMatch" in str(x) or "IfNoneMatch" in str(x))
+        for x in _chain(e))

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+#: Error actions: the S3 error code each answers with (its HTTP status is the action).
+_ERRORS = {"500": "InternalError", "503": "SlowDown", "501": "NotImplemented",
+           "409": "ConditionalRequestConflict", "404": "NoSuchKey"}
+
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
 
 
@@ -126,20 +130,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         body = self._body()
         action = self.owner.decide(self.command, self.path, self.headers)
-        if action == "501":
-            self._error(501, "NotImplemented")
-            return
-        if action == "409":
-            self._error(409, "ConditionalRequestConflict")
-            return
-        if action == "404":
-            self._error(404, "NoSuchKey")
-            return
-        if action == "500":
-            self._error(500, "InternalError")
-            return
-        if action == "503":
-            self._error(503, "SlowDown")
+        if action in _ERRORS:
+            self._error(int(action), _ERRORS[action])
             return
         if action == "reset":
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -231,7 +231,7 @@ def test_s3_a_late_manifest_put_never_replaces_a_newer_save(s3, make_request, la
     checkpoint torn, though every save had succeeded; or brought back step 2)."""
     store, proxy, client = s3
     save_previous(store, make_request)
-    proxy.late_s = 6.0
+    proxy.late_s = 10.0  # well past the retries: each try waits 2 s (a third of 6 s)
     tries = []
 
     def rule(method, path):
@@ -244,7 +244,7 @@ def test_s3_a_late_manifest_put_never_replaces_a_newer_save(s3, make_request, la
     proxy.rule = rule
     two = make_request(store.path("ckpt"), {"w": torch.full((64,), 2.0)}, step=2,
                        storage_options=store.storage_options)
-    two.storage_timeout_s = 3.0
+    two.storage_timeout_s = 6.0  # room for a slow retry on a loaded machine
     if late == "first try":
         persist(two)
     else:
@@ -273,13 +273,13 @@ def test_s3_a_late_pointer_put_never_moves_latest_back(s3, make_request):
             return "late" if len(tries) == 1 else None  # step 2's first try
         return None
 
-    proxy.late_s = 6.0
+    proxy.late_s = 10.0
     for step in (1, 2, 3):
         if step == 2:
             proxy.rule = rule
         req = make_request(store.path(f"step-{step}"), {"w": torch.full((8,), float(step))},
                            step=step, storage_options=store.storage_options)
-        req.storage_timeout_s = 3.0
+        req.storage_timeout_s = 6.0
         persist(req)
     proxy.rule = None
     deadline = time.monotonic() + 60
