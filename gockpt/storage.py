@@ -439,7 +439,10 @@ def remove_checkpoint(
             # A scan reads one manifest per entry: a few bounds' worth.
             best = bounded(lambda: best_checkpoint(fs, parent, exclude=name), scale=4.0)
             try:
-                if best is None:
+                # On S3 the pointer is deleted, not moved back: a late try of a put naming the
+                # older checkpoint could land over a later save's pointer, where a late delete
+                # only makes readers scan (and the next save puts it anew).
+                if best is None or fsutil.conditional_puts(fs):
                     bounded(lambda: remove_file(fs, join(parent, LATEST_NAME)), serial=True)
                 else:
                     bounded(lambda: write_pointer(fs, parent, {"name": best[0],

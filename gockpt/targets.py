@@ -483,8 +483,15 @@ class ObjectTarget(StorageTarget):
                 raise OSError(errno.EBUSY, "the manifest changed while this save published "
                               "it (another write of this checkpoint landed first); not "
                               "published") from e
-            # Not read back, or a try of it still in flight (409): it may land; its files
-            # stay (below).
+            if held is None:
+                # Refused (412) or conflicting, and not read back: an earlier try may have
+                # published it. Its files stay; the error says so.
+                self.publish_in_flight = True
+                raise OSError(errno.EIO, "the outcome of the manifest put is unknown: a try of "
+                              f"it was refused ({type(e).__name__}: {e}) and the manifest could "
+                              "not be read back to tell whether an earlier try published this "
+                              "checkpoint; it may be published") from e
+            # A try of it still in flight (409): it may land; its files stay (below).
         elif cond and fsutil.conditions_refused(e):
             fsutil.UNCONDITIONAL.add(self.fs)
             log.warning("gockpt: %s: the object store refused a conditional put (%s); "

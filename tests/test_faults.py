@@ -322,6 +322,25 @@ def test_s3_conditional_puts_answered_409_or_404_are_put_again(s3, make_request)
     assert latest_checkpoint(store.root, store.storage_options) == store.path("step-3")
 
 
+def test_s3_removing_the_checkpoint_latest_names_deletes_the_pointer(s3, make_request):
+    """On S3 the pointer is not put back to an older checkpoint (a late try of that put could
+    land over a later save's pointer): it is deleted, and readers scan."""
+    from gockpt.storage import remove_checkpoint
+
+    store, _, client = s3
+    for step in (1, 2):
+        persist(make_request(store.path(f"s{step}"), {"w": torch.full((8,), float(step))}, step=step,
+                             storage_options=store.storage_options))
+    remove_checkpoint(store.path("s2"), store.storage_options)
+    keys, _ = bucket_state(store, client)
+    assert not any(k.endswith("/latest") for k in keys) and not any("/s2/" in k for k in keys)
+    assert latest_checkpoint(store.root, store.storage_options) == store.path("s1")
+    persist(make_request(store.path("s3"), {"w": torch.full((8,), 3.0)}, step=3,
+                         storage_options=store.storage_options))
+    assert latest_checkpoint(store.root, store.storage_options) == store.path("s3")
+    assert any(k.endswith("/latest") for k in bucket_state(store, client)[0])
+
+
 def test_s3_a_store_refusing_conditional_puts_still_takes_checkpoints(s3, make_request, caplog):
     """An S3-compatible store without conditional writes answers ``501 NotImplemented`` to a
     put with ``If-Match``/``If-None-Match``: the manifest goes without them (one warning), and
